@@ -1,0 +1,360 @@
+//! The content-addressed blob store.
+//!
+//! # Layout in the backend
+//! | key | what |
+//! | --- | --- |
+//! | `blobs/<d[0..2]>/<d>` | the blob whose blake3 digest is `d` (64 lowercase hex) |
+//! | `blobs/<d[0..2]>/<d>.<suffix>` | a sidecar of blob `d` (for example its chunk table); it lives and dies with the blob |
+//! | `leases/<d>` | a note that blob `d` was (re)announced by a push; protects it from gc for the grace period |
+//!
+//! # Invariants
+//! - A blob is immutable: its key is its digest. Putting a digest that exists uploads nothing
+//!   (it only refreshes the blob's lease, see [`crate::gc`]).
+//! - Nothing unverified is stored: bytes are hashed while they are uploaded, and an upload whose
+//!   bytes do not hash to the digest announced for them (a file that changed under us) is
+//!   aborted, leaving no object.
+//! - Whole-blob reads are verified against the digest. Ranged reads are verified per chunk by
+//!   the chunk cache, which owns the chunk tables.
+
+use std::fmt;
+use std::ops::Range;
+use std::path::Path;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+
+use crate::backend::{file_stream, Backend, ObjectMeta, PutMode};
+use crate::error::{Error, Result};
+
+/// A blake3 digest: the name of a blob.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Digest(pub [u8; 32]);
+
+impl Digest {
+    /// The digest of `data`.
+    pub fn of(data: &[u8]) -> Self {
+        Digest(*blake3::hash(data).as_bytes())
+    }
+
+    /// Hash a whole file (memory-mapped, on all cores for large files).
+    pub fn of_file(path: &Path) -> Result<(Self, u64)> {
+        let mut hasher = blake3::Hasher::new();
+        hasher
+            .update_mmap_rayon(path)
+            .map_err(|e| Error::io("hash", path, e))?;
+        Ok((Digest(*hasher.finalize().as_bytes()), hasher.count()))
+    }
+
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+}
+
+impl fmt::Display for Digest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+impl fmt::Debug for Digest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Digest({})", self.to_hex())
+    }
+}
+
+impl FromStr for Digest {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        let ok = s.len() == 64 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+        if !ok {
+            return Err(Error::InvalidDigest(s.to_owned()));
+        }
+        let mut out = [0u8; 32];
+        hex::decode_to_slice(s, &mut out).map_err(|_| Error::InvalidDigest(s.to_owned()))?;
+        Ok(Digest(out))
+    }
+}
+
+impl Serialize for Digest {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_hex())
+    }
+}
+
+impl<'de> Deserialize<'de> for Digest {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// The outcome of a blob put.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PutBlob {
+    pub digest: Digest,
+    pub size: u64,
+    /// The blob was already stored; nothing was uploaded.
+    pub existed: bool,
+}
+
+/// A content-addressed store over any backend.
+#[derive(Clone, Debug)]
+pub struct Store {
+    backend: Arc<dyn Backend>,
+}
+
+/// The key of blob `d`.
+pub fn blob_key(d: &Digest) -> String {
+    let hex = d.to_hex();
+    format!("blobs/{}/{}", &hex[..2], hex)
+}
+
+/// The key of a sidecar object of blob `d` (`suffix` such as `chunks`).
+pub fn sidecar_key(d: &Digest, suffix: &str) -> String {
+    format!("{}.{}", blob_key(d), suffix)
+}
+
+/// The key of the lease of blob `d`.
+pub fn lease_key(d: &Digest) -> String {
+    format!("leases/{d}")
+}
+
+/// The blob a key under `blobs/` belongs to (itself or as a sidecar), if it is one.
+pub fn blob_of_key(key: &str) -> Option<Digest> {
+    let rest = key.strip_prefix("blobs/")?;
+    let (shard, name) = rest.split_once('/')?;
+    let hex = name.get(..64)?;
+    let tail = &name[64..];
+    if !(tail.is_empty() || tail.starts_with('.')) || !hex.starts_with(shard) || shard.len() != 2 {
+        return None;
+    }
+    hex.parse().ok()
+}
+
+impl Store {
+    pub fn new(backend: Arc<dyn Backend>) -> Self {
+        Self { backend }
+    }
+
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    /// Metadata of blob `d`, or `None` if it is not stored.
+    pub async fn stat_blob(&self, d: &Digest) -> Result<Option<ObjectMeta>> {
+        match self.backend.head(&blob_key(d)).await {
+            Ok(m) => Ok(Some(m)),
+            Err(e) if e.is_not_found() => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Refresh the lease of an existing blob (see [`crate::gc`]).
+    async fn renew_lease(&self, d: &Digest) -> Result<()> {
+        let note = format!(
+            "{{\"blob\":\"{d}\",\"renewed\":\"{}\"}}\n",
+            humantime::format_rfc3339_seconds(std::time::SystemTime::now())
+        );
+        self.backend.put(&lease_key(d), Bytes::from(note)).await?;
+        Ok(())
+    }
+
+    /// Store `data` under its digest (a no-op, bar the lease, if it is already stored).
+    pub async fn put_blob(&self, data: Bytes) -> Result<PutBlob> {
+        let digest = Digest::of(&data);
+        let size = data.len() as u64;
+        if self.stat_blob(&digest).await?.is_some() {
+            self.renew_lease(&digest).await?;
+            return Ok(PutBlob {
+                digest,
+                size,
+                existed: true,
+            });
+        }
+        self.backend.put(&blob_key(&digest), data).await?;
+        Ok(PutBlob {
+            digest,
+            size,
+            existed: false,
+        })
+    }
+
+    /// Store the file at `path` under its digest, streaming it. The file is hashed first (to
+    /// learn its name), then hashed again while it is uploaded; if the two differ the upload is
+    /// aborted and nothing is stored.
+    pub async fn put_blob_file(&self, path: &Path) -> Result<PutBlob> {
+        let owned = path.to_owned();
+        let (digest, size) = tokio::task::spawn_blocking(move || Digest::of_file(&owned))
+            .await
+            .map_err(|e| Error::io("hash", path, std::io::Error::other(e)))??;
+        if self.stat_blob(&digest).await?.is_some() {
+            self.renew_lease(&digest).await?;
+            return Ok(PutBlob {
+                digest,
+                size,
+                existed: true,
+            });
+        }
+        let hasher = Arc::new(Mutex::new(blake3::Hasher::new()));
+        let feed = hasher.clone();
+        let display = path.display().to_string();
+        let body = file_stream(path, 8 << 20)?
+            .map(move |item| {
+                if let Ok(buf) = &item {
+                    feed.lock().unwrap_or_else(|p| p.into_inner()).update(buf);
+                }
+                item
+            })
+            .chain(futures::stream::once(async move {
+                let h = hasher.lock().unwrap_or_else(|p| p.into_inner());
+                if h.count() == size && Digest(*h.finalize().as_bytes()) == digest {
+                    // An empty buffer ends the stream after a successful check.
+                    Ok(Bytes::new())
+                } else {
+                    Err(std::io::Error::other(format!(
+                        "{display} changed while it was uploaded"
+                    )))
+                }
+            }))
+            .boxed();
+        self.backend
+            .put_stream(&blob_key(&digest), body, PutMode::Overwrite)
+            .await?;
+        Ok(PutBlob {
+            digest,
+            size,
+            existed: false,
+        })
+    }
+
+    /// Read a whole blob and verify it against its digest.
+    pub async fn get_blob(&self, d: &Digest) -> Result<Bytes> {
+        let data = self.backend.get(&blob_key(d)).await?;
+        let actual = Digest::of(&data);
+        if actual != *d {
+            return Err(Error::DigestMismatch {
+                blob: d.to_hex(),
+                expected: d.to_hex(),
+                actual: actual.to_hex(),
+            });
+        }
+        Ok(data)
+    }
+
+    /// Stream blob `d` into `out` in ranged reads of `piece` bytes, verifying the digest at the
+    /// end. Memory stays bounded by `piece` whatever the blob's size. On a mismatch the caller
+    /// must discard what was written.
+    pub async fn read_blob_to(
+        &self,
+        d: &Digest,
+        out: &mut (dyn std::io::Write + Send),
+        piece: u64,
+    ) -> Result<u64> {
+        let key = blob_key(d);
+        let size = self.backend.head(&key).await?.size;
+        let mut hasher = blake3::Hasher::new();
+        let mut at = 0u64;
+        while at < size {
+            let end = (at + piece.max(1)).min(size);
+            let buf = self.backend.get_range(&key, at..end).await?;
+            if buf.len() as u64 != end - at {
+                return Err(Error::DigestMismatch {
+                    blob: d.to_hex(),
+                    expected: d.to_hex(),
+                    actual: format!("a short read ({} of {} bytes at {at})", buf.len(), end - at),
+                });
+            }
+            hasher.update(&buf);
+            out.write_all(&buf)
+                .map_err(|e| Error::io("write blob", d.to_hex(), e))?;
+            at = end;
+        }
+        let actual = Digest(*hasher.finalize().as_bytes());
+        if actual != *d {
+            return Err(Error::DigestMismatch {
+                blob: d.to_hex(),
+                expected: d.to_hex(),
+                actual: actual.to_hex(),
+            });
+        }
+        Ok(size)
+    }
+
+    /// Read a range of a blob *without* verifying it: for the chunk cache, which verifies
+    /// every chunk against the blob's chunk table.
+    pub async fn get_blob_range_unverified(&self, d: &Digest, range: Range<u64>) -> Result<Bytes> {
+        self.backend.get_range(&blob_key(d), range).await
+    }
+
+    /// Every stored blob (sidecars excluded).
+    pub async fn list_blobs(&self) -> Result<Vec<(Digest, ObjectMeta)>> {
+        Ok(self
+            .backend
+            .list("blobs/")
+            .await?
+            .into_iter()
+            .filter_map(|m| {
+                let d = blob_of_key(&m.key)?;
+                (m.key == blob_key(&d)).then_some((d, m))
+            })
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::MemoryBackend;
+
+    #[test]
+    fn digest_parsing() {
+        let d = Digest::of(b"hello");
+        assert_eq!(d.to_hex().parse::<Digest>().unwrap(), d);
+        for bad in ["", "xyz", &d.to_hex().to_uppercase(), &d.to_hex()[1..]] {
+            assert!(bad.parse::<Digest>().is_err(), "{bad}");
+        }
+        let key = blob_key(&d);
+        assert_eq!(blob_of_key(&key), Some(d));
+        assert_eq!(blob_of_key(&sidecar_key(&d, "chunks")), Some(d));
+        assert_eq!(blob_of_key(&format!("{key}x")), None);
+        assert_eq!(blob_of_key(&format!("blobs/zz/{d}")), None);
+        assert_eq!(blob_of_key("blobs/ab"), None);
+    }
+
+    #[tokio::test]
+    async fn put_is_idempotent_and_reads_verify() {
+        let mem = Arc::new(MemoryBackend::new());
+        let store = Store::new(mem.clone());
+        let a = store.put_blob(Bytes::from_static(b"abc")).await.unwrap();
+        assert!(!a.existed);
+        let b = store.put_blob(Bytes::from_static(b"abc")).await.unwrap();
+        assert!(b.existed);
+        assert_eq!(a.digest, b.digest);
+        assert_eq!(&store.get_blob(&a.digest).await.unwrap()[..], b"abc");
+        assert!(mem.head(&lease_key(&a.digest)).await.is_ok());
+
+        // Corrupt the stored bytes behind the store's back: the read must refuse them.
+        mem.put(&blob_key(&a.digest), Bytes::from_static(b"abd"))
+            .await
+            .unwrap();
+        let err = store.get_blob(&a.digest).await.unwrap_err();
+        assert!(matches!(err, Error::DigestMismatch { .. }), "{err}");
+    }
+
+    #[tokio::test]
+    async fn file_put_streams_and_verifies() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let data: Vec<u8> = (0..3_000_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        std::fs::write(&path, &data).unwrap();
+        let store = Store::new(Arc::new(MemoryBackend::new()));
+        let put = store.put_blob_file(&path).await.unwrap();
+        assert_eq!(put.digest, Digest::of(&data));
+        assert_eq!(put.size, data.len() as u64);
+        assert_eq!(store.get_blob(&put.digest).await.unwrap(), data);
+        assert_eq!(store.list_blobs().await.unwrap().len(), 1);
+    }
+}

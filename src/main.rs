@@ -1,0 +1,432 @@
+//! `strata`: the command-line front of Strata.
+//!
+//! Every command takes `--store URL` (default: `$STRATA_HOME/store`, with `STRATA_HOME`
+//! defaulting to `~/.local/share/strata`) and `--json` for machine-readable output.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use fs_cache::gc::{self, GcOptions};
+use fs_cache::{open_backend, Digest, LayerRef, Manifest, Store};
+use futures::{StreamExt, TryStreamExt};
+use serde::Serialize;
+
+#[derive(Parser, Debug)]
+#[command(name = "strata", version, about = "Layered, lazily served EROFS storage for agent sandboxes")]
+struct Cli {
+    /// Where blobs and layers live: a path, file:///path, or
+    /// s3://bucket/prefix?endpoint=http://host:port&region=REGION.
+    #[arg(long, global = true, env = "STRATA_STORE")]
+    store: Option<String>,
+    /// Machine-readable output (JSON) instead of tables.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Content-addressed blobs.
+    #[command(subcommand)]
+    Blob(BlobCmd),
+    /// Versioned layers (KIND/NAME:VERSION).
+    #[command(subcommand)]
+    Layer(LayerCmd),
+    /// Remove blobs that no layer references (never blobs younger than --grace).
+    Gc {
+        /// Keep unreferenced blobs uploaded or leased within this period (e.g. 1h, 30m).
+        #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
+        grace: Duration,
+        /// Report what would be removed without removing it.
+        #[arg(long)]
+        dry_run: bool,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum BlobCmd {
+    /// Store files (directories recursively) as blobs; print their digests.
+    Put {
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+        /// Read every blob back from the store and check it against its digest.
+        #[arg(long)]
+        verify: bool,
+        /// Uploads in flight.
+        #[arg(long, default_value_t = 4)]
+        jobs: usize,
+    },
+    /// Write a blob to a file (or stdout), verified against its digest.
+    Get {
+        digest: String,
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+    },
+    /// List stored blobs.
+    Ls,
+}
+
+#[derive(Subcommand, Debug)]
+enum LayerCmd {
+    /// List layers.
+    Ls,
+    /// Show a layer's manifest.
+    Inspect { layer: String },
+    /// Remove a layer version (its blobs stay until gc; the version cannot be reused for
+    /// different content).
+    Rm { layer: String },
+    /// Push a manifest (JSON) whose blobs are already stored.
+    Push { manifest: PathBuf },
+}
+
+fn default_store() -> Result<String> {
+    let home = match std::env::var_os("STRATA_HOME") {
+        Some(h) => PathBuf::from(h),
+        None => {
+            let home = std::env::var_os("HOME").context("neither STRATA_HOME nor HOME is set")?;
+            PathBuf::from(home).join(".local/share/strata")
+        }
+    };
+    Ok(home.join("store").to_string_lossy().into_owned())
+}
+
+fn print_json<T: Serialize>(v: &T) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    serde_json::to_writer_pretty(&mut out, v)?;
+    writeln!(out)?;
+    Ok(())
+}
+
+fn human(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+/// Regular files under `paths`, sorted, symlinks not followed.
+fn collect_files(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
+    fn walk(p: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
+        let md = std::fs::symlink_metadata(p).with_context(|| format!("stat {}", p.display()))?;
+        if md.is_file() {
+            out.push(p.to_owned());
+        } else if md.is_dir() {
+            let mut entries: Vec<_> = std::fs::read_dir(p)
+                .with_context(|| format!("read directory {}", p.display()))?
+                .map(|e| e.map(|e| e.path()))
+                .collect::<std::io::Result<_>>()
+                .with_context(|| format!("read directory {}", p.display()))?;
+            entries.sort();
+            for e in entries {
+                walk(&e, out)?;
+            }
+        }
+        Ok(())
+    }
+    let mut out = Vec::new();
+    for p in paths {
+        walk(p, &mut out)?;
+    }
+    Ok(out)
+}
+
+#[derive(Serialize)]
+struct PutEntry {
+    path: String,
+    digest: String,
+    size: u64,
+    existed: bool,
+}
+
+#[derive(Serialize)]
+struct PutSummary {
+    files: usize,
+    bytes: u64,
+    unique_blobs: usize,
+    uploaded_blobs: usize,
+    uploaded_bytes: u64,
+    seconds: f64,
+    verified: Option<usize>,
+    entries: Vec<PutEntry>,
+}
+
+async fn blob_put(store: &Store, paths: &[PathBuf], verify: bool, jobs: usize, json: bool) -> Result<()> {
+    let files = collect_files(paths)?;
+    let start = Instant::now();
+    let results: Vec<(PathBuf, fs_cache::PutBlob)> = futures::stream::iter(files)
+        .map(|f| async move {
+            let put = store
+                .put_blob_file(&f)
+                .await
+                .with_context(|| format!("store {}", f.display()))?;
+            Ok::<_, anyhow::Error>((f, put))
+        })
+        .buffered(jobs.max(1))
+        .try_collect()
+        .await?;
+    let seconds = start.elapsed().as_secs_f64();
+    let mut unique = std::collections::HashSet::new();
+    let (mut uploaded, mut uploaded_bytes, mut bytes) = (0, 0, 0);
+    for (_, p) in &results {
+        bytes += p.size;
+        if unique.insert(p.digest) && !p.existed {
+            uploaded += 1;
+            uploaded_bytes += p.size;
+        }
+    }
+    let verified = if verify {
+        let digests: Vec<Digest> = unique.iter().copied().collect();
+        let n = digests.len();
+        futures::stream::iter(digests)
+            .map(|d| async move {
+                store
+                    .read_blob_to(&d, &mut std::io::sink(), 8 << 20)
+                    .await
+                    .with_context(|| format!("verify blob {d}"))
+            })
+            .buffer_unordered(jobs.max(1))
+            .try_collect::<Vec<_>>()
+            .await?;
+        Some(n)
+    } else {
+        None
+    };
+    let summary = PutSummary {
+        files: results.len(),
+        bytes,
+        unique_blobs: unique.len(),
+        uploaded_blobs: uploaded,
+        uploaded_bytes,
+        seconds,
+        verified,
+        entries: results
+            .iter()
+            .map(|(f, p)| PutEntry {
+                path: f.display().to_string(),
+                digest: p.digest.to_hex(),
+                size: p.size,
+                existed: p.existed,
+            })
+            .collect(),
+    };
+    if json {
+        return print_json(&summary);
+    }
+    println!(
+        "stored {} files, {} in {} unique blobs ({} uploaded, {} new) in {:.2} s ({}/s) to {}",
+        summary.files,
+        human(bytes),
+        summary.unique_blobs,
+        uploaded,
+        human(uploaded_bytes),
+        seconds,
+        human((bytes as f64 / seconds.max(1e-9)) as u64),
+        store.backend()
+    );
+    if let Some(n) = verified {
+        println!("verified: read {n} blobs back from the store, every digest matches");
+    }
+    Ok(())
+}
+
+async fn blob_get(store: &Store, digest: &str, output: Option<&Path>) -> Result<()> {
+    let d: Digest = digest.parse()?;
+    match output {
+        None => {
+            let data = store.get_blob(&d).await?;
+            std::io::stdout().lock().write_all(&data)?;
+        }
+        Some(path) => {
+            let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+            let mut tmp = tempfile::NamedTempFile::new_in(dir)
+                .with_context(|| format!("create a temporary file in {}", dir.display()))?;
+            store.read_blob_to(&d, tmp.as_file_mut(), 8 << 20).await?;
+            tmp.as_file().sync_all()?;
+            tmp.persist(path)
+                .with_context(|| format!("write {}", path.display()))?;
+        }
+    }
+    Ok(())
+}
+
+#[derive(Serialize)]
+struct LayerRow {
+    layer: String,
+    blobs: usize,
+    size: u64,
+    created: String,
+    source: String,
+}
+
+async fn run(cli: Cli) -> Result<()> {
+    let url = match cli.store {
+        Some(s) => s,
+        None => default_store()?,
+    };
+    let backend = open_backend(&url).await?;
+    let store = Store::new(backend);
+    match cli.command {
+        Command::Blob(BlobCmd::Put { paths, verify, jobs }) => {
+            blob_put(&store, &paths, verify, jobs, cli.json).await?
+        }
+        Command::Blob(BlobCmd::Get { digest, output }) => {
+            blob_get(&store, &digest, output.as_deref()).await?
+        }
+        Command::Blob(BlobCmd::Ls) => {
+            let blobs = store.list_blobs().await?;
+            if cli.json {
+                #[derive(Serialize)]
+                struct Row {
+                    digest: String,
+                    size: u64,
+                }
+                let rows: Vec<Row> = blobs
+                    .iter()
+                    .map(|(d, m)| Row {
+                        digest: d.to_hex(),
+                        size: m.size,
+                    })
+                    .collect();
+                print_json(&rows)?;
+            } else {
+                for (d, m) in &blobs {
+                    println!("{d}  {:>10}", human(m.size));
+                }
+            }
+        }
+        Command::Layer(LayerCmd::Ls) => {
+            let rows: Vec<LayerRow> = store
+                .list_manifests()
+                .await?
+                .into_iter()
+                .map(|m| LayerRow {
+                    layer: m.layer.to_string(),
+                    blobs: m.all_blobs().count(),
+                    size: m.total_size(),
+                    created: m.created,
+                    source: m.source,
+                })
+                .collect();
+            if cli.json {
+                print_json(&rows)?;
+            } else {
+                println!("{:<40} {:>6} {:>10}  {:<20}  SOURCE", "LAYER", "BLOBS", "SIZE", "CREATED");
+                for r in rows {
+                    println!(
+                        "{:<40} {:>6} {:>10}  {:<20}  {}",
+                        r.layer,
+                        r.blobs,
+                        human(r.size),
+                        r.created,
+                        r.source
+                    );
+                }
+            }
+        }
+        Command::Layer(LayerCmd::Inspect { layer }) => {
+            let r: LayerRef = layer.parse()?;
+            let m = store.manifest(&r).await?;
+            if cli.json {
+                print_json(&m)?;
+            } else {
+                println!("layer:    {}", m.layer);
+                println!("created:  {} by {}", m.created, m.builder);
+                println!("source:   {}", m.source);
+                if let Some(meta) = &m.meta {
+                    println!("meta:     {} {}", meta.digest, human(meta.size));
+                }
+                for b in &m.blobs {
+                    println!("blob:     {} {}", b.digest, human(b.size));
+                }
+                for p in &m.parents {
+                    println!("parent:   {p}");
+                }
+                println!("total:    {}", human(m.total_size()));
+            }
+        }
+        Command::Layer(LayerCmd::Rm { layer }) => {
+            let r: LayerRef = layer.parse()?;
+            let m = store.remove_layer(&r).await?;
+            if cli.json {
+                print_json(&m)?;
+            } else {
+                println!("removed {r} ({} blobs stay until gc)", m.all_blobs().count());
+            }
+        }
+        Command::Layer(LayerCmd::Push { manifest }) => {
+            let bytes = std::fs::read(&manifest)
+                .with_context(|| format!("read {}", manifest.display()))?;
+            #[derive(serde::Deserialize)]
+            struct Named {
+                layer: String,
+            }
+            let named: Named = serde_json::from_slice(&bytes)
+                .with_context(|| format!("{} is not a layer manifest", manifest.display()))?;
+            let r: LayerRef = named.layer.parse()?;
+            let m = Manifest::parse(&r, &bytes)?;
+            let outcome = store.push_manifest(&m).await?;
+            if cli.json {
+                print_json(&serde_json::json!({"layer": r.to_string(), "outcome": format!("{outcome:?}").to_lowercase()}))?;
+            } else {
+                println!("{r}: {outcome:?}");
+            }
+        }
+        Command::Gc { grace, dry_run } => {
+            let report = gc::collect(&store, GcOptions { grace, dry_run }).await?;
+            if cli.json {
+                print_json(&report)?;
+            } else {
+                println!(
+                    "{} layers, {} blobs: {} referenced, {} kept as recent, {} {} ({} objects, {}); {} expired leases",
+                    report.manifests,
+                    report.blobs,
+                    report.referenced,
+                    report.kept_recent,
+                    report.removed.len(),
+                    if dry_run { "would be removed" } else { "removed" },
+                    report.removed_objects,
+                    human(report.removed_bytes),
+                    report.expired_leases,
+                );
+                for k in &report.unrecognised {
+                    println!("left alone (not a blob key): {k}");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("STRATA_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("strata: cannot start the async runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    if let Err(e) = runtime.block_on(run(cli)) {
+        eprintln!("strata: {e:#}");
+        std::process::exit(1);
+    }
+}
