@@ -35,8 +35,8 @@
 
 use std::collections::VecDeque;
 use std::fmt;
+use std::future::Future;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -61,7 +61,7 @@ use futures::StreamExt;
 
 use super::retry::{RetryContext, RetryPolicy};
 use super::{clamp_range, validate_key, validate_prefix, Backend, ByteStream, ObjectMeta, PutMode};
-use crate::error::{Error, Result};
+use crate::error::{BoxError, Error, Result};
 
 /// The smallest part S3 accepts for every part of a multipart upload but the last.
 pub const MIN_PART_SIZE: usize = 5 << 20;
@@ -70,23 +70,11 @@ pub const DEFAULT_PART_SIZE: usize = 8 << 20;
 /// The most parts one multipart upload may have.
 const MAX_PARTS: i32 = 10_000;
 
-/// Error codes that mean "try again later".
-const TRANSIENT_CODES: &[&str] = &[
-    "SlowDown",
-    "Throttling",
-    "ThrottlingException",
-    "ThrottledException",
-    "RequestThrottled",
-    "RequestThrottledException",
-    "TooManyRequestsException",
-    "RequestLimitExceeded",
-    "BandwidthLimitExceeded",
-    "RequestTimeout",
-    "RequestTimeoutException",
-    "InternalError",
-    "ServiceUnavailable",
-    "OperationAborted",
-];
+/// Error codes that mean "try again later" (besides any 429 or 5xx status).
+const TRANSIENT_CODES: &str = "SlowDown Throttling ThrottlingException ThrottledException \
+    RequestThrottled RequestThrottledException TooManyRequestsException RequestLimitExceeded \
+    BandwidthLimitExceeded RequestTimeout RequestTimeoutException InternalError \
+    ServiceUnavailable OperationAborted";
 
 /// Where an [`S3Backend`] keeps its objects and how it talks to S3.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -412,7 +400,7 @@ fn classify_status(status: u16, code: Option<&str>) -> Class {
         Some("NoSuchUpload" | "RequestTimeTooSkewed" | "NotImplemented") => {
             return Class::Permanent
         }
-        Some(c) if TRANSIENT_CODES.contains(&c) => return Class::Transient,
+        Some(c) if TRANSIENT_CODES.split_whitespace().any(|t| t == c) => return Class::Transient,
         _ => {}
     }
     match status {
@@ -500,43 +488,70 @@ impl Inner {
         }
     }
 
-    fn not_found(&self, key: &str) -> Error {
-        Error::NotFound {
-            backend: self.name.clone(),
-            key: key.to_owned(),
-        }
+    /// A permanent failure that is not an SDK error.
+    fn fail(&self, op: &'static str, key: &str, msg: String, src: Option<BoxError>) -> Error {
+        self.failure(op, key, msg, false, src)
     }
 
-    fn failure(&self, op: &'static str, key: &str, message: String, transient: bool) -> Error {
+    fn failure(
+        &self,
+        op: &'static str,
+        key: &str,
+        msg: String,
+        transient: bool,
+        src: Option<BoxError>,
+    ) -> Error {
         Error::Backend {
             backend: self.name.clone(),
             op,
             key: key.to_owned(),
             attempts: 1,
-            message,
+            message: msg,
             transient,
-            source: None,
+            source: src,
         }
     }
 
-    /// Map an SDK error: 404s to [`Error::NotFound`], everything else to [`Error::Backend`].
+    /// Map an SDK error: 404s to [`Error::NotFound`], failed preconditions (only create-puts
+    /// send one) to [`Error::AlreadyExists`], the rest to [`Error::Backend`].
     fn sdk_error<E>(&self, op: &'static str, key: &str, err: SdkError<E>) -> Error
     where
         E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
     {
-        let class = classify(&err);
-        if class == Class::NotFound {
-            return self.not_found(key);
+        let (backend, key) = (self.name.clone(), key.to_owned());
+        match classify(&err) {
+            Class::NotFound => Error::NotFound { backend, key },
+            Class::Precondition => Error::AlreadyExists { backend, key },
+            class => Error::Backend {
+                backend,
+                op,
+                key,
+                attempts: 1,
+                message: describe(&err),
+                transient: class == Class::Transient,
+                source: Some(Box::new(err)),
+            },
         }
-        Error::Backend {
-            backend: self.name.clone(),
-            op,
-            key: key.to_owned(),
-            attempts: 1,
-            message: describe(&err),
-            transient: class == Class::Transient,
-            source: Some(Box::new(err)),
-        }
+    }
+
+    /// One S3 request under the retry policy; `send` sends a fresh request per attempt.
+    async fn call<T, E, Fut>(
+        &self,
+        op: &'static str,
+        key: &str,
+        mut send: impl FnMut() -> Fut,
+    ) -> Result<T>
+    where
+        Fut: Future<Output = std::result::Result<T, SdkError<E>>>,
+        E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
+    {
+        let ctx = self.ctx(op, key);
+        self.retry
+            .run(ctx, |_| {
+                let sent = send();
+                async move { sent.await.map_err(|e| self.sdk_error(op, key, e)) }
+            })
+            .await
     }
 
     /// GET the object, ranged if `range` is given; `None` if S3 answered 416.
@@ -549,67 +564,56 @@ impl Inner {
         let got = self
             .retry
             .run(self.ctx("get", key), |_| {
-                let req = self
-                    .client
-                    .get_object()
-                    .bucket(&self.bucket)
-                    .key(&full)
-                    .set_range(header.clone());
+                let req = self.client.get_object().bucket(&self.bucket).key(&full);
+                let req = req.set_range(header.clone());
                 async move {
                     let out = match req.send().await {
                         Ok(out) => out,
                         Err(e) if classify(&e) == Class::RangeNotSatisfiable => return Ok(None),
                         Err(e) => return Err(self.sdk_error("get", key, e)),
                     };
-                    let expected = out.content_length();
-                    let ranged = out.content_range().is_some();
-                    let body = out.body.collect().await.map_err(|e| Error::Backend {
-                        backend: self.name.clone(),
-                        op: "get",
-                        key: key.to_owned(),
-                        attempts: 1,
-                        message: format!("reading the response body failed: {e}"),
-                        transient: true,
-                        source: Some(Box::new(e)),
-                    })?;
-                    let body = body.into_bytes();
-                    if let Some(n) = expected {
-                        if u64::try_from(n).ok() != Some(body.len() as u64) {
-                            let msg = format!("short body: {} of {n} bytes", body.len());
-                            return Err(self.failure("get", key, msg, true));
+                    let (expected, ranged) = (out.content_length(), out.content_range().is_some());
+                    let body = match out.body.collect().await {
+                        Ok(body) => body.into_bytes(),
+                        Err(e) => {
+                            let msg = format!("reading the response body failed: {e}");
+                            return Err(self.failure("get", key, msg, true, Some(Box::new(e))));
                         }
+                    };
+                    if expected.is_some_and(|n| u64::try_from(n).ok() != Some(body.len() as u64)) {
+                        let msg =
+                            format!("short body: {} bytes, expected {expected:?}", body.len());
+                        return Err(self.failure("get", key, msg, true, None));
                     }
                     Ok(Some((body, ranged)))
                 }
             })
             .await?;
-        let Some((body, ranged)) = got else {
-            return Ok(None);
-        };
-        match range {
+        match (got, range) {
+            (None, _) => Ok(None),
             // The store ignored the Range header and sent the whole object: cut it here.
-            Some(r) if !ranged => {
+            (Some((body, false)), Some(r)) => {
                 let r = clamp_range(&self.name, key, r, body.len() as u64)?;
                 Ok(Some(body.slice(r.start as usize..r.end as usize)))
             }
-            _ => Ok(Some(body)),
+            (Some((body, _)), _) => Ok(Some(body)),
         }
     }
 
     async fn head(&self, key: &str) -> Result<ObjectMeta> {
         let full = self.object_key(key);
         let out = self
-            .retry
-            .run(self.ctx("head", key), |_| {
-                let req = self.client.head_object().bucket(&self.bucket).key(&full);
-                async move { req.send().await.map_err(|e| self.sdk_error("head", key, e)) }
+            .call("head", key, || {
+                self.client
+                    .head_object()
+                    .bucket(&self.bucket)
+                    .key(&full)
+                    .send()
             })
             .await?;
-        let size = u64::try_from(out.content_length().unwrap_or(0))
-            .map_err(|_| self.failure("head", key, "negative Content-Length".to_owned(), false))?;
         Ok(ObjectMeta {
             key: key.to_owned(),
-            size,
+            size: u64::try_from(out.content_length().unwrap_or(0)).unwrap_or(0),
             etag: out.e_tag().map(str::to_owned),
             last_modified: out
                 .last_modified()
@@ -618,13 +622,13 @@ impl Inner {
     }
 
     /// Metadata for a just-written object: from a HEAD if it still shows our ETag.
-    async fn written(&self, key: &str, size: u64, etag: Option<String>) -> ObjectMeta {
+    async fn written(&self, key: &str, size: u64, etag: Option<&str>) -> ObjectMeta {
         match self.head(key).await {
-            Ok(meta) if meta.etag == etag && etag.is_some() => meta,
+            Ok(meta) if etag.is_some() && meta.etag.as_deref() == etag => meta,
             _ => ObjectMeta {
                 key: key.to_owned(),
                 size,
-                etag,
+                etag: etag.map(str::to_owned),
                 last_modified: None,
             },
         }
@@ -632,36 +636,17 @@ impl Inner {
 
     async fn put_single(&self, key: &str, body: Bytes, mode: PutMode) -> Result<ObjectMeta> {
         let full = self.object_key(key);
-        let create = mode == PutMode::Create;
+        let if_none_match = (mode == PutMode::Create).then(|| "*".to_owned());
         let out = self
-            .retry
-            .run(self.ctx("put", key), |_| {
-                let req = self
-                    .client
-                    .put_object()
-                    .bucket(&self.bucket)
-                    .key(&full)
-                    .content_length(body.len() as i64)
-                    .set_if_none_match(create.then(|| "*".to_owned()))
-                    .body(SdkBody::from(body.clone()));
-                async move {
-                    req.send().await.map_err(|e| match classify(&e) {
-                        Class::Precondition if create => self.already_exists(key),
-                        _ => self.sdk_error("put", key, e),
-                    })
-                }
+            .call("put", key, || {
+                let req = self.client.put_object().bucket(&self.bucket).key(&full);
+                req.content_length(body.len() as i64)
+                    .set_if_none_match(if_none_match.clone())
+                    .body(SdkBody::from(body.clone()))
+                    .send()
             })
             .await?;
-        Ok(self
-            .written(key, body.len() as u64, out.e_tag().map(str::to_owned))
-            .await)
-    }
-
-    fn already_exists(&self, key: &str) -> Error {
-        Error::AlreadyExists {
-            backend: self.name.clone(),
-            key: key.to_owned(),
-        }
+        Ok(self.written(key, body.len() as u64, out.e_tag()).await)
     }
 
     async fn put_multipart(
@@ -673,70 +658,63 @@ impl Inner {
     ) -> Result<ObjectMeta> {
         if mode == PutMode::Create {
             match self.head(key).await {
-                Ok(_) => return Err(self.already_exists(key)),
+                Ok(_) => {
+                    let (backend, key) = (self.name.clone(), key.to_owned());
+                    return Err(Error::AlreadyExists { backend, key });
+                }
                 Err(Error::NotFound { .. }) => {}
                 Err(e) => return Err(e),
             }
         }
         let full = self.object_key(key);
         let out = self
-            .retry
-            .run(self.ctx("create multipart upload for", key), |_| {
-                let req = self
-                    .client
-                    .create_multipart_upload()
-                    .bucket(&self.bucket)
-                    .key(&full);
-                async move { req.send().await.map_err(|e| self.sdk_error("put", key, e)) }
+            .call("put", key, || {
+                let req = self.client.create_multipart_upload();
+                req.bucket(&self.bucket).key(&full).send()
             })
             .await?;
         let Some(upload_id) = out.upload_id().map(str::to_owned) else {
             let msg = "CreateMultipartUpload returned no upload id".to_owned();
-            return Err(self.failure("put", key, msg, false));
+            return Err(self.fail("put", key, msg, None));
         };
-        let mut guard = AbortOnDrop {
-            inner: Some((Arc::clone(self), key.to_owned(), upload_id.clone())),
+        let mut guard = AbortOnDrop(Some((Arc::clone(self), key.to_owned(), upload_id.clone())));
+        let result = self.upload_parts(key, &upload_id, first, parts).await;
+        let result = match result {
+            Ok((done, total)) => self.complete(key, &upload_id, done, total, mode).await,
+            Err(e) => Err(e),
         };
-        let result = self
-            .upload_and_complete(key, &upload_id, first, parts, mode)
-            .await;
-        guard.inner = None;
-        match result {
-            Ok(meta) => Ok(meta),
-            Err(e) => {
-                self.abort(key, &upload_id).await;
-                Err(e)
-            }
+        guard.0 = None;
+        if result.is_err() {
+            self.abort(key, &upload_id).await;
         }
+        result
     }
 
-    async fn upload_and_complete(
+    /// Upload `first` and the rest of `parts`, at most `concurrency` at once; returns the
+    /// completed parts in order and the total size.
+    async fn upload_parts(
         self: &Arc<Self>,
         key: &str,
         upload_id: &str,
         first: Bytes,
         parts: &mut PartReader,
-        mode: PutMode,
-    ) -> Result<ObjectMeta> {
+    ) -> Result<(Vec<CompletedPart>, u64)> {
         let mut tasks = tokio::task::JoinSet::new();
-        let mut done: Vec<CompletedPart> = Vec::new();
-        let mut total = 0u64;
+        let mut done = Vec::new();
+        let (mut total, mut number, mut last) = (0u64, 0i32, false);
         let mut next = Some(first);
-        let mut number = 0i32;
-        let mut last = false;
         let result: Result<()> = async {
             while let Some(part) = next.take() {
                 number += 1;
                 if number > MAX_PARTS {
-                    let msg = format!(
-                        "object exceeds {MAX_PARTS} parts of {} bytes; raise part_size",
-                        self.part_size
-                    );
-                    return Err(self.failure("put", key, msg, false));
+                    let size = self.part_size;
+                    let msg =
+                        format!("more than {MAX_PARTS} parts of {size} bytes; raise part_size");
+                    return Err(self.fail("put", key, msg, None));
                 }
                 total += part.len() as u64;
-                let (inner, key2, id) = (Arc::clone(self), key.to_owned(), upload_id.to_owned());
-                tasks.spawn(async move { inner.upload_part(&key2, &id, number, part).await });
+                let (inner, k, id) = (Arc::clone(self), key.to_owned(), upload_id.to_owned());
+                tasks.spawn(async move { inner.upload_part(&k, &id, number, part).await });
                 while tasks.len() >= self.concurrency {
                     done.push(self.joined(key, tasks.join_next().await)?);
                 }
@@ -748,9 +726,7 @@ impl Inner {
                     .await
                     .map_err(|e| self.body_error(key, e))?;
                 last = is_last;
-                if !part.is_empty() {
-                    next = Some(part);
-                }
+                next = Some(part).filter(|p| !p.is_empty());
             }
             while !tasks.is_empty() {
                 done.push(self.joined(key, tasks.join_next().await)?);
@@ -762,8 +738,8 @@ impl Inner {
             tasks.shutdown().await;
             return Err(e);
         }
-        done.sort_by_key(|p| p.part_number());
-        self.complete(key, upload_id, done, total, mode).await
+        done.sort_by_key(|p: &CompletedPart| p.part_number());
+        Ok((done, total))
     }
 
     fn joined(
@@ -773,21 +749,18 @@ impl Inner {
     ) -> Result<CompletedPart> {
         match res {
             Some(Ok(part)) => part,
-            Some(Err(e)) => Err(self.failure("put", key, format!("part upload task: {e}"), false)),
-            None => Err(self.failure("put", key, "no part upload running".to_owned(), false)),
+            Some(Err(e)) => Err(self.fail("put", key, format!("part upload task: {e}"), None)),
+            None => Err(self.fail("put", key, "no part upload running".to_owned(), None)),
         }
     }
 
     fn body_error(&self, key: &str, e: std::io::Error) -> Error {
-        Error::Backend {
-            backend: self.name.clone(),
-            op: "put",
-            key: key.to_owned(),
-            attempts: 1,
-            message: format!("the body stream failed: {e}"),
-            transient: false,
-            source: Some(Box::new(e)),
-        }
+        self.fail(
+            "put",
+            key,
+            format!("the body stream failed: {e}"),
+            Some(Box::new(e)),
+        )
     }
 
     async fn upload_part(
@@ -798,29 +771,19 @@ impl Inner {
         body: Bytes,
     ) -> Result<CompletedPart> {
         let full = self.object_key(key);
-        let op = "upload part of";
         let out = self
-            .retry
-            .run(self.ctx(op, key), |_| {
-                let req = self
-                    .client
-                    .upload_part()
-                    .bucket(&self.bucket)
-                    .key(&full)
-                    .upload_id(upload_id)
+            .call("upload part of", key, || {
+                let req = self.client.upload_part().bucket(&self.bucket).key(&full);
+                req.upload_id(upload_id)
                     .part_number(number)
                     .content_length(body.len() as i64)
-                    .body(SdkBody::from(body.clone()));
-                async move { req.send().await.map_err(|e| self.sdk_error(op, key, e)) }
+                    .body(SdkBody::from(body.clone()))
+                    .send()
             })
             .await?;
         let Some(etag) = out.e_tag() else {
-            return Err(self.failure(
-                op,
-                key,
-                format!("part {number}: no ETag in the response"),
-                false,
-            ));
+            let msg = format!("part {number}: no ETag in the response");
+            return Err(self.fail("upload part of", key, msg, None));
         };
         Ok(CompletedPart::builder()
             .part_number(number)
@@ -837,45 +800,31 @@ impl Inner {
         mode: PutMode,
     ) -> Result<ObjectMeta> {
         let full = self.object_key(key);
-        let create = mode == PutMode::Create;
+        let if_none_match = (mode == PutMode::Create).then(|| "*".to_owned());
         let upload = CompletedMultipartUpload::builder()
             .set_parts(Some(parts))
             .build();
-        // A retry after a lost response finds the upload already completed (NoSuchUpload).
-        let lost_response = AtomicBool::new(false);
         let result = self
-            .retry
-            .run(self.ctx("put", key), |attempt| {
-                let req = self
-                    .client
-                    .complete_multipart_upload()
-                    .bucket(&self.bucket)
-                    .key(&full)
+            .call("put", key, || {
+                let req = self.client.complete_multipart_upload().bucket(&self.bucket);
+                req.key(&full)
                     .upload_id(upload_id)
                     .multipart_upload(upload.clone())
-                    .set_if_none_match(create.then(|| "*".to_owned()));
-                let lost_response = &lost_response;
-                async move {
-                    req.send().await.map_err(|e| {
-                        if attempt > 1 && e.code() == Some("NoSuchUpload") {
-                            lost_response.store(true, Ordering::Relaxed);
-                        }
-                        match classify(&e) {
-                            Class::Precondition if create => self.already_exists(key),
-                            _ => self.sdk_error("put", key, e),
-                        }
-                    })
-                }
+                    .set_if_none_match(if_none_match.clone())
+                    .send()
             })
             .await;
         match result {
-            Ok(out) => Ok(self
-                .written(key, total, out.e_tag().map(str::to_owned))
-                .await),
-            Err(e) if lost_response.load(Ordering::Relaxed) => match self.head(key).await {
-                Ok(meta) if meta.size == total => Ok(meta),
-                _ => Err(e),
-            },
+            Ok(out) => Ok(self.written(key, total, out.e_tag()).await),
+            // A retry after a lost response finds the upload already completed.
+            Err(e @ Error::Backend { attempts: 2.., .. })
+                if e.to_string().contains("NoSuchUpload") =>
+            {
+                match self.head(key).await {
+                    Ok(meta) if meta.size == total => Ok(meta),
+                    _ => Err(e),
+                }
+            }
             Err(e) => Err(e),
         }
     }
@@ -883,39 +832,30 @@ impl Inner {
     /// Abort a multipart upload, best effort (failures are logged).
     async fn abort(&self, key: &str, upload_id: &str) {
         let full = self.object_key(key);
-        let op = "abort multipart upload of";
         let res = self
-            .retry
-            .run(self.ctx(op, key), |_| {
-                let req = self
-                    .client
-                    .abort_multipart_upload()
-                    .bucket(&self.bucket)
-                    .key(&full)
-                    .upload_id(upload_id);
+            .call("abort multipart upload of", key, || {
+                let req = self.client.abort_multipart_upload().bucket(&self.bucket);
+                let req = req.key(&full).upload_id(upload_id);
                 async move {
                     match req.send().await {
-                        Ok(_) => Ok(()),
-                        Err(e) if e.code() == Some("NoSuchUpload") => Ok(()),
-                        Err(e) => Err(self.sdk_error(op, key, e)),
+                        Err(e) if e.code() == Some("NoSuchUpload") => Ok(None),
+                        other => other.map(Some),
                     }
                 }
             })
             .await;
         if let Err(e) = res {
-            tracing::warn!(error = %e, upload_id, "could not abort multipart upload; it stays pending");
+            tracing::warn!(error = %e, upload_id, "could not abort a multipart upload; it stays pending");
         }
     }
 }
 
 /// Aborts the multipart upload from a spawned task if the put future is dropped half-way.
-struct AbortOnDrop {
-    inner: Option<(Arc<Inner>, String, String)>,
-}
+struct AbortOnDrop(Option<(Arc<Inner>, String, String)>);
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
-        let Some((inner, key, upload_id)) = self.inner.take() else {
+        let Some((inner, key, upload_id)) = self.0.take() else {
             return;
         };
         match tokio::runtime::Handle::try_current() {
@@ -1049,31 +989,19 @@ impl Backend for S3Backend {
     async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>> {
         validate_prefix(prefix)?;
         let inner = &self.inner;
-        let (full, strip) = if inner.prefix.is_empty() {
-            (prefix.to_owned(), String::new())
-        } else {
-            (
-                format!("{}/{prefix}", inner.prefix),
-                format!("{}/", inner.prefix),
-            )
+        let strip = match inner.prefix.as_str() {
+            "" => String::new(),
+            p => format!("{p}/"),
         };
-        let mut out = Vec::new();
-        let mut token: Option<String> = None;
+        let full = format!("{strip}{prefix}");
+        let (mut out, mut token) = (Vec::new(), None::<String>);
         loop {
             let page = inner
-                .retry
-                .run(inner.ctx("list", prefix), |_| {
-                    let req = inner
-                        .client
-                        .list_objects_v2()
-                        .bucket(&inner.bucket)
-                        .prefix(&full)
-                        .set_continuation_token(token.clone());
-                    async move {
-                        req.send()
-                            .await
-                            .map_err(|e| inner.sdk_error("list", prefix, e))
-                    }
+                .call("list", prefix, || {
+                    let req = inner.client.list_objects_v2().bucket(&inner.bucket);
+                    req.prefix(&full)
+                        .set_continuation_token(token.clone())
+                        .send()
                 })
                 .await?;
             for obj in page.contents() {
@@ -1081,7 +1009,7 @@ impl Backend for S3Backend {
                     continue;
                 };
                 if validate_key(key).is_err() {
-                    tracing::debug!(backend = %inner.name, key, "list: skipping non-Strata key");
+                    tracing::debug!(backend = %inner.name, key, "list: skipping a non-Strata key");
                     continue;
                 }
                 out.push(ObjectMeta {
@@ -1107,8 +1035,7 @@ impl Backend for S3Backend {
         let inner = &self.inner;
         let full = inner.object_key(key);
         inner
-            .retry
-            .run(inner.ctx("delete", key), |_| {
+            .call("delete", key, || {
                 let req = inner
                     .client
                     .delete_object()
@@ -1116,13 +1043,13 @@ impl Backend for S3Backend {
                     .key(&full);
                 async move {
                     match req.send().await {
-                        Ok(_) => Ok(()),
-                        // Some stores answer NoSuchKey; a missing bucket is still an error.
-                        Err(e) if e.code() == Some("NoSuchKey") => Ok(()),
-                        Err(e) => Err(inner.sdk_error("delete", key, e)),
+                        // Some stores answer NoSuchKey; a missing bucket stays an error.
+                        Err(e) if e.code() == Some("NoSuchKey") => Ok(None),
+                        other => other.map(Some),
                     }
                 }
             })
             .await
+            .map(drop)
     }
 }

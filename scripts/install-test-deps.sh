@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs what Strata's tests need on Debian 12 (run as root): Debian packages and an
+# S3-compatible test server from PyPI. Idempotent and quick when everything is present.
+set -euo pipefail
+
+debs=(
+    pkg-config clang libclang-dev librocksdb-dev   # RocksDB links Debian's library (DEVELOPERS.md)
+    erofs-utils fuse3 libfuse3-dev attr            # standard tools that judge our images
+)
+missing=()
+for p in "${debs[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+    echo "install-test-deps: installing Debian packages: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if ! command -v moto_server >/dev/null 2>&1; then
+    echo "install-test-deps: installing moto[server] (S3 test server) from PyPI"
+    python3 -m pip install --quiet --disable-pip-version-check 'moto[server]>=5,<6'
+    hash -r
+fi
+command -v moto_server >/dev/null || { echo "install-test-deps: moto_server is not on PATH after install" >&2; exit 1; }
+echo "install-test-deps: ok"
