@@ -1,0 +1,134 @@
+//! The `strata` binary end to end on a real directory store.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn strata(store: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_strata"))
+        .arg("--store")
+        .arg(store)
+        .args(args)
+        .output()
+        .expect("run strata")
+}
+
+fn ok(out: Output) -> String {
+    assert!(
+        out.status.success(),
+        "strata failed: {}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn json(out: Output) -> serde_json::Value {
+    serde_json::from_str(&ok(out)).unwrap()
+}
+
+#[test]
+fn put_verify_get_layers_and_gc() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let src = tmp.path().join("src");
+    std::fs::create_dir_all(src.join("sub/deeper")).unwrap();
+    std::fs::write(src.join("a.txt"), b"alpha").unwrap();
+    std::fs::write(src.join("sub/b.bin"), vec![0xABu8; 3 << 20]).unwrap();
+    std::fs::write(src.join("sub/deeper/dup.txt"), b"alpha").unwrap();
+    std::fs::write(src.join("empty"), b"").unwrap();
+    std::os::unix::fs::symlink("a.txt", src.join("link")).unwrap();
+
+    let put = json(strata(&store, &["--json", "blob", "put", "--verify", src.to_str().unwrap()]));
+    assert_eq!(put["files"], 4, "symlinks are not files: {put}");
+    assert_eq!(put["unique_blobs"], 3, "the duplicate is stored once: {put}");
+    assert_eq!(put["verified"], 3);
+    let entries = put["entries"].as_array().unwrap();
+    let digest_of = |name: &str| {
+        entries
+            .iter()
+            .find(|e| e["path"].as_str().unwrap().ends_with(name))
+            .unwrap()["digest"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let big = digest_of("b.bin");
+    assert_eq!(big, blake3::hash(&vec![0xABu8; 3 << 20]).to_hex().as_str());
+
+    // Human output of a second put: nothing new is uploaded.
+    let again = ok(strata(&store, &["blob", "put", src.to_str().unwrap()]));
+    assert!(again.contains("0 uploaded"), "{again}");
+
+    let out = tmp.path().join("out.bin");
+    ok(strata(&store, &["blob", "get", &big, "-o", out.to_str().unwrap()]));
+    assert_eq!(std::fs::read(&out).unwrap(), vec![0xABu8; 3 << 20]);
+    let listed = json(strata(&store, &["--json", "blob", "ls"]));
+    assert_eq!(listed.as_array().unwrap().len(), 3);
+
+    // Publish a layer that references two of the blobs.
+    let manifest = serde_json::json!({
+        "schema_version": 1,
+        "layer": "workspace/demo:1",
+        "meta": {"digest": digest_of("a.txt"), "size": 5},
+        "blobs": [{"digest": big, "size": 3u64 << 20}],
+        "created": "2026-11-30T00:00:00Z",
+        "source": "test",
+    });
+    let mpath = tmp.path().join("m.json");
+    std::fs::write(&mpath, manifest.to_string()).unwrap();
+    let pushed = json(strata(&store, &["--json", "layer", "push", mpath.to_str().unwrap()]));
+    assert_eq!(pushed["outcome"], "created");
+    let ls = json(strata(&store, &["--json", "layer", "ls"]));
+    assert_eq!(ls[0]["layer"], "workspace/demo:1");
+    assert_eq!(ls[0]["size"], 5 + (3u64 << 20));
+    let inspect = json(strata(&store, &["--json", "layer", "inspect", "workspace/demo:1"]));
+    assert_eq!(inspect["blobs"][0]["digest"], big.as_str());
+
+    // A different manifest under the same version is refused.
+    let mut changed = manifest.clone();
+    changed["blobs"] = serde_json::json!([]);
+    std::fs::write(&mpath, changed.to_string()).unwrap();
+    let out = strata(&store, &["layer", "push", mpath.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("already exists"));
+
+    // gc with no grace removes only the unreferenced blob (the empty file's).
+    let report = json(strata(&store, &["--json", "gc", "--grace", "0s"]));
+    assert_eq!(report["removed"].as_array().unwrap().len(), 1, "{report}");
+    assert_eq!(report["referenced"], 2);
+    // After rm, both go.
+    ok(strata(&store, &["layer", "rm", "workspace/demo:1"]));
+    let report = json(strata(&store, &["--json", "gc", "--grace", "0s"]));
+    assert_eq!(report["removed"].as_array().unwrap().len(), 2, "{report}");
+    assert_eq!(json(strata(&store, &["--json", "layer", "ls"])), serde_json::json!([]));
+}
+
+#[test]
+fn errors_are_one_clear_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let cases: [(&[&str], &str); 4] = [
+        (&["layer", "inspect", "base/nope:1"], "layer not found: base/nope:1"),
+        (&["layer", "inspect", "nope"], "expected KIND/NAME:VERSION"),
+        (&["blob", "get", "abc"], "expected 64 lowercase hex"),
+        (
+            &["blob", "get", &"0".repeat(64)],
+            "not found",
+        ),
+    ];
+    for (args, want) in cases {
+        let out = strata(&store, args);
+        assert!(!out.status.success(), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["--store", "s3://", "layer", "ls"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("expected a path, file:///path, or s3://"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+}
