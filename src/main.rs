@@ -57,7 +57,7 @@ enum BlobCmd {
         #[arg(long)]
         verify: bool,
         /// Uploads in flight.
-        #[arg(long, default_value_t = 4)]
+        #[arg(long, default_value_t = 16)]
         jobs: usize,
     },
     /// Write a blob to a file (or stdout), verified against its digest.
@@ -178,14 +178,17 @@ async fn blob_put(store: &Store, paths: &[PathBuf], verify: bool, jobs: usize, j
         .await?;
     let seconds = start.elapsed().as_secs_f64();
     let mut unique = std::collections::HashSet::new();
-    let (mut uploaded, mut uploaded_bytes, mut bytes) = (0, 0, 0);
+    let mut new_blobs = std::collections::HashMap::new();
+    let mut bytes = 0;
     for (_, p) in &results {
         bytes += p.size;
-        if unique.insert(p.digest) && !p.existed {
-            uploaded += 1;
-            uploaded_bytes += p.size;
+        unique.insert(p.digest);
+        if !p.existed {
+            new_blobs.insert(p.digest, p.size);
         }
     }
+    let uploaded = new_blobs.len();
+    let uploaded_bytes: u64 = new_blobs.values().sum();
     let verified = if verify {
         let digests: Vec<Digest> = unique.iter().copied().collect();
         let n = digests.len();

@@ -91,6 +91,9 @@ impl<'de> Deserialize<'de> for Digest {
     }
 }
 
+/// Files up to this size are read whole and hashed once; larger ones are streamed.
+const SMALL_FILE: u64 = 4 << 20;
+
 /// The outcome of a blob put.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PutBlob {
@@ -186,6 +189,25 @@ impl Store {
     /// learn its name), then hashed again while it is uploaded; if the two differ the upload is
     /// aborted and nothing is stored.
     pub async fn put_blob_file(&self, path: &Path) -> Result<PutBlob> {
+        let owned = path.to_owned();
+        // Small files: one read, one hash, one put.
+        let small = tokio::task::spawn_blocking(move || -> Result<Option<Bytes>> {
+            use std::io::Read;
+            let mut f = std::fs::File::open(&owned).map_err(|e| Error::io("open", &owned, e))?;
+            let len = f.metadata().map_err(|e| Error::io("stat", &owned, e))?.len();
+            if len > SMALL_FILE {
+                return Ok(None);
+            }
+            let mut buf = Vec::with_capacity(len as usize);
+            f.read_to_end(&mut buf)
+                .map_err(|e| Error::io("read", &owned, e))?;
+            Ok(Some(Bytes::from(buf)))
+        })
+        .await
+        .map_err(|e| Error::io("read", path, std::io::Error::other(e)))??;
+        if let Some(data) = small {
+            return self.put_blob(data).await;
+        }
         let owned = path.to_owned();
         let (digest, size) = tokio::task::spawn_blocking(move || Digest::of_file(&owned))
             .await

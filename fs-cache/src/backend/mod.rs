@@ -180,55 +180,43 @@ pub(crate) fn clamp_range(
     Ok(range.start..end)
 }
 
-/// A stream that reads `path` sequentially in buffers of `buf_size` bytes.
+/// A stream that reads `path` sequentially in buffers of `buf_size` bytes, one blocking read
+/// ahead of its consumer.
 pub fn file_stream(path: &Path, buf_size: usize) -> Result<ByteStream> {
-    use std::io::Read;
-    let mut file = std::fs::File::open(path).map_err(|e| Error::io("open", path, e))?;
-    let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<Bytes>>(2);
-    let path = path.to_owned();
-    std::thread::Builder::new()
-        .name("strata-file-stream".into())
-        .spawn(move || loop {
-            let mut buf = vec![0u8; buf_size];
-            let mut filled = 0;
-            let res = loop {
-                match file.read(&mut buf[filled..]) {
-                    Ok(0) => break Ok(filled),
-                    Ok(n) => {
-                        filled += n;
-                        if filled == buf.len() {
-                            break Ok(filled);
-                        }
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                    Err(e) => {
-                        break Err(std::io::Error::new(
-                            e.kind(),
-                            format!("read {}: {e}", path.display()),
-                        ))
-                    }
-                }
-            };
-            match res {
-                Ok(0) => return,
-                Ok(n) => {
-                    buf.truncate(n);
-                    if tx.blocking_send(Ok(Bytes::from(buf))).is_err() || n < buf_size {
-                        return;
-                    }
-                }
-                Err(e) => {
-                    let _ = tx.blocking_send(Err(e));
-                    return;
-                }
+    let file = std::fs::File::open(path).map_err(|e| Error::io("open", path, e))?;
+    let state = Some((Arc::new(file), Arc::new(path.to_owned())));
+    Ok(futures::stream::unfold(state, move |state| async move {
+        let (file, path) = state?;
+        let (f, p) = (file.clone(), path.clone());
+        let read = tokio::task::spawn_blocking(move || read_full(&f, &p, buf_size)).await;
+        match read {
+            Ok(Ok(buf)) if buf.is_empty() => None,
+            Ok(Ok(buf)) => {
+                let more = buf.len() == buf_size;
+                Some((Ok(buf), more.then_some((file, path))))
             }
-        })
-        .map_err(|e| Error::io("spawn reader thread for", "file_stream", e))?;
-    Ok(tokio_stream(rx))
+            Ok(Err(e)) => Some((Err(e), None)),
+            Err(e) => Some((Err(std::io::Error::other(e)), None)),
+        }
+    })
+    .boxed())
 }
 
-fn tokio_stream(mut rx: tokio::sync::mpsc::Receiver<std::io::Result<Bytes>>) -> ByteStream {
-    futures::stream::poll_fn(move |cx| rx.poll_recv(cx)).boxed()
+/// Read up to `n` bytes from the file's current position (fewer only at the end).
+fn read_full(mut file: &std::fs::File, path: &Path, n: usize) -> std::io::Result<Bytes> {
+    use std::io::Read;
+    let mut buf = vec![0u8; n];
+    let mut filled = 0;
+    while filled < n {
+        match file.read(&mut buf[filled..]) {
+            Ok(0) => break,
+            Ok(k) => filled += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(std::io::Error::new(e.kind(), format!("read {}: {e}", path.display()))),
+        }
+    }
+    buf.truncate(filled);
+    Ok(Bytes::from(buf))
 }
 
 /// Open the backend a store URL names.

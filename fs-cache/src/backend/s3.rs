@@ -43,7 +43,7 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 use aws_config::environment::credentials::EnvironmentVariableCredentialsProvider;
 use aws_config::meta::credentials::CredentialsProviderChain;
-use aws_config::profile::ProfileFileCredentialsProvider;
+use aws_config::profile::{self, ProfileFileCredentialsProvider};
 use aws_config::provider_config::ProviderConfig;
 use aws_credential_types::provider::error::CredentialsError;
 use aws_credential_types::provider::{future, ProvideCredentials};
@@ -53,7 +53,7 @@ use aws_sdk_s3::config::{
     BehaviorVersion, Region, RequestChecksumCalculation, ResponseChecksumValidation,
     SharedCredentialsProvider,
 };
-use aws_sdk_s3::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
+use aws_sdk_s3::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_s3::primitives::ByteStream as SdkBody;
 use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
 use bytes::{Bytes, BytesMut};
@@ -343,24 +343,30 @@ impl S3Backend {
 }
 
 /// Environment variables, then the shared profile files (the named profile first when one is
-/// given). Profile `credential_source`s that would reach instance metadata or a container
-/// endpoint are refused.
+/// given: an explicit choice beats ambient variables).
 fn credentials_provider(profile: Option<&str>, region: &str) -> SharedCredentialsProvider {
+    let files = profile_credentials(profile, region).build();
+    let env = EnvironmentVariableCredentialsProvider::new();
+    let chain = if profile.is_some() {
+        CredentialsProviderChain::first_try("Profile", files).or_else("Environment", env)
+    } else {
+        CredentialsProviderChain::first_try("Environment", env).or_else("Profile", files)
+    };
+    SharedCredentialsProvider::new(chain)
+}
+
+/// The profile-file provider, with the `credential_source`s that would reach instance
+/// metadata or a container endpoint refused.
+fn profile_credentials(profile: Option<&str>, region: &str) -> profile::credentials::Builder {
     let conf = ProviderConfig::without_region().with_region(Some(Region::new(region.to_owned())));
-    let mut files = ProfileFileCredentialsProvider::builder()
+    let builder = ProfileFileCredentialsProvider::builder()
         .configure(&conf)
         .with_custom_provider("Ec2InstanceMetadata", Refuse("Ec2InstanceMetadata"))
         .with_custom_provider("EcsContainer", Refuse("EcsContainer"));
-    if let Some(name) = profile {
-        files = files.profile_name(name);
+    match profile {
+        Some(name) => builder.profile_name(name),
+        None => builder,
     }
-    let env = EnvironmentVariableCredentialsProvider::new();
-    let chain = if profile.is_some() {
-        CredentialsProviderChain::first_try("Profile", files.build()).or_else("Environment", env)
-    } else {
-        CredentialsProviderChain::first_try("Environment", env).or_else("Profile", files.build())
-    };
-    SharedCredentialsProvider::new(chain)
 }
 
 /// A credential source Strata never uses (it would contact a metadata service).
@@ -428,17 +434,20 @@ fn classify<E: ProvideErrorMetadata>(err: &SdkError<E>) -> Class {
             if d.is_user() {
                 return Class::Permanent;
             }
-            // Identity resolution failures surface as dispatch failures.
+            // Credential failures surface as dispatch failures; a provider error wrapping a
+            // configuration error is permanent.
             let mut cause = d
                 .as_connector_error()
                 .map(|c| c as &(dyn std::error::Error + 'static));
             while let Some(e) = cause {
-                if let Some(ce) = e.downcast_ref::<CredentialsError>() {
-                    return match ce {
-                        CredentialsError::ProviderTimedOut(_)
-                        | CredentialsError::ProviderError(_) => Class::Transient,
-                        _ => Class::Permanent,
-                    };
+                let permanent = e.downcast_ref::<CredentialsError>().is_some_and(|ce| {
+                    !matches!(
+                        ce,
+                        CredentialsError::ProviderTimedOut(_) | CredentialsError::ProviderError(_)
+                    )
+                });
+                if permanent {
+                    return Class::Permanent;
                 }
                 cause = e.source();
             }
@@ -448,27 +457,61 @@ fn classify<E: ProvideErrorMetadata>(err: &SdkError<E>) -> Class {
     }
 }
 
-/// One-line description: HTTP status, code and message for service errors, the full cause
-/// chain otherwise.
+/// The ETag of a completed multipart upload whose `200` answer the SDK could not parse.
+///
+/// Some S3-compatible servers (moto 5.2.1: `CompleteMultipartUploadResponse` instead of
+/// `CompleteMultipartUploadResult`, getmoto/moto#10055) send a root element the SDK refuses,
+/// although the upload did complete. A `200` carrying an `<Error>` is a real failure.
+fn etag_of_unparsed_200<E: ProvideErrorMetadata>(err: &SdkError<E>) -> Option<String> {
+    let SdkError::ServiceError(e) = err else {
+        return None;
+    };
+    if e.raw().status().as_u16() != 200 || e.err().code().is_some() {
+        return None;
+    }
+    let body = std::str::from_utf8(e.raw().body().bytes()?).ok()?;
+    if body.contains("<Error>") {
+        return None;
+    }
+    let start = body.find("<ETag>")? + "<ETag>".len();
+    let end = start + body[start..].find("</ETag>")?;
+    Some(
+        body[start..end]
+            .replace("&quot;", "\"")
+            .replace("&#34;", "\""),
+    )
+}
+
+/// One-line description: HTTP status, code and message for service errors, the whole cause
+/// chain otherwise (like [`aws_sdk_s3::error::DisplayErrorContext`], without its debug dump).
 fn describe<E>(err: &SdkError<E>) -> String
 where
     E: ProvideErrorMetadata + std::error::Error + 'static,
 {
-    let text = match err {
-        SdkError::ServiceError(e) => format!(
-            "HTTP {} {}: {}",
-            e.raw().status().as_u16(),
-            e.err().code().unwrap_or("(no error code)"),
-            e.err().message().unwrap_or("(no message)")
-        ),
-        SdkError::ResponseError(e) => format!(
-            "HTTP {}, unreadable response: {}",
-            e.raw().status().as_u16(),
-            DisplayErrorContext(err)
-        ),
-        _ => DisplayErrorContext(err).to_string(),
+    let status = err.raw_response().map(|r| r.status().as_u16());
+    let text = match (err, err.code(), status) {
+        (SdkError::ServiceError(_), Some(code), Some(status)) => {
+            let message = err.message().unwrap_or("(no message)");
+            format!("HTTP {status} {code}: {message}")
+        }
+        (_, _, Some(status)) => format!("HTTP {status}: {}", cause_chain(err)),
+        _ => cause_chain(err),
     };
     text.replace(['\n', '\r'], " ")
+}
+
+/// `err: its source: its source's source...`, skipping repeats.
+fn cause_chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut cause = Some(err);
+    while let Some(e) = cause {
+        let text = e.to_string();
+        if parts.last() != Some(&text) {
+            parts.push(text);
+        }
+        cause = e.source();
+    }
+    parts.join(": ")
 }
 
 impl Inner {
@@ -807,15 +850,21 @@ impl Inner {
         let result = self
             .call("put", key, || {
                 let req = self.client.complete_multipart_upload().bucket(&self.bucket);
-                req.key(&full)
+                let req = req
+                    .key(&full)
                     .upload_id(upload_id)
                     .multipart_upload(upload.clone())
-                    .set_if_none_match(if_none_match.clone())
-                    .send()
+                    .set_if_none_match(if_none_match.clone());
+                async move {
+                    match req.send().await {
+                        Ok(out) => Ok(out.e_tag().map(str::to_owned)),
+                        Err(e) => etag_of_unparsed_200(&e).map(Some).ok_or(e),
+                    }
+                }
             })
             .await;
         match result {
-            Ok(out) => Ok(self.written(key, total, out.e_tag()).await),
+            Ok(etag) => Ok(self.written(key, total, etag.as_deref()).await),
             // A retry after a lost response finds the upload already completed.
             Err(e @ Error::Backend { attempts: 2.., .. })
                 if e.to_string().contains("NoSuchUpload") =>
@@ -1051,5 +1100,259 @@ impl Backend for S3Backend {
             })
             .await
             .map(drop)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use aws_sdk_s3::config::http::HttpResponse;
+    use aws_sdk_s3::error::{ConnectorError, ErrorMetadata};
+    use aws_sdk_s3::operation::get_object::GetObjectError;
+    use aws_sdk_s3::primitives::SdkBody as RawBody;
+
+    fn parse(url: &str) -> std::result::Result<S3Config, String> {
+        S3Config::from_url(&url::Url::parse(url).unwrap())
+    }
+
+    #[test]
+    fn url_forms() {
+        let c = parse("s3://bucket").unwrap();
+        assert_eq!(
+            (c.bucket.as_str(), c.prefix.as_str(), c.endpoint.as_deref()),
+            ("bucket", "", None)
+        );
+        assert!(!c.path_style);
+        assert_eq!((c.part_size, c.concurrency), (DEFAULT_PART_SIZE, 4));
+        let c = parse("s3://b-1/x/y/?endpoint=http://127.0.0.1:9000/&region=eu-west-1&profile=p")
+            .unwrap();
+        assert_eq!(c.prefix, "x/y");
+        assert_eq!(c.endpoint.as_deref(), Some("http://127.0.0.1:9000"));
+        assert_eq!(
+            (c.region.as_str(), c.profile.as_deref()),
+            ("eu-west-1", Some("p"))
+        );
+        assert!(c.path_style, "an endpoint implies path-style by default");
+        assert_eq!(c.to_string(), "s3://b-1/x/y");
+        assert!(
+            !parse("s3://bkt?endpoint=http://h:1&path_style=false")
+                .unwrap()
+                .path_style
+        );
+        assert!(parse("s3://bkt?path_style=true").unwrap().path_style);
+        assert_eq!(parse("s3://bkt/a%2Fb%20c").unwrap().prefix, "a/b c");
+        for (url, needle) in [
+            ("s3://", "missing bucket"),
+            ("s3://bucket?nope=1", "\"nope\""),
+            ("s3://bucket?endpoint=ftp://x", "endpoint"),
+            ("s3://bucket?endpoint=http://", "endpoint"),
+            ("s3://bucket?path_style=yes", "path_style"),
+            ("s3://bucket?profile=", "profile"),
+            ("s3://bucket?region=us%20east", "region"),
+            ("s3://bucket?profile=a&profile=b", "twice"),
+            ("s3://bucket/a//b", "prefix"),
+            ("s3://bucket/%ZZ", "percent"),
+            ("s3://ab", "bucket"),
+            ("s3://-bucket", "bucket"),
+            ("s3://bucket:1", "port"),
+            ("s3://u@bucket", "credentials"),
+            ("s3://bucket#frag", "fragment"),
+            ("file:///x", "s3://"),
+        ] {
+            let err = parse(url).unwrap_err();
+            assert!(err.contains(needle), "{url}: {err}");
+        }
+    }
+
+    #[test]
+    fn config_checks() {
+        let mut c = S3Config::new("bucket");
+        assert!(c.check().is_ok());
+        c.part_size = MIN_PART_SIZE - 1;
+        assert!(c.check().unwrap_err().contains("part_size"));
+        c.part_size = MIN_PART_SIZE;
+        c.concurrency = 0;
+        assert!(c.check().unwrap_err().contains("concurrency"));
+    }
+
+    fn service(status: u16, code: Option<&str>) -> SdkError<GetObjectError> {
+        let mut meta = ErrorMetadata::builder().message("the message");
+        if let Some(code) = code {
+            meta = meta.code(code);
+        }
+        let raw = HttpResponse::new(status.try_into().unwrap(), RawBody::empty());
+        SdkError::service_error(GetObjectError::generic(meta.build()), raw)
+    }
+
+    #[test]
+    fn classification() {
+        use Class::*;
+        for (status, code, class) in [
+            (503, Some("SlowDown"), Transient),
+            (503, None, Transient),
+            (500, Some("InternalError"), Transient),
+            (502, None, Transient),
+            (429, None, Transient),
+            (400, Some("RequestTimeout"), Transient),
+            (400, Some("Throttling"), Transient),
+            (400, Some("ThrottlingException"), Transient),
+            (403, Some("RequestTimeTooSkewed"), Permanent),
+            (501, Some("NotImplemented"), Permanent),
+            (403, Some("AccessDenied"), Permanent),
+            (400, Some("InvalidArgument"), Permanent),
+            (404, Some("NoSuchKey"), NotFound),
+            (404, Some("NoSuchBucket"), NotFound),
+            (404, None, NotFound),
+            (404, Some("NoSuchUpload"), Permanent),
+            (412, Some("PreconditionFailed"), Precondition),
+            (409, Some("ConditionalRequestConflict"), Precondition),
+            (409, Some("BucketAlreadyExists"), Permanent),
+            (416, Some("InvalidRange"), RangeNotSatisfiable),
+        ] {
+            assert_eq!(classify(&service(status, code)), class, "{status} {code:?}");
+        }
+        let other = |e: SdkError<GetObjectError>| classify(&e);
+        assert_eq!(other(SdkError::timeout_error("slow")), Transient);
+        assert_eq!(
+            other(SdkError::construction_failure("bad input")),
+            Permanent
+        );
+        let io = ConnectorError::io("connection reset".into());
+        assert_eq!(other(SdkError::dispatch_failure(io)), Transient);
+        let user = ConnectorError::user("bad URI".into());
+        assert_eq!(other(SdkError::dispatch_failure(user)), Permanent);
+        let creds = CredentialsError::not_loaded("no credentials anywhere");
+        let creds = ConnectorError::other(Box::new(creds), None);
+        assert_eq!(other(SdkError::dispatch_failure(creds)), Permanent);
+        let raw = HttpResponse::new(200.try_into().unwrap(), RawBody::empty());
+        assert_eq!(other(SdkError::response_error("truncated", raw)), Transient);
+    }
+
+    fn backend() -> S3Backend {
+        let mut config = S3Config::new("bucket");
+        config.prefix = "pre".into();
+        config.endpoint = Some("http://127.0.0.1:9".into());
+        let creds = aws_sdk_s3::config::Credentials::new("a", "b", None, None, "test");
+        S3Backend::with_credentials(config, SharedCredentialsProvider::new(creds)).unwrap()
+    }
+
+    #[test]
+    fn errors_name_backend_op_and_key() {
+        let b = backend();
+        assert_eq!(b.to_string(), "s3://bucket/pre");
+        assert_eq!(b.inner.object_key("a/b"), "pre/a/b");
+        let err = b
+            .inner
+            .sdk_error("get", "a/b", service(503, Some("SlowDown")));
+        assert!(err.is_transient());
+        let msg = err.to_string();
+        assert!(msg.contains("s3://bucket/pre: get a/b"), "{msg}");
+        assert!(msg.contains("HTTP 503 SlowDown: the message"), "{msg}");
+        assert!(std::error::Error::source(&err).is_some());
+        let err = b
+            .inner
+            .sdk_error("get", "a/b", service(404, Some("NoSuchKey")));
+        assert!(
+            matches!(err, Error::NotFound { ref key, .. } if key == "a/b"),
+            "{err}"
+        );
+        let err = b
+            .inner
+            .sdk_error("put", "a/b", service(412, Some("PreconditionFailed")));
+        assert!(matches!(err, Error::AlreadyExists { .. }), "{err}");
+        let err = b
+            .inner
+            .sdk_error("get", "a/b", service(403, Some("AccessDenied")));
+        assert!(!err.is_transient() && err.to_string().contains("AccessDenied"));
+    }
+
+    #[test]
+    fn completion_answers_with_a_foreign_root_still_count() {
+        let answer = |status: u16, body: &'static str| {
+            let raw = HttpResponse::new(status.try_into().unwrap(), RawBody::from(body));
+            let err = GetObjectError::generic(ErrorMetadata::builder().build());
+            etag_of_unparsed_200(&SdkError::service_error(err, raw))
+        };
+        let ok = "<CompleteMultipartUploadResponse><ETag>&quot;ab-2&quot;</ETag></CompleteMultipartUploadResponse>";
+        assert_eq!(answer(200, ok).as_deref(), Some("\"ab-2\""));
+        assert_eq!(answer(500, ok), None);
+        assert_eq!(
+            answer(200, "<Error><Code>InternalError</Code></Error>"),
+            None
+        );
+        assert_eq!(answer(200, "<Other/>"), None);
+    }
+
+    #[tokio::test]
+    async fn parts_are_cut_exactly() {
+        for (total, piece) in [(0, 1), (10, 3), (12, 4), (13, 100), (25, 5)] {
+            let data: Vec<u8> = (0..total as u8).collect();
+            let chunks: Vec<_> = data
+                .chunks(piece)
+                .map(|c| Ok(Bytes::copy_from_slice(c)))
+                .collect();
+            let mut reader = PartReader::new(futures::stream::iter(chunks).boxed(), 4);
+            let mut got = Vec::new();
+            loop {
+                let (part, last) = reader.next_part().await.unwrap();
+                assert!(
+                    part.len() == 4 || last,
+                    "{total}/{piece}: short part before the end"
+                );
+                got.extend_from_slice(&part);
+                if last {
+                    break;
+                }
+            }
+            assert_eq!(got, data, "{total}/{piece}");
+        }
+    }
+
+    #[tokio::test]
+    async fn missing_credentials_fail_fast_and_permanently() {
+        let dir = tempfile::tempdir().unwrap();
+        let config_file = dir.path().join("config");
+        std::fs::write(dir.path().join("credentials"), "").unwrap();
+        std::fs::write(
+            &config_file,
+            "[profile imds]\nrole_arn = arn:aws:iam::123456789012:role/r\n\
+             credential_source = Ec2InstanceMetadata\n[profile other]\nregion = us-east-1\n",
+        )
+        .unwrap();
+        #[allow(deprecated)]
+        let files = aws_config::profile::profile_file::ProfileFiles::builder()
+            .with_file(
+                aws_config::profile::profile_file::ProfileFileKind::Config,
+                &config_file,
+            )
+            .with_file(
+                aws_config::profile::profile_file::ProfileFileKind::Credentials,
+                dir.path().join("credentials"),
+            )
+            .build();
+        for (profile, needle) in [("imds", "not supported by Strata"), ("nobody", "nobody")] {
+            let provider = profile_credentials(Some(profile), "us-east-1")
+                .profile_files(files.clone())
+                .build();
+            let mut config = S3Config::new("bucket");
+            config.endpoint = Some("http://127.0.0.1:9".into());
+            let b = S3Backend::with_credentials(config, SharedCredentialsProvider::new(provider))
+                .unwrap();
+            let start = std::time::Instant::now();
+            let err = b.head("k").await.unwrap_err();
+            assert!(start.elapsed() < Duration::from_secs(5), "{err}");
+            assert!(
+                matches!(
+                    err,
+                    Error::Backend {
+                        transient: false,
+                        attempts: 1,
+                        ..
+                    }
+                ),
+                "{err}"
+            );
+            assert!(err.to_string().contains(needle), "{profile}: {err}");
+        }
     }
 }
