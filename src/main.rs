@@ -15,7 +15,11 @@ use futures::{StreamExt, TryStreamExt};
 use serde::Serialize;
 
 #[derive(Parser, Debug)]
-#[command(name = "strata", version, about = "Layered, lazily served EROFS storage for agent sandboxes")]
+#[command(
+    name = "strata",
+    version,
+    about = "Layered, lazily served EROFS storage for agent sandboxes"
+)]
 struct Cli {
     /// Where blobs and layers live: a path, file:///path, or
     /// s3://bucket/prefix?endpoint=http://host:port&region=REGION.
@@ -162,7 +166,13 @@ struct PutSummary {
     entries: Vec<PutEntry>,
 }
 
-async fn blob_put(store: &Store, paths: &[PathBuf], verify: bool, jobs: usize, json: bool) -> Result<()> {
+async fn blob_put(
+    store: &Store,
+    paths: &[PathBuf],
+    verify: bool,
+    jobs: usize,
+    json: bool,
+) -> Result<()> {
     let files = collect_files(paths)?;
     let start = Instant::now();
     let results: Vec<(PathBuf, fs_cache::PutBlob)> = futures::stream::iter(files)
@@ -252,7 +262,10 @@ async fn blob_get(store: &Store, digest: &str, output: Option<&Path>) -> Result<
             std::io::stdout().lock().write_all(&data)?;
         }
         Some(path) => {
-            let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+            let dir = path
+                .parent()
+                .filter(|p| !p.as_os_str().is_empty())
+                .unwrap_or(Path::new("."));
             let mut tmp = tempfile::NamedTempFile::new_in(dir)
                 .with_context(|| format!("create a temporary file in {}", dir.display()))?;
             store.read_blob_to(&d, tmp.as_file_mut(), 8 << 20).await?;
@@ -281,9 +294,11 @@ async fn run(cli: Cli) -> Result<()> {
     let backend = open_backend(&url).await?;
     let store = Store::new(backend);
     match cli.command {
-        Command::Blob(BlobCmd::Put { paths, verify, jobs }) => {
-            blob_put(&store, &paths, verify, jobs, cli.json).await?
-        }
+        Command::Blob(BlobCmd::Put {
+            paths,
+            verify,
+            jobs,
+        }) => blob_put(&store, &paths, verify, jobs, cli.json).await?,
         Command::Blob(BlobCmd::Get { digest, output }) => {
             blob_get(&store, &digest, output.as_deref()).await?
         }
@@ -325,7 +340,10 @@ async fn run(cli: Cli) -> Result<()> {
             if cli.json {
                 print_json(&rows)?;
             } else {
-                println!("{:<40} {:>6} {:>10}  {:<20}  SOURCE", "LAYER", "BLOBS", "SIZE", "CREATED");
+                println!(
+                    "{:<40} {:>6} {:>10}  {:<20}  SOURCE",
+                    "LAYER", "BLOBS", "SIZE", "CREATED"
+                );
                 for r in rows {
                     println!(
                         "{:<40} {:>6} {:>10}  {:<20}  {}",
@@ -365,12 +383,15 @@ async fn run(cli: Cli) -> Result<()> {
             if cli.json {
                 print_json(&m)?;
             } else {
-                println!("removed {r} ({} blobs stay until gc)", m.all_blobs().count());
+                println!(
+                    "removed {r} ({} blobs stay until gc)",
+                    m.all_blobs().count()
+                );
             }
         }
         Command::Layer(LayerCmd::Push { manifest }) => {
-            let bytes = std::fs::read(&manifest)
-                .with_context(|| format!("read {}", manifest.display()))?;
+            let bytes =
+                std::fs::read(&manifest).with_context(|| format!("read {}", manifest.display()))?;
             #[derive(serde::Deserialize)]
             struct Named {
                 layer: String,
@@ -381,7 +402,9 @@ async fn run(cli: Cli) -> Result<()> {
             let m = Manifest::parse(&r, &bytes)?;
             let outcome = store.push_manifest(&m).await?;
             if cli.json {
-                print_json(&serde_json::json!({"layer": r.to_string(), "outcome": format!("{outcome:?}").to_lowercase()}))?;
+                print_json(
+                    &serde_json::json!({"layer": r.to_string(), "outcome": format!("{outcome:?}").to_lowercase()}),
+                )?;
             } else {
                 println!("{r}: {outcome:?}");
             }
@@ -421,7 +444,10 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(r) => r,
         Err(e) => {
             eprintln!("strata: cannot start the async runtime: {e}");

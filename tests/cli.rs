@@ -38,9 +38,15 @@ fn put_verify_get_layers_and_gc() {
     std::fs::write(src.join("empty"), b"").unwrap();
     std::os::unix::fs::symlink("a.txt", src.join("link")).unwrap();
 
-    let put = json(strata(&store, &["--json", "blob", "put", "--verify", src.to_str().unwrap()]));
+    let put = json(strata(
+        &store,
+        &["--json", "blob", "put", "--verify", src.to_str().unwrap()],
+    ));
     assert_eq!(put["files"], 4, "symlinks are not files: {put}");
-    assert_eq!(put["unique_blobs"], 3, "the duplicate is stored once: {put}");
+    assert_eq!(
+        put["unique_blobs"], 3,
+        "the duplicate is stored once: {put}"
+    );
     assert_eq!(put["verified"], 3);
     let entries = put["entries"].as_array().unwrap();
     let digest_of = |name: &str| {
@@ -60,7 +66,10 @@ fn put_verify_get_layers_and_gc() {
     assert!(again.contains("0 uploaded"), "{again}");
 
     let out = tmp.path().join("out.bin");
-    ok(strata(&store, &["blob", "get", &big, "-o", out.to_str().unwrap()]));
+    ok(strata(
+        &store,
+        &["blob", "get", &big, "-o", out.to_str().unwrap()],
+    ));
     assert_eq!(std::fs::read(&out).unwrap(), vec![0xABu8; 3 << 20]);
     let listed = json(strata(&store, &["--json", "blob", "ls"]));
     assert_eq!(listed.as_array().unwrap().len(), 3);
@@ -76,12 +85,18 @@ fn put_verify_get_layers_and_gc() {
     });
     let mpath = tmp.path().join("m.json");
     std::fs::write(&mpath, manifest.to_string()).unwrap();
-    let pushed = json(strata(&store, &["--json", "layer", "push", mpath.to_str().unwrap()]));
+    let pushed = json(strata(
+        &store,
+        &["--json", "layer", "push", mpath.to_str().unwrap()],
+    ));
     assert_eq!(pushed["outcome"], "created");
     let ls = json(strata(&store, &["--json", "layer", "ls"]));
     assert_eq!(ls[0]["layer"], "workspace/demo:1");
     assert_eq!(ls[0]["size"], 5 + (3u64 << 20));
-    let inspect = json(strata(&store, &["--json", "layer", "inspect", "workspace/demo:1"]));
+    let inspect = json(strata(
+        &store,
+        &["--json", "layer", "inspect", "workspace/demo:1"],
+    ));
     assert_eq!(inspect["blobs"][0]["digest"], big.as_str());
 
     // A different manifest under the same version is refused.
@@ -100,7 +115,10 @@ fn put_verify_get_layers_and_gc() {
     ok(strata(&store, &["layer", "rm", "workspace/demo:1"]));
     let report = json(strata(&store, &["--json", "gc", "--grace", "0s"]));
     assert_eq!(report["removed"].as_array().unwrap().len(), 2, "{report}");
-    assert_eq!(json(strata(&store, &["--json", "layer", "ls"])), serde_json::json!([]));
+    assert_eq!(
+        json(strata(&store, &["--json", "layer", "ls"])),
+        serde_json::json!([])
+    );
 }
 
 #[test]
@@ -108,13 +126,13 @@ fn errors_are_one_clear_line() {
     let tmp = tempfile::tempdir().unwrap();
     let store = tmp.path().join("store");
     let cases: [(&[&str], &str); 4] = [
-        (&["layer", "inspect", "base/nope:1"], "layer not found: base/nope:1"),
+        (
+            &["layer", "inspect", "base/nope:1"],
+            "layer not found: base/nope:1",
+        ),
         (&["layer", "inspect", "nope"], "expected KIND/NAME:VERSION"),
         (&["blob", "get", "abc"], "expected 64 lowercase hex"),
-        (
-            &["blob", "get", &"0".repeat(64)],
-            "not found",
-        ),
+        (&["blob", "get", &"0".repeat(64)], "not found"),
     ];
     for (args, want) in cases {
         let out = strata(&store, args);
@@ -129,6 +147,9 @@ fn errors_are_one_clear_line() {
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("expected a path, file:///path, or s3://"), "{err}");
+    assert!(
+        err.contains("expected a path, file:///path, or s3://"),
+        "{err}"
+    );
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
 }

@@ -63,7 +63,9 @@ pub enum Error {
     },
 
     /// The retry deadline passed before the operation succeeded.
-    #[error("{backend}: {op} {key} gave up after {elapsed:?} ({attempts} attempts); last error: {last}")]
+    #[error(
+        "{backend}: {op} {key} gave up after {elapsed:?} ({attempts} attempts); last error: {last}"
+    )]
     DeadlineExceeded {
         backend: String,
         op: &'static str,

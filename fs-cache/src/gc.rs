@@ -109,7 +109,10 @@ pub async fn collect(store: &Store, opts: GcOptions) -> Result<GcReport> {
         let blob_key = crate::store::blob_key(&d);
         let Some(main) = objs.iter().find(|o| o.key == blob_key) else {
             // Sidecars whose blob is gone: collect them once they are old.
-            if objs.iter().all(|o| !is_recent(now, o.last_modified, opts.grace)) {
+            if objs
+                .iter()
+                .all(|o| !is_recent(now, o.last_modified, opts.grace))
+            {
                 candidates.push((d, objs));
             }
             continue;
@@ -119,10 +122,7 @@ pub async fn collect(store: &Store, opts: GcOptions) -> Result<GcReport> {
             report.referenced += 1;
             continue;
         }
-        let lease = leases
-            .get(&crate::store::lease_key(&d))
-            .copied()
-            .flatten();
+        let lease = leases.get(&crate::store::lease_key(&d)).copied().flatten();
         if is_recent(now, main.last_modified, opts.grace)
             || (lease.is_some() && is_recent(now, lease, opts.grace))
         {

@@ -86,8 +86,7 @@ fn valid_component(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 128
         && s.as_bytes()[0].is_ascii_alphanumeric()
-        && s
-            .bytes()
+        && s.bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b'+'))
 }
 
@@ -103,7 +102,9 @@ impl FromStr for LayerRef {
             .into_iter()
             .find(|k| k.as_str() == kind)
             .ok_or_else(|| bad(&format!("unknown kind {kind:?}")))?;
-        let (name, version) = rest.split_once(':').ok_or_else(|| bad("missing ':VERSION'"))?;
+        let (name, version) = rest
+            .split_once(':')
+            .ok_or_else(|| bad("missing ':VERSION'"))?;
         if !valid_component(name) {
             return Err(bad(
                 "NAME must be 1-128 characters of [A-Za-z0-9._+-] starting with a letter or digit",
@@ -144,7 +145,12 @@ impl<'de> Deserialize<'de> for LayerRef {
 
 impl LayerRef {
     fn base_key(&self) -> String {
-        format!("layers/{}/{}/{}", self.kind.as_str(), self.name, self.version)
+        format!(
+            "layers/{}/{}/{}",
+            self.kind.as_str(),
+            self.name,
+            self.version
+        )
     }
 
     /// The key of this version's manifest.
@@ -196,7 +202,12 @@ pub struct Manifest {
 
 impl Manifest {
     /// A new manifest stamped with the current time and this builder.
-    pub fn new(layer: LayerRef, meta: Option<BlobRef>, blobs: Vec<BlobRef>, source: String) -> Self {
+    pub fn new(
+        layer: LayerRef,
+        meta: Option<BlobRef>,
+        blobs: Vec<BlobRef>,
+        source: String,
+    ) -> Self {
         Self {
             schema_version: SCHEMA_VERSION,
             layer,
@@ -317,14 +328,21 @@ impl Store {
             layer: m.layer.to_string(),
             existing: Digest::of(&existing.to_json()).to_hex()[..16].to_owned(),
         };
-        if let Some(old) = self.read_manifest_at(&m.layer, &m.layer.tombstone_key()).await? {
+        if let Some(old) = self
+            .read_manifest_at(&m.layer, &m.layer.tombstone_key())
+            .await?
+        {
             if !old.same_content(m) {
                 return Err(exists(&old));
             }
         }
         match self
             .backend()
-            .put_opts(&m.layer.manifest_key(), Bytes::from(m.to_json()), PutMode::Create)
+            .put_opts(
+                &m.layer.manifest_key(),
+                Bytes::from(m.to_json()),
+                PutMode::Create,
+            )
             .await
         {
             Ok(_) => {}
@@ -390,11 +408,24 @@ mod tests {
         let r: LayerRef = "toolkit/python-3.12:1.0.2".parse().unwrap();
         assert_eq!(r.kind, LayerKind::Toolkit);
         assert_eq!(r.to_string(), "toolkit/python-3.12:1.0.2");
-        assert_eq!(LayerRef::from_manifest_key(&r.manifest_key()), Some(r.clone()));
+        assert_eq!(
+            LayerRef::from_manifest_key(&r.manifest_key()),
+            Some(r.clone())
+        );
         assert_eq!(LayerRef::from_manifest_key(&r.tombstone_key()), None);
         for bad in [
-            "", "base", "base/x", "os/x:1", "base/:1", "base/x:", "base/../x:1", "base/x:1/2",
-            "base/a/b:1", "base/.x:1", "base/x:.1", "Base/x:1",
+            "",
+            "base",
+            "base/x",
+            "os/x:1",
+            "base/:1",
+            "base/x:",
+            "base/../x:1",
+            "base/x:1/2",
+            "base/a/b:1",
+            "base/.x:1",
+            "base/x:.1",
+            "Base/x:1",
         ] {
             let e = bad.parse::<LayerRef>().unwrap_err();
             assert!(e.to_string().contains("KIND/NAME:VERSION"), "{bad}: {e}");
@@ -422,7 +453,10 @@ mod tests {
         // Same content, different build time: a no-op.
         let mut again = m.clone();
         again.created = "2030-01-01T00:00:00Z".into();
-        assert_eq!(store.push_manifest(&again).await.unwrap(), Pushed::Unchanged);
+        assert_eq!(
+            store.push_manifest(&again).await.unwrap(),
+            Pushed::Unchanged
+        );
         // Different content: refused.
         let other = store.put_blob(Bytes::from_static(b"data")).await.unwrap();
         let mut changed = m.clone();

@@ -194,7 +194,10 @@ impl Store {
         let small = tokio::task::spawn_blocking(move || -> Result<Option<Bytes>> {
             use std::io::Read;
             let mut f = std::fs::File::open(&owned).map_err(|e| Error::io("open", &owned, e))?;
-            let len = f.metadata().map_err(|e| Error::io("stat", &owned, e))?.len();
+            let len = f
+                .metadata()
+                .map_err(|e| Error::io("stat", &owned, e))?
+                .len();
             if len > SMALL_FILE {
                 return Ok(None);
             }

@@ -24,7 +24,9 @@ async fn faulty() -> Option<(Arc<dyn Backend>, Option<tempfile::TempDir>)> {
 }
 
 async fn s3() -> Option<(Arc<dyn Backend>, Option<tempfile::TempDir>)> {
-    common::moto::s3_backend("conformance").await.map(|b| (b, None))
+    common::moto::s3_backend("conformance")
+        .await
+        .map(|b| (b, None))
 }
 
 macro_rules! suite {

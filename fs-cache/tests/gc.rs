@@ -8,7 +8,7 @@ use bytes::Bytes;
 use fs_cache::backend::posix::set_mtime;
 use fs_cache::gc::{collect, GcOptions};
 use fs_cache::store::{blob_key, lease_key, sidecar_key};
-use fs_cache::{Backend, BlobRef, Manifest, PosixBackend, Store};
+use fs_cache::{BlobRef, Manifest, PosixBackend, Store};
 
 const HOUR: Duration = Duration::from_secs(3600);
 
@@ -37,9 +37,17 @@ async fn keeps_referenced_and_recent_removes_the_rest() {
     let removed_layer_blob = put(&store, b"blob of a removed layer").await;
     // A sidecar of the old orphan goes with it.
     let side = sidecar_key(&orphan_old.digest, "chunks");
-    store.backend().put(&side, Bytes::from_static(b"table")).await.unwrap();
+    store
+        .backend()
+        .put(&side, Bytes::from_static(b"table"))
+        .await
+        .unwrap();
     // Junk under blobs/ is reported and left alone.
-    store.backend().put("blobs/zz/not-a-digest", Bytes::new()).await.unwrap();
+    store
+        .backend()
+        .put("blobs/zz/not-a-digest", Bytes::new())
+        .await
+        .unwrap();
 
     let keep = Manifest::new(
         "base/os:1".parse().unwrap(),
@@ -62,12 +70,31 @@ async fn keeps_referenced_and_recent_removes_the_rest() {
     }
     age(&posix, &side, 2 * HOUR);
 
-    let dry = collect(&store, GcOptions { grace: HOUR, dry_run: true }).await.unwrap();
+    let dry = collect(
+        &store,
+        GcOptions {
+            grace: HOUR,
+            dry_run: true,
+        },
+    )
+    .await
+    .unwrap();
     assert_eq!(dry.removed.len(), 2, "{dry:?}");
     assert!(store.stat_blob(&orphan_old.digest).await.unwrap().is_some());
 
-    let report = collect(&store, GcOptions { grace: HOUR, dry_run: false }).await.unwrap();
-    let mut expect = vec![orphan_old.digest.to_hex(), removed_layer_blob.digest.to_hex()];
+    let report = collect(
+        &store,
+        GcOptions {
+            grace: HOUR,
+            dry_run: false,
+        },
+    )
+    .await
+    .unwrap();
+    let mut expect = vec![
+        orphan_old.digest.to_hex(),
+        removed_layer_blob.digest.to_hex(),
+    ];
     expect.sort();
     assert_eq!(report.removed, expect);
     assert_eq!(report.removed_objects, 3, "blob + sidecar + blob");
@@ -81,7 +108,12 @@ async fn keeps_referenced_and_recent_removes_the_rest() {
     for b in [&orphan_old, &removed_layer_blob] {
         assert!(store.stat_blob(&b.digest).await.unwrap().is_none());
     }
-    assert!(store.backend().head(&side).await.unwrap_err().is_not_found());
+    assert!(store
+        .backend()
+        .head(&side)
+        .await
+        .unwrap_err()
+        .is_not_found());
     // The surviving layer still reads, verified.
     let m = store.manifest(&keep.layer).await.unwrap();
     for b in m.all_blobs() {
@@ -98,14 +130,22 @@ async fn a_push_reusing_an_old_unreferenced_blob_is_protected_by_its_lease() {
     age(&posix, &blob_key(&b.digest), 3 * HOUR);
 
     // A new push finds the blob already stored: nothing is uploaded, but the lease is renewed.
-    let again = store.put_blob(Bytes::from_static(b"shared chunk")).await.unwrap();
+    let again = store
+        .put_blob(Bytes::from_static(b"shared chunk"))
+        .await
+        .unwrap();
     assert!(again.existed);
     assert!(store.backend().head(&lease_key(&b.digest)).await.is_ok());
 
     // gc runs before the push's manifest lands: the blob survives.
     let report = collect(&store, GcOptions::default()).await.unwrap();
     assert!(report.removed.is_empty(), "{report:?}");
-    let m = Manifest::new("toolkit/t:1".parse().unwrap(), None, vec![b.clone()], "t".into());
+    let m = Manifest::new(
+        "toolkit/t:1".parse().unwrap(),
+        None,
+        vec![b.clone()],
+        "t".into(),
+    );
     store.push_manifest(&m).await.unwrap();
 
     // Once the lease is old too (and the blob unreferenced), it goes, and so does the lease.

@@ -35,10 +35,18 @@ async fn symlinks_out_of_the_root_are_refused() {
     names.sort();
     assert_eq!(names, ["secret"]);
     // Symlinks are not listed as objects, and a symlink inside the root stays usable.
-    b.put("real/file", Bytes::from_static(b"data")).await.unwrap();
+    b.put("real/file", Bytes::from_static(b"data"))
+        .await
+        .unwrap();
     symlink("real", root.join("alias")).unwrap();
     assert_eq!(&b.get("alias/file").await.unwrap()[..], b"data");
-    let keys: Vec<String> = b.list("").await.unwrap().into_iter().map(|m| m.key).collect();
+    let keys: Vec<String> = b
+        .list("")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| m.key)
+        .collect();
     assert_eq!(keys, ["real/file"]);
 }
 
@@ -77,7 +85,10 @@ async fn an_object_cannot_be_a_directory_and_vice_versa() {
     let dir = tempfile::tempdir().unwrap();
     let b = PosixBackend::open(dir.path()).unwrap();
     b.put("x", Bytes::from_static(b"file")).await.unwrap();
-    let e = b.put("x/y", Bytes::from_static(b"below a file")).await.unwrap_err();
+    let e = b
+        .put("x/y", Bytes::from_static(b"below a file"))
+        .await
+        .unwrap_err();
     assert!(matches!(e, Error::InvalidKey { .. }), "{e}");
     b.put("d/y", Bytes::from_static(b"y")).await.unwrap();
     assert!(b.get("d").await.unwrap_err().is_not_found());

@@ -77,7 +77,12 @@ impl Backend for MemoryBackend {
         Ok(o.data.slice(r.start as usize..r.end as usize))
     }
 
-    async fn put_stream(&self, key: &str, mut body: ByteStream, mode: PutMode) -> Result<ObjectMeta> {
+    async fn put_stream(
+        &self,
+        key: &str,
+        mut body: ByteStream,
+        mode: PutMode,
+    ) -> Result<ObjectMeta> {
         validate_key(key)?;
         let mut buf = BytesMut::new();
         while let Some(part) = body.next().await {

@@ -99,8 +99,12 @@ pub trait Backend: Send + Sync + fmt::Debug + fmt::Display {
 
     /// Store one buffer under `key` with an explicit mode.
     async fn put_opts(&self, key: &str, body: Bytes, mode: PutMode) -> Result<ObjectMeta> {
-        self.put_stream(key, futures::stream::once(async move { Ok(body) }).boxed(), mode)
-            .await
+        self.put_stream(
+            key,
+            futures::stream::once(async move { Ok(body) }).boxed(),
+            mode,
+        )
+        .await
     }
 }
 
@@ -134,7 +138,9 @@ pub fn validate_key(key: &str) -> Result<()> {
         match segment {
             "" => return bad("empty path segment ('//')"),
             "." | ".." => return bad("'.' or '..' segment"),
-            s if s.starts_with(".strata-") => return bad("segment starts with reserved '.strata-'"),
+            s if s.starts_with(".strata-") => {
+                return bad("segment starts with reserved '.strata-'")
+            }
             s if s.len() > 255 => return bad("path segment longer than 255 bytes"),
             _ => {}
         }
@@ -212,7 +218,12 @@ fn read_full(mut file: &std::fs::File, path: &Path, n: usize) -> std::io::Result
             Ok(0) => break,
             Ok(k) => filled += k,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(std::io::Error::new(e.kind(), format!("read {}: {e}", path.display()))),
+            Err(e) => {
+                return Err(std::io::Error::new(
+                    e.kind(),
+                    format!("read {}: {e}", path.display()),
+                ))
+            }
         }
     }
     buf.truncate(filled);
@@ -238,8 +249,13 @@ pub async fn open_backend(url: &str) -> Result<Arc<dyn Backend>> {
     match scheme {
         "file" => {
             let parsed = url::Url::parse(url).map_err(|e| invalid(&e.to_string()))?;
-            if parsed.host_str().is_some_and(|h| !h.is_empty() && h != "localhost") {
-                return Err(invalid("file URLs take no host (use file:///absolute/path)"));
+            if parsed
+                .host_str()
+                .is_some_and(|h| !h.is_empty() && h != "localhost")
+            {
+                return Err(invalid(
+                    "file URLs take no host (use file:///absolute/path)",
+                ));
             }
             let path = parsed
                 .to_file_path()
@@ -266,8 +282,19 @@ mod tests {
             validate_key(ok).unwrap();
         }
         for bad in [
-            "", "/a", "a/", "a//b", "../a", "a/../b", "a/./b", ".", "..", "a\0b", "a\\b",
-            "a/.strata-tmp.1", "a\nb",
+            "",
+            "/a",
+            "a/",
+            "a//b",
+            "../a",
+            "a/../b",
+            "a/./b",
+            ".",
+            "..",
+            "a\0b",
+            "a\\b",
+            "a/.strata-tmp.1",
+            "a\nb",
         ] {
             assert!(
                 matches!(validate_key(bad), Err(Error::InvalidKey { .. })),
@@ -293,7 +320,9 @@ mod tests {
         let b = "test";
         assert_eq!(clamp_range(&b, "k", 0..10, 5).unwrap(), 0..5);
         assert_eq!(clamp_range(&b, "k", 5..10, 5).unwrap(), 5..5);
-        assert_eq!(clamp_range(&b, "k", 3..2, 5).unwrap(), 3..3);
+        #[allow(clippy::reversed_empty_ranges)]
+        let backwards = 3..2;
+        assert_eq!(clamp_range(&b, "k", backwards, 5).unwrap(), 3..3);
         assert!(matches!(
             clamp_range(&b, "k", 6..10, 5),
             Err(Error::InvalidRange { size: 5, .. })
@@ -302,7 +331,13 @@ mod tests {
 
     #[tokio::test]
     async fn bad_urls_say_what_was_expected() {
-        for url in ["", "ftp://x/y", "s3://", "file://host/x", "s3://bucket?bogus=1"] {
+        for url in [
+            "",
+            "ftp://x/y",
+            "s3://",
+            "file://host/x",
+            "s3://bucket?bogus=1",
+        ] {
             let err = open_backend(url).await.unwrap_err();
             let msg = err.to_string();
             assert!(matches!(err, Error::InvalidUrl { .. }), "{url}: {msg}");

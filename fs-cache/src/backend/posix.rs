@@ -98,7 +98,13 @@ impl PosixBackend {
         let inner = self.inner.clone();
         tokio::task::spawn_blocking(move || f(&inner))
             .await
-            .map_err(|e| Error::io("run blocking I/O for", self.root(), std::io::Error::other(e)))?
+            .map_err(|e| {
+                Error::io(
+                    "run blocking I/O for",
+                    self.root(),
+                    std::io::Error::other(e),
+                )
+            })?
     }
 }
 
@@ -299,7 +305,11 @@ impl Backend for PosixBackend {
             let size = st.st_size as u64;
             let r = clamp_range(&inner.display(), &key, range, size)?;
             let len = usize::try_from(r.end - r.start).map_err(|_| {
-                Error::io("read", inner.root.join(&key), std::io::Error::other("range too large"))
+                Error::io(
+                    "read",
+                    inner.root.join(&key),
+                    std::io::Error::other("range too large"),
+                )
             })?;
             let mut buf = vec![0u8; len];
             file.read_exact_at(&mut buf, r.start)
@@ -309,7 +319,12 @@ impl Backend for PosixBackend {
         .await
     }
 
-    async fn put_stream(&self, key: &str, mut body: ByteStream, mode: PutMode) -> Result<ObjectMeta> {
+    async fn put_stream(
+        &self,
+        key: &str,
+        mut body: ByteStream,
+        mode: PutMode,
+    ) -> Result<ObjectMeta> {
         validate_key(key)?;
         // The writer runs on a blocking thread and receives buffers through a small channel, so
         // reading the body (network, another file) overlaps with writing it.
@@ -356,7 +371,8 @@ impl Backend for PosixBackend {
                     }
                 }
             }
-            file.sync_all().map_err(|e| Error::io("fsync", &tmp_path, e))?;
+            file.sync_all()
+                .map_err(|e| Error::io("fsync", &tmp_path, e))?;
             let st = rustix::fs::fstat(&file).map_err(|e| inner.err("stat", key, e))?;
             let flags = match mode {
                 PutMode::Overwrite => RenameFlags::empty(),

@@ -75,7 +75,9 @@ impl RetryPolicy {
         loop {
             attempt += 1;
             let remaining = self.deadline.saturating_sub(start.elapsed());
-            let timeout = self.attempt_timeout.min(remaining.max(Duration::from_millis(1)));
+            let timeout = self
+                .attempt_timeout
+                .min(remaining.max(Duration::from_millis(1)));
             let result = match tokio::time::timeout(timeout, op(attempt)).await {
                 Ok(r) => r,
                 Err(_) => Err(Error::Backend {
@@ -95,9 +97,8 @@ impl RetryPolicy {
             if !err.is_transient() {
                 return Err(with_attempts(err, attempt));
             }
-            let backoff = Duration::from_secs_f64(
-                self.cap(attempt - 1).as_secs_f64() * fastrand::f64(),
-            );
+            let backoff =
+                Duration::from_secs_f64(self.cap(attempt - 1).as_secs_f64() * fastrand::f64());
             let elapsed = start.elapsed();
             if attempt >= self.max_attempts || elapsed + backoff >= self.deadline {
                 if elapsed + backoff >= self.deadline && self.max_attempts > 1 {

@@ -34,7 +34,10 @@ pub fn s3_server() -> Option<&'static S3Server> {
 }
 
 fn start() -> Option<S3Server> {
-    for (name, value) in [("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test")] {
+    for (name, value) in [
+        ("AWS_ACCESS_KEY_ID", "test"),
+        ("AWS_SECRET_ACCESS_KEY", "test"),
+    ] {
         if std::env::var_os(name).is_none() {
             std::env::set_var(name, value);
         }
@@ -113,10 +116,18 @@ fn run_moto(port: u16, tx: mpsc::Sender<Outcome>) {
             let outcome = loop {
                 if let Ok(Some(status)) = child.try_wait() {
                     let tail = std::fs::read_to_string(&log).unwrap_or_default();
-                    let tail: String = tail.lines().last().unwrap_or("").chars().take(300).collect();
+                    let tail: String = tail
+                        .lines()
+                        .last()
+                        .unwrap_or("")
+                        .chars()
+                        .take(300)
+                        .collect();
                     break Outcome::Missing(format!("moto_server exited with {status}: {tail}"));
                 }
                 if answers_http(port) {
+                    // The log only matters if the server does not come up.
+                    let _ = std::fs::remove_file(&log);
                     break Outcome::Ready;
                 }
                 if Instant::now() > deadline {

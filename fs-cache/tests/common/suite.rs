@@ -11,13 +11,25 @@ use fs_cache::{Backend, Error, PutMode};
 use futures::StreamExt;
 
 /// Deterministic pseudo-random bytes: `len` bytes of stream `seed` starting at `offset`.
+/// Byte `p` of a stream depends only on `p` and `seed`, so any range can be regenerated.
 pub fn pattern(seed: u64, offset: u64, len: usize) -> Vec<u8> {
-    (0..len as u64)
-        .map(|i| {
-            let x = (offset + i).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed.wrapping_mul(0xD6E8_FEB8_6659_FD93);
-            (x >> 29) as u8
-        })
-        .collect()
+    let word = |w: u64| {
+        (w.wrapping_add(seed.wrapping_mul(0xD6E8_FEB8_6659_FD93)))
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .rotate_left(29)
+            .to_le_bytes()
+    };
+    let mut out = Vec::with_capacity(len + 16);
+    let first = offset / 8;
+    let skip = (offset % 8) as usize;
+    let mut w = first;
+    while out.len() < len + skip {
+        out.extend_from_slice(&word(w));
+        w += 1;
+    }
+    out.drain(..skip);
+    out.truncate(len);
+    out
 }
 
 /// A body of `total` bytes of `pattern(seed)` in pieces of `piece` bytes.
@@ -42,7 +54,10 @@ pub fn failing_stream(good: u64, piece: usize) -> fs_cache::backend::ByteStream 
 }
 
 pub async fn roundtrip(b: Arc<dyn Backend>) {
-    let meta = b.put("dir/obj", Bytes::from_static(b"hello world")).await.unwrap();
+    let meta = b
+        .put("dir/obj", Bytes::from_static(b"hello world"))
+        .await
+        .unwrap();
     assert_eq!(meta.size, 11);
     assert_eq!(&b.get("dir/obj").await.unwrap()[..], b"hello world");
     let head = b.head("dir/obj").await.unwrap();
@@ -83,7 +98,14 @@ pub async fn ranges(b: Arc<dyn Backend>) {
     }
     let e = b.get_range("r", 1001..1010).await.unwrap_err();
     assert!(
-        matches!(e, Error::InvalidRange { start: 1001, size: 1000, .. }),
+        matches!(
+            e,
+            Error::InvalidRange {
+                start: 1001,
+                size: 1000,
+                ..
+            }
+        ),
         "{e}"
     );
 }
@@ -151,7 +173,10 @@ pub async fn create_mode(b: Arc<dyn Backend>) {
             assert!(matches!(e, Error::AlreadyExists { .. }), "{e}");
         }
     }
-    assert_eq!(&b.get("race").await.unwrap()[..], &vec![winners[0] as u8; 100][..]);
+    assert_eq!(
+        &b.get("race").await.unwrap()[..],
+        &vec![winners[0] as u8; 100][..]
+    );
 }
 
 pub async fn list_prefixes(b: Arc<dyn Backend>) {
@@ -183,7 +208,10 @@ pub async fn list_many(b: Arc<dyn Backend>) {
     futures::stream::iter(0..N)
         .map(|i| {
             let b = b.clone();
-            async move { b.put(&format!("many/{i:05}"), Bytes::from(vec![1u8; i % 7])).await }
+            async move {
+                b.put(&format!("many/{i:05}"), Bytes::from(vec![1u8; i % 7]))
+                    .await
+            }
         })
         .buffer_unordered(32)
         .for_each(|r| async {
@@ -232,18 +260,32 @@ pub async fn large_streamed(b: Arc<dyn Backend>) {
 
 pub async fn failed_put_leaves_nothing(b: Arc<dyn Backend>) {
     let e = b
-        .put_stream("broken", failing_stream(3 << 20, 1 << 20), PutMode::Overwrite)
+        .put_stream(
+            "broken",
+            failing_stream(3 << 20, 1 << 20),
+            PutMode::Overwrite,
+        )
         .await
         .unwrap_err();
     assert!(!e.to_string().is_empty());
     assert!(b.head("broken").await.unwrap_err().is_not_found());
     // A failed overwrite keeps the old object.
     b.put("kept", Bytes::from_static(b"old")).await.unwrap();
-    b.put_stream("kept", failing_stream(1 << 20, 256 << 10), PutMode::Overwrite)
-        .await
-        .unwrap_err();
+    b.put_stream(
+        "kept",
+        failing_stream(1 << 20, 256 << 10),
+        PutMode::Overwrite,
+    )
+    .await
+    .unwrap_err();
     assert_eq!(&b.get("kept").await.unwrap()[..], b"old");
-    let keys: Vec<String> = b.list("").await.unwrap().into_iter().map(|m| m.key).collect();
+    let keys: Vec<String> = b
+        .list("")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| m.key)
+        .collect();
     assert_eq!(keys, ["kept"]);
 }
 
@@ -251,7 +293,9 @@ pub async fn concurrent_puts(b: Arc<dyn Backend>) {
     const SIZE: u64 = 10 << 20;
     const WRITERS: u8 = 4;
     let uniform = |data: &[u8]| data.iter().all(|&x| x == data[0]);
-    b.put("same", Bytes::from(vec![200u8; SIZE as usize])).await.unwrap();
+    b.put("same", Bytes::from(vec![200u8; SIZE as usize]))
+        .await
+        .unwrap();
     let writers = (0..WRITERS).map(|w| {
         let b = b.clone();
         async move {
@@ -261,7 +305,9 @@ pub async fn concurrent_puts(b: Arc<dyn Backend>) {
                     Ok(Bytes::from(vec![w; (SIZE / 10) as usize]))
                 })
                 .boxed();
-            b.put_stream("same", body, PutMode::Overwrite).await.unwrap();
+            b.put_stream("same", body, PutMode::Overwrite)
+                .await
+                .unwrap();
         }
     });
     let reader = {
@@ -279,7 +325,10 @@ pub async fn concurrent_puts(b: Arc<dyn Backend>) {
     let last = b.get("same").await.unwrap();
     assert_eq!(last.len() as u64, SIZE);
     assert!(uniform(&last), "the final object mixes writers");
-    assert!(last[0] < WRITERS, "the final object is none of the writers'");
+    assert!(
+        last[0] < WRITERS,
+        "the final object is none of the writers'"
+    );
 }
 
 pub async fn invalid_keys(b: Arc<dyn Backend>) {
