@@ -83,6 +83,28 @@ pub enum Error {
         actual: String,
     },
 
+    /// A chunk's bytes do not match the digest in its blob's chunk table, even after a
+    /// refetch (from the backend) or on local disk (dropped, then refetched).
+    #[error("corrupt chunk {chunk} of blob {blob}: its bytes do not match the chunk table")]
+    Corrupt { blob: String, chunk: u64 },
+
+    /// A chunk table is malformed or does not belong to its blob.
+    #[error("bad chunk table for blob {blob}: {reason}")]
+    BadChunkTable { blob: String, reason: String },
+
+    /// The local chunk cache (its index or its files) failed.
+    #[error("chunk cache at {path}: {message}")]
+    Cache {
+        path: PathBuf,
+        message: String,
+        #[source]
+        source: Option<BoxError>,
+    },
+
+    /// The same failure, shared by every reader that waited on one backend request.
+    #[error(transparent)]
+    Shared(std::sync::Arc<Error>),
+
     /// A string that should be a blake3 digest is not one.
     #[error("invalid digest {0:?}: expected 64 lowercase hex characters")]
     InvalidDigest(String),
@@ -113,6 +135,7 @@ impl Error {
     pub fn is_transient(&self) -> bool {
         match self {
             Error::Backend { transient, .. } => *transient,
+            Error::Shared(e) => e.is_transient(),
             Error::Io { source, .. } => matches!(
                 source.kind(),
                 std::io::ErrorKind::Interrupted
@@ -125,7 +148,11 @@ impl Error {
 
     /// Whether this is a missing object or layer.
     pub fn is_not_found(&self) -> bool {
-        matches!(self, Error::NotFound { .. } | Error::LayerNotFound(_))
+        match self {
+            Error::NotFound { .. } | Error::LayerNotFound(_) => true,
+            Error::Shared(e) => e.is_not_found(),
+            _ => false,
+        }
     }
 
     pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {

@@ -32,3 +32,4 @@ pub use backend::{
 pub use error::{BoxError, Error, Result};
 pub use layer::{BlobRef, LayerKind, LayerRef, Manifest, Pushed};
 pub use store::{Digest, PutBlob, Store};
+pub mod chunk;

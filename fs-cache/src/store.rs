@@ -4,7 +4,8 @@
 //! | key | what |
 //! | --- | --- |
 //! | `blobs/<d[0..2]>/<d>` | the blob whose blake3 digest is `d` (64 lowercase hex) |
-//! | `blobs/<d[0..2]>/<d>.<suffix>` | a sidecar of blob `d` (for example its chunk table); it lives and dies with the blob |
+//! | `blobs/<d[0..2]>/<d>.<suffix>` | a sidecar of blob `d`; it lives and dies with the blob |
+//! | `blobs/<d[0..2]>/<d>.chunks` | the chunk table of blob `d` ([`crate::chunk::table`]), written right after the blob |
 //! | `leases/<d>` | a note that blob `d` was (re)announced by a push; protects it from gc for the grace period |
 //!
 //! # Invariants
@@ -27,6 +28,7 @@ use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{file_stream, Backend, ObjectMeta, PutMode};
+use crate::chunk::table::{ChunkTable, ChunkTableBuilder};
 use crate::error::{Error, Result};
 
 /// A blake3 digest: the name of a blob.
@@ -120,6 +122,9 @@ pub fn sidecar_key(d: &Digest, suffix: &str) -> String {
     format!("{}.{}", blob_key(d), suffix)
 }
 
+/// The suffix of a blob's chunk-table sidecar.
+pub const CHUNKS_SUFFIX: &str = "chunks";
+
 /// The key of the lease of blob `d`.
 pub fn lease_key(d: &Digest) -> String {
     format!("leases/{d}")
@@ -177,12 +182,40 @@ impl Store {
                 existed: true,
             });
         }
+        let table = ChunkTable::for_bytes(digest, &data);
         self.backend.put(&blob_key(&digest), data).await?;
+        self.put_chunk_table(&table).await?;
         Ok(PutBlob {
             digest,
             size,
             existed: false,
         })
+    }
+
+    /// Store a blob's chunk table beside it.
+    async fn put_chunk_table(&self, table: &ChunkTable) -> Result<()> {
+        self.backend
+            .put(
+                &sidecar_key(&table.blob, CHUNKS_SUFFIX),
+                Bytes::from(table.encode()),
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// The chunk table of blob `d`. A blob stored without one (an older or interrupted writer)
+    /// is read whole once, verified, and its table is built and stored.
+    pub async fn chunk_table(&self, d: &Digest) -> Result<ChunkTable> {
+        match self.backend.get(&sidecar_key(d, CHUNKS_SUFFIX)).await {
+            Ok(bytes) => ChunkTable::decode(d, &bytes),
+            Err(e) if e.is_not_found() => {
+                let data = self.get_blob(d).await?;
+                let table = ChunkTable::for_bytes(*d, &data);
+                self.put_chunk_table(&table).await?;
+                Ok(table)
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Store the file at `path` under its digest, streaming it. The file is hashed first (to
@@ -223,31 +256,42 @@ impl Store {
                 existed: true,
             });
         }
-        let hasher = Arc::new(Mutex::new(blake3::Hasher::new()));
-        let feed = hasher.clone();
+        // Hash again (whole and per chunk) as the bytes go out.
+        let hashers = Arc::new(Mutex::new((
+            blake3::Hasher::new(),
+            ChunkTableBuilder::new(),
+        )));
+        let feed = hashers.clone();
         let display = path.display().to_string();
         let body = file_stream(path, 8 << 20)?
             .map(move |item| {
                 if let Ok(buf) = &item {
-                    feed.lock().unwrap_or_else(|p| p.into_inner()).update(buf);
+                    let mut h = feed.lock().unwrap_or_else(|p| p.into_inner());
+                    h.0.update(buf);
+                    h.1.update(buf);
                 }
                 item
             })
-            .chain(futures::stream::once(async move {
-                let h = hasher.lock().unwrap_or_else(|p| p.into_inner());
-                if h.count() == size && Digest(*h.finalize().as_bytes()) == digest {
-                    // An empty buffer ends the stream after a successful check.
-                    Ok(Bytes::new())
-                } else {
-                    Err(std::io::Error::other(format!(
-                        "{display} changed while it was uploaded"
-                    )))
+            .chain(futures::stream::once({
+                let hashers = hashers.clone();
+                async move {
+                    let h = hashers.lock().unwrap_or_else(|p| p.into_inner());
+                    if h.0.count() == size && Digest(*h.0.finalize().as_bytes()) == digest {
+                        // An empty buffer ends the stream after a successful check.
+                        Ok(Bytes::new())
+                    } else {
+                        Err(std::io::Error::other(format!(
+                            "{display} changed while it was uploaded"
+                        )))
+                    }
                 }
             }))
             .boxed();
         self.backend
             .put_stream(&blob_key(&digest), body, PutMode::Overwrite)
             .await?;
+        let builder = std::mem::take(&mut hashers.lock().unwrap_or_else(|p| p.into_inner()).1);
+        self.put_chunk_table(&builder.finish(digest)).await?;
         Ok(PutBlob {
             digest,
             size,

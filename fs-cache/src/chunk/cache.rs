@@ -1,0 +1,690 @@
+//! The chunk cache: `read(blob, offset, len)` returns exactly those bytes of a blob, fetching
+//! whatever 256 KiB chunks are missing.
+//!
+//! # Path of a read
+//! 1. The blob's chunk table is loaded once ([`crate::Store::chunk_table`]) and kept.
+//! 2. Each chunk the read covers is looked up in level 1 (memory, LRU, bounded in bytes), then
+//!    level 2 ([`super::disk::DiskCache`]); a level-2 chunk is verified against its digest
+//!    first, and dropped (then refetched) if it does not match.
+//! 3. The rest is fetched from the backend: runs of adjacent missing chunks become one ranged
+//!    request each, up to `max_request_bytes`. A chunk already being fetched by another reader
+//!    is not requested again: the reader waits for that request and shares its result or error.
+//! 4. Every fetched chunk is verified before it enters either level. A mismatch is retried once
+//!    with a request for that chunk alone, then reported as [`Error::Corrupt`] and counted.
+//!    Backend errors are retried with backoff up to a deadline ([`RetryPolicy`]); a read that
+//!    still fails gets the error, and the cache stays usable.
+//! 5. A read that starts where the previous read of the same blob ended is sequential: it
+//!    triggers readahead of the next `readahead_bytes`, in the background, at prefetch priority.
+//!
+//! Fetches run in their own tasks, so a reader that gives up (a cancelled future) never leaves
+//! other readers waiting on a request nobody finishes. Prefetches wait while any demand fetch
+//! is in flight, and run at most `prefetch_concurrency` at a time.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use bytes::{Bytes, BytesMut};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{watch, Notify, Semaphore};
+
+use super::disk::{DiskCache, DiskCacheConfig, DiskStats};
+use super::table::ChunkTable;
+use super::ChunkId;
+use crate::backend::retry::RetryContext;
+use crate::backend::RetryPolicy;
+use crate::error::{Error, Result};
+use crate::store::{blob_key, Digest, Store};
+
+/// How the cache is sized and behaves.
+#[derive(Clone, Debug)]
+pub struct CacheConfig {
+    /// Level 1 capacity in bytes.
+    pub memory_bytes: u64,
+    /// Level 2 (none: memory only).
+    pub disk: Option<DiskCacheConfig>,
+    /// The largest single backend request (adjacent misses are coalesced up to this).
+    pub max_request_bytes: u64,
+    /// Readahead after a sequential read (0: none).
+    pub readahead_bytes: u64,
+    /// Prefetch requests in flight at once.
+    pub prefetch_concurrency: usize,
+    /// Retries of backend requests.
+    pub retry: RetryPolicy,
+    /// Where cumulative counters are kept between runs (`stats.json`), if anywhere.
+    pub stats_file: Option<PathBuf>,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        Self {
+            memory_bytes: 256 << 20,
+            disk: None,
+            max_request_bytes: 4 << 20,
+            readahead_bytes: 1 << 20,
+            prefetch_concurrency: 2,
+            retry: RetryPolicy::default(),
+            stats_file: None,
+        }
+    }
+}
+
+/// Counters of one cache (see [`ChunkCache::stats`]).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CacheStats {
+    /// Chunk lookups served from level 1 or level 2.
+    pub hits: u64,
+    pub hits_memory: u64,
+    pub hits_disk: u64,
+    /// Chunk lookups that needed the backend (demand reads).
+    pub misses: u64,
+    /// Bytes returned to callers.
+    pub bytes_read: u64,
+    /// Bytes received from the backend.
+    pub bytes_fetched: u64,
+    pub backend_requests: u64,
+    /// Chunks fetched per backend request, summed (divide by `backend_requests`).
+    pub coalesced_chunks: u64,
+    /// Chunks evicted from level 1 and level 2.
+    pub evictions: u64,
+    pub evictions_memory: u64,
+    /// Chunks whose bytes did not match their digest (backend or local disk).
+    pub verify_failures: u64,
+    /// Reads that failed with `Corrupt` after the refetch.
+    pub corrupt_errors: u64,
+    pub backend_errors: u64,
+    pub readahead_chunks: u64,
+    pub prefetch_chunks: u64,
+    /// Read latency histogram: `read_latency_us[i]` counts reads that took < 2^i µs.
+    pub read_latency_us: Vec<u64>,
+    pub memory_bytes: u64,
+    pub memory_capacity: u64,
+    pub disk: Option<DiskStats>,
+}
+
+const LATENCY_BUCKETS: usize = 32;
+
+#[derive(Default)]
+struct Counters {
+    hits_memory: AtomicU64,
+    hits_disk: AtomicU64,
+    misses: AtomicU64,
+    bytes_read: AtomicU64,
+    bytes_fetched: AtomicU64,
+    backend_requests: AtomicU64,
+    coalesced_chunks: AtomicU64,
+    evictions_memory: AtomicU64,
+    verify_failures: AtomicU64,
+    corrupt_errors: AtomicU64,
+    backend_errors: AtomicU64,
+    readahead_chunks: AtomicU64,
+    prefetch_chunks: AtomicU64,
+    latency: [AtomicU64; LATENCY_BUCKETS],
+}
+
+fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+struct Memory {
+    lru: lru::LruCache<ChunkId, Bytes>,
+    bytes: u64,
+}
+
+type Shared = Option<std::result::Result<Bytes, Arc<Error>>>;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Priority {
+    Demand,
+    Readahead,
+    Prefetch,
+}
+
+struct Inner {
+    store: Store,
+    config: CacheConfig,
+    tables: Mutex<HashMap<Digest, Arc<ChunkTable>>>,
+    memory: Mutex<Memory>,
+    disk: Option<Arc<DiskCache>>,
+    inflight: Mutex<HashMap<ChunkId, watch::Receiver<Shared>>>,
+    last_end: Mutex<HashMap<Digest, u64>>,
+    counters: Counters,
+    demand_active: AtomicUsize,
+    demand_idle: Notify,
+    prefetch_gate: Semaphore,
+    base: CacheStats,
+}
+
+/// The two-level chunk cache over a store.
+#[derive(Clone)]
+pub struct ChunkCache {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for ChunkCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChunkCache")
+            .field("backend", &self.inner.store.backend().to_string())
+            .field("config", &self.inner.config)
+            .finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // Every critical section below leaves its data consistent between statements.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl ChunkCache {
+    /// A cache over `store` (opens level 2, if configured, and recovers its index).
+    pub async fn open(store: Store, config: CacheConfig) -> Result<Self> {
+        let disk = match config.disk.clone() {
+            Some(dc) => Some(Arc::new(
+                tokio::task::spawn_blocking(move || DiskCache::open(dc))
+                    .await
+                    .map_err(|e| Error::io("open", "disk cache", std::io::Error::other(e)))??,
+            )),
+            None => None,
+        };
+        let base = match &config.stats_file {
+            Some(p) => match std::fs::read(p) {
+                Ok(b) => serde_json::from_slice(&b).unwrap_or_default(),
+                Err(_) => CacheStats::default(),
+            },
+            None => CacheStats::default(),
+        };
+        Ok(Self {
+            inner: Arc::new(Inner {
+                store,
+                prefetch_gate: Semaphore::new(config.prefetch_concurrency.max(1)),
+                config,
+                tables: Mutex::new(HashMap::new()),
+                memory: Mutex::new(Memory {
+                    lru: lru::LruCache::unbounded(),
+                    bytes: 0,
+                }),
+                disk,
+                inflight: Mutex::new(HashMap::new()),
+                last_end: Mutex::new(HashMap::new()),
+                counters: Counters::default(),
+                demand_active: AtomicUsize::new(0),
+                demand_idle: Notify::new(),
+                base,
+            }),
+        })
+    }
+
+    /// Load (once) and return the chunk table of `blob`.
+    pub async fn register(&self, blob: &Digest) -> Result<Arc<ChunkTable>> {
+        if let Some(t) = lock(&self.inner.tables).get(blob) {
+            return Ok(t.clone());
+        }
+        let table = Arc::new(self.inner.store.chunk_table(blob).await?);
+        lock(&self.inner.tables).insert(*blob, table.clone());
+        Ok(table)
+    }
+
+    /// The uncompressed size of `blob`.
+    pub async fn blob_size(&self, blob: &Digest) -> Result<u64> {
+        Ok(self.register(blob).await?.blob_size)
+    }
+
+    /// Read `len` bytes of `blob` at `offset` (fewer only at the end of the blob).
+    pub async fn read(&self, blob: &Digest, offset: u64, len: u64) -> Result<Bytes> {
+        let started = Instant::now();
+        let table = self.register(blob).await?;
+        if offset > table.blob_size {
+            return Err(Error::InvalidRange {
+                backend: self.inner.store.backend().to_string(),
+                key: blob_key(blob),
+                start: offset,
+                end: offset.saturating_add(len),
+                size: table.blob_size,
+            });
+        }
+        let end = offset.saturating_add(len).min(table.blob_size);
+        if end == offset {
+            return Ok(Bytes::new());
+        }
+        let first = offset / table.chunk_size;
+        let last = (end - 1) / table.chunk_size;
+        let chunks = self
+            .inner
+            .get_chunks(&table, first..last + 1, Priority::Demand)
+            .await?;
+
+        // Sequential detection and readahead.
+        let sequential = {
+            let mut last_end = lock(&self.inner.last_end);
+            let seq = last_end.get(blob) == Some(&offset) && offset > 0;
+            last_end.insert(*blob, end);
+            seq
+        };
+        if sequential && self.inner.config.readahead_bytes > 0 {
+            let ra_chunks = self.inner.config.readahead_bytes.div_ceil(table.chunk_size);
+            let ra = (last + 1)..(last + 1 + ra_chunks).min(table.chunk_count());
+            if !ra.is_empty() {
+                let inner = self.inner.clone();
+                let t = table.clone();
+                tokio::spawn(async move {
+                    let _ = inner.get_chunks(&t, ra, Priority::Readahead).await;
+                });
+            }
+        }
+
+        let out = if chunks.len() == 1 {
+            let base = first * table.chunk_size;
+            chunks[0].slice((offset - base) as usize..(end - base) as usize)
+        } else {
+            let mut out = BytesMut::with_capacity((end - offset) as usize);
+            for (i, c) in chunks.iter().enumerate() {
+                let r = table.chunk_range(first + i as u64);
+                let s = offset.max(r.start) - r.start;
+                let e = end.min(r.end) - r.start;
+                out.extend_from_slice(&c[s as usize..e as usize]);
+            }
+            out.freeze()
+        };
+        let c = &self.inner.counters;
+        add(&c.bytes_read, out.len() as u64);
+        let us = started.elapsed().as_micros() as u64;
+        let bucket = (64 - us.leading_zeros() as usize).min(LATENCY_BUCKETS - 1);
+        add(&c.latency[bucket], 1);
+        Ok(out)
+    }
+
+    /// Fetch the chunks covering `ranges` of `blob` in the background, at a lower priority
+    /// than demand reads. The handle resolves when they are cached (or failed).
+    pub fn prefetch(&self, blob: Digest, ranges: Vec<Range<u64>>) -> tokio::task::JoinHandle<Result<()>> {
+        let this = self.clone();
+        tokio::spawn(async move {
+            let table = this.register(&blob).await?;
+            for r in ranges {
+                if r.start >= table.blob_size || r.is_empty() {
+                    continue;
+                }
+                let end = r.end.min(table.blob_size);
+                let chunks = (r.start / table.chunk_size)..((end - 1) / table.chunk_size + 1);
+                this.inner.get_chunks(&table, chunks, Priority::Prefetch).await?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Counters so far (cumulative across runs when a stats file is configured).
+    pub fn stats(&self) -> CacheStats {
+        let c = &self.inner.counters;
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let b = &self.inner.base;
+        let disk = self.inner.disk.as_ref().map(|d| d.stats());
+        let (memory_bytes, _) = {
+            let m = lock(&self.inner.memory);
+            (m.bytes, m.lru.len())
+        };
+        let mut latency = vec![0u64; LATENCY_BUCKETS];
+        for (i, l) in latency.iter_mut().enumerate() {
+            *l = g(&c.latency[i]) + b.read_latency_us.get(i).copied().unwrap_or(0);
+        }
+        let hits_memory = b.hits_memory + g(&c.hits_memory);
+        let hits_disk = b.hits_disk + g(&c.hits_disk);
+        let evictions_memory = b.evictions_memory + g(&c.evictions_memory);
+        CacheStats {
+            hits: hits_memory + hits_disk,
+            hits_memory,
+            hits_disk,
+            misses: b.misses + g(&c.misses),
+            bytes_read: b.bytes_read + g(&c.bytes_read),
+            bytes_fetched: b.bytes_fetched + g(&c.bytes_fetched),
+            backend_requests: b.backend_requests + g(&c.backend_requests),
+            coalesced_chunks: b.coalesced_chunks + g(&c.coalesced_chunks),
+            evictions: evictions_memory + disk.map_or(0, |d| d.evictions),
+            evictions_memory,
+            verify_failures: b.verify_failures + g(&c.verify_failures),
+            corrupt_errors: b.corrupt_errors + g(&c.corrupt_errors),
+            backend_errors: b.backend_errors + g(&c.backend_errors),
+            readahead_chunks: b.readahead_chunks + g(&c.readahead_chunks),
+            prefetch_chunks: b.prefetch_chunks + g(&c.prefetch_chunks),
+            read_latency_us: latency,
+            memory_bytes,
+            memory_capacity: self.inner.config.memory_bytes,
+            disk,
+        }
+    }
+
+    /// Persist level 2's recency and the cumulative counters.
+    pub async fn flush(&self) -> Result<()> {
+        if let Some(d) = self.inner.disk.clone() {
+            tokio::task::spawn_blocking(move || d.flush())
+                .await
+                .map_err(|e| Error::io("flush", "disk cache", std::io::Error::other(e)))??;
+        }
+        if let Some(p) = &self.inner.config.stats_file {
+            let mut s = self.stats();
+            s.disk = None;
+            let tmp = p.with_extension("json.tmp");
+            let body = serde_json::to_vec_pretty(&s).unwrap_or_default();
+            std::fs::write(&tmp, body).map_err(|e| Error::io("write", &tmp, e))?;
+            std::fs::rename(&tmp, p).map_err(|e| Error::io("rename", p, e))?;
+        }
+        Ok(())
+    }
+}
+
+/// Holds the demand-in-flight count up while a demand fetch runs.
+struct DemandGuard<'a>(&'a Inner);
+
+impl Drop for DemandGuard<'_> {
+    fn drop(&mut self) {
+        if self.0.demand_active.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.demand_idle.notify_waiters();
+        }
+    }
+}
+
+impl Inner {
+    fn memory_get(&self, id: &ChunkId) -> Option<Bytes> {
+        lock(&self.memory).lru.get(id).cloned()
+    }
+
+    fn memory_put(&self, id: ChunkId, data: Bytes) {
+        let cap = self.config.memory_bytes;
+        if data.len() as u64 > cap {
+            return;
+        }
+        let mut m = lock(&self.memory);
+        if m.lru.contains(&id) {
+            return;
+        }
+        m.bytes += data.len() as u64;
+        m.lru.put(id, data);
+        while m.bytes > cap {
+            match m.lru.pop_lru() {
+                Some((_, old)) => {
+                    m.bytes -= old.len() as u64;
+                    add(&self.counters.evictions_memory, 1);
+                }
+                None => break,
+            }
+        }
+    }
+
+    fn verify(table: &ChunkTable, index: u64, data: &[u8]) -> bool {
+        let r = table.chunk_range(index);
+        data.len() as u64 == r.end - r.start
+            && table.digests.get(index as usize) == Some(&Digest::of(data))
+    }
+
+    /// The chunks `range` of `table`'s blob, in order.
+    async fn get_chunks(
+        self: &Arc<Self>,
+        table: &Arc<ChunkTable>,
+        range: Range<u64>,
+        priority: Priority,
+    ) -> Result<Vec<Bytes>> {
+        let n = (range.end - range.start) as usize;
+        let mut found: Vec<Option<Bytes>> = vec![None; n];
+        let id = |i: u64| ChunkId {
+            blob: table.blob,
+            index: i,
+        };
+        let mut missing = Vec::new();
+        for i in range.clone() {
+            match self.memory_get(&id(i)) {
+                Some(b) => {
+                    if priority == Priority::Demand {
+                        add(&self.counters.hits_memory, 1);
+                    }
+                    found[(i - range.start) as usize] = Some(b);
+                }
+                None => missing.push(i),
+            }
+        }
+        if !missing.is_empty() {
+            if let Some(disk) = self.disk.clone() {
+                let ids: Vec<ChunkId> = missing.iter().map(|&i| id(i)).collect();
+                let got = tokio::task::spawn_blocking(move || {
+                    ids.iter()
+                        .map(|c| (*c, disk.get(c)))
+                        .collect::<Vec<_>>()
+                })
+                .await
+                .map_err(|e| Error::io("read", "disk cache", std::io::Error::other(e)))?;
+                let mut still = Vec::new();
+                for (cid, r) in got {
+                    match r {
+                        Ok(Some(data)) if Self::verify(table, cid.index, &data) => {
+                            if priority == Priority::Demand {
+                                add(&self.counters.hits_disk, 1);
+                            }
+                            self.memory_put(cid, data.clone());
+                            found[(cid.index - range.start) as usize] = Some(data);
+                        }
+                        Ok(Some(_)) => {
+                            // Damaged on local disk: never served; dropped and refetched.
+                            add(&self.counters.verify_failures, 1);
+                            tracing::warn!(blob = %cid.blob, chunk = cid.index, "chunk on local disk does not match its digest; dropped");
+                            if let Some(d) = self.disk.clone() {
+                                let _ = tokio::task::spawn_blocking(move || d.drop_corrupt(&cid)).await;
+                            }
+                            still.push(cid.index);
+                        }
+                        Ok(None) => still.push(cid.index),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "disk cache read failed; fetching from the backend");
+                            still.push(cid.index);
+                        }
+                    }
+                }
+                missing = still;
+            }
+        }
+        if missing.is_empty() {
+            return Ok(found.into_iter().flatten().collect());
+        }
+        match priority {
+            Priority::Demand => add(&self.counters.misses, missing.len() as u64),
+            Priority::Readahead => add(&self.counters.readahead_chunks, missing.len() as u64),
+            Priority::Prefetch => add(&self.counters.prefetch_chunks, missing.len() as u64),
+        }
+
+        // Join fetches in flight; claim the rest.
+        let mut waits: Vec<(u64, watch::Receiver<Shared>)> = Vec::new();
+        let mut claimed: Vec<(u64, watch::Sender<Shared>)> = Vec::new();
+        {
+            let mut inflight = lock(&self.inflight);
+            for &i in &missing {
+                match inflight.get(&id(i)) {
+                    Some(rx) => waits.push((i, rx.clone())),
+                    None => {
+                        let (tx, rx) = watch::channel(None);
+                        inflight.insert(id(i), rx.clone());
+                        waits.push((i, rx));
+                        claimed.push((i, tx));
+                    }
+                }
+            }
+        }
+
+        // Claimed chunks: runs of adjacent indices, each at most max_request_bytes.
+        let per_request = (self.config.max_request_bytes / table.chunk_size).max(1) as usize;
+        let mut runs: Vec<Vec<(u64, watch::Sender<Shared>)>> = Vec::new();
+        for (i, tx) in claimed {
+            match runs.last_mut() {
+                Some(run) if run.len() < per_request && run.last().map(|(j, _)| j + 1) == Some(i) => {
+                    run.push((i, tx))
+                }
+                _ => runs.push(vec![(i, tx)]),
+            }
+        }
+        for run in runs {
+            let inner = self.clone();
+            let table = table.clone();
+            tokio::spawn(async move { inner.fetch_run(table, run, priority).await });
+        }
+
+        for (i, mut rx) in waits {
+            let r = rx
+                .wait_for(|v| v.is_some())
+                .await
+                .map_err(|_| {
+                    Error::io("fetch", blob_key(&table.blob), std::io::Error::other("fetch task ended without a result"))
+                })?
+                .clone();
+            match r {
+                Some(Ok(b)) => found[(i - range.start) as usize] = Some(b),
+                Some(Err(e)) => return Err(Error::Shared(e)),
+                // `wait_for` returned only once the value was set.
+                None => {
+                    return Err(Error::io(
+                        "fetch",
+                        blob_key(&table.blob),
+                        std::io::Error::other("fetch finished without a result"),
+                    ))
+                }
+            }
+        }
+        Ok(found.into_iter().flatten().collect())
+    }
+
+    /// Fetch one run of adjacent chunks with one backend request, verify, keep, publish.
+    async fn fetch_run(
+        self: Arc<Self>,
+        table: Arc<ChunkTable>,
+        run: Vec<(u64, watch::Sender<Shared>)>,
+        priority: Priority,
+    ) {
+        let _demand = if priority == Priority::Demand {
+            self.demand_active.fetch_add(1, Ordering::AcqRel);
+            Some(DemandGuard(&self))
+        } else {
+            None
+        };
+        let _permit = if priority == Priority::Demand {
+            None
+        } else {
+            // Lower priority: wait until no demand fetch is in flight.
+            loop {
+                let idle = self.demand_idle.notified();
+                if self.demand_active.load(Ordering::Acquire) == 0 {
+                    break;
+                }
+                idle.await;
+            }
+            self.prefetch_gate.acquire().await.ok()
+        };
+        let first = run[0].0;
+        let last = run[run.len() - 1].0;
+        let span = table.chunk_range(first).start..table.chunk_range(last).end;
+        let results = match self.request(&table, span.clone(), run.len() as u64).await {
+            Ok(body) => {
+                let mut out = Vec::with_capacity(run.len());
+                for (i, _) in &run {
+                    let r = table.chunk_range(*i);
+                    let data = body.slice((r.start - span.start) as usize..(r.end - span.start) as usize);
+                    out.push(self.accept(&table, *i, data).await);
+                }
+                out
+            }
+            Err(e) => {
+                add(&self.counters.backend_errors, 1);
+                let e = Arc::new(e);
+                run.iter().map(|_| Err(e.clone())).collect()
+            }
+        };
+        {
+            let mut inflight = lock(&self.inflight);
+            for (i, _) in &run {
+                inflight.remove(&ChunkId {
+                    blob: table.blob,
+                    index: *i,
+                });
+            }
+        }
+        for ((_, tx), r) in run.into_iter().zip(results) {
+            let _ = tx.send(Some(r));
+        }
+    }
+
+    /// One ranged backend request with retries; the body must be exactly the range.
+    async fn request(&self, table: &ChunkTable, span: Range<u64>, chunks: u64) -> Result<Bytes> {
+        let key = blob_key(&table.blob);
+        let backend = self.store.backend().clone();
+        let name = backend.to_string();
+        let ctx = RetryContext {
+            backend: &name,
+            op: "get",
+            key: &key,
+        };
+        let want = span.end - span.start;
+        self.config
+            .retry
+            .run(ctx, |_| {
+                let backend = backend.clone();
+                let span = span.clone();
+                let key = key.clone();
+                let name = name.clone();
+                async move {
+                    add(&self.counters.backend_requests, 1);
+                    add(&self.counters.coalesced_chunks, chunks);
+                    let body = backend.get_range(&key, span.clone()).await?;
+                    add(&self.counters.bytes_fetched, body.len() as u64);
+                    if body.len() as u64 != want {
+                        // A short body is a transient fault (a cut connection), not corruption.
+                        return Err(Error::Backend {
+                            backend: name,
+                            op: "get",
+                            key,
+                            attempts: 1,
+                            message: format!("short read: {} of {want} bytes at {}", body.len(), span.start),
+                            transient: true,
+                            source: None,
+                        });
+                    }
+                    Ok(body)
+                }
+            })
+            .await
+    }
+
+    /// Verify a fetched chunk (refetching it alone once on a mismatch) and keep it.
+    async fn accept(&self, table: &Arc<ChunkTable>, index: u64, data: Bytes) -> std::result::Result<Bytes, Arc<Error>> {
+        let data = if Self::verify(table, index, &data) {
+            data
+        } else {
+            add(&self.counters.verify_failures, 1);
+            tracing::warn!(blob = %table.blob, chunk = index, "fetched chunk does not match its digest; refetching");
+            let again = self
+                .request(table, table.chunk_range(index), 1)
+                .await
+                .map_err(Arc::new)?;
+            if !Self::verify(table, index, &again) {
+                add(&self.counters.verify_failures, 1);
+                add(&self.counters.corrupt_errors, 1);
+                return Err(Arc::new(Error::Corrupt {
+                    blob: table.blob.to_hex(),
+                    chunk: index,
+                }));
+            }
+            again
+        };
+        let id = ChunkId {
+            blob: table.blob,
+            index,
+        };
+        // Own the bytes: a slice would pin the whole coalesced request in memory.
+        let data = Bytes::copy_from_slice(&data);
+        self.memory_put(id, data.clone());
+        if let Some(disk) = self.disk.clone() {
+            let d = data.clone();
+            let r = tokio::task::spawn_blocking(move || disk.put(&id, &d)).await;
+            if let Ok(Err(e)) = r {
+                tracing::warn!(error = %e, "could not keep a chunk on local disk");
+            }
+        }
+        Ok(data)
+    }
+}
+

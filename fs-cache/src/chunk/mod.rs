@@ -1,0 +1,25 @@
+//! The 256 KiB chunk cache: every read on a node goes through it.
+//!
+//! - [`table`]: the chunk table of a blob (per-chunk blake3 digests), its byte layout, and how
+//!   it is built while a blob is stored.
+//! - [`disk`]: level 2, chunk files on local disk with a RocksDB index that survives restarts.
+//! - [`cache`]: the cache itself: level 1 in memory, misses coalesced into ranged backend
+//!   requests, concurrent misses shared, every chunk verified before it is kept or served.
+
+pub mod cache;
+pub mod disk;
+pub mod table;
+
+pub use cache::{CacheConfig, CacheStats, ChunkCache};
+
+use crate::store::Digest;
+
+/// The fixed chunk size: 256 KiB, in the uncompressed address space of a blob.
+pub const CHUNK_SIZE: u64 = 256 << 10;
+
+/// One chunk of one blob.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ChunkId {
+    pub blob: Digest,
+    pub index: u64,
+}

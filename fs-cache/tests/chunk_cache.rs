@@ -1,0 +1,313 @@
+//! The chunk cache against a real store (in-memory backend behind the fault-injecting wrapper,
+//! and level 2 on real local disk).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use fs_cache::chunk::disk::DiskCacheConfig;
+use fs_cache::chunk::{CacheConfig, ChunkCache, CHUNK_SIZE};
+use fs_cache::{Backend, Digest, Error, FaultConfig, FaultyBackend, MemoryBackend, RetryPolicy, Store};
+
+const MIB: u64 = 1 << 20;
+
+fn data(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| ((i as u64).wrapping_mul(2654435761) >> 13) as u8 ^ seed)
+        .collect()
+}
+
+struct Fixture {
+    faulty: Arc<FaultyBackend>,
+    store: Store,
+    blob: Digest,
+    bytes: Vec<u8>,
+}
+
+async fn fixture(len: usize) -> Fixture {
+    let mem: Arc<dyn Backend> = Arc::new(MemoryBackend::new());
+    let bytes = data(1, len);
+    let blob = Store::new(mem.clone())
+        .put_blob(Bytes::from(bytes.clone()))
+        .await
+        .unwrap()
+        .digest;
+    let faulty = Arc::new(FaultyBackend::new(mem, 7));
+    let store = Store::new(faulty.clone());
+    Fixture {
+        faulty,
+        store,
+        blob,
+        bytes,
+    }
+}
+
+fn quick_retry() -> RetryPolicy {
+    RetryPolicy {
+        max_attempts: 3,
+        initial_backoff: Duration::from_millis(1),
+        max_backoff: Duration::from_millis(5),
+        deadline: Duration::from_secs(2),
+        attempt_timeout: Duration::from_secs(2),
+    }
+}
+
+fn memory_only(memory_bytes: u64) -> CacheConfig {
+    CacheConfig {
+        memory_bytes,
+        readahead_bytes: 0,
+        retry: quick_retry(),
+        ..CacheConfig::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reads_return_exactly_the_requested_bytes() {
+    let f = fixture((3 * CHUNK_SIZE + 12345) as usize).await;
+    let cache = ChunkCache::open(f.store.clone(), memory_only(64 * MIB)).await.unwrap();
+    let size = f.bytes.len() as u64;
+    for (off, len) in [
+        (0, 1),
+        (0, size),
+        (CHUNK_SIZE - 3, 6),
+        (size - 10, 100),
+        (size, 5),
+        (12345, 2 * CHUNK_SIZE),
+        (3 * CHUNK_SIZE, CHUNK_SIZE),
+    ] {
+        let got = cache.read(&f.blob, off, len).await.unwrap();
+        let end = (off + len).min(size);
+        assert_eq!(&got[..], &f.bytes[off as usize..end as usize], "{off}+{len}");
+    }
+    let e = cache.read(&f.blob, size + 1, 1).await.unwrap_err();
+    assert!(matches!(e, Error::InvalidRange { .. }), "{e}");
+    let s = cache.stats();
+    assert_eq!(s.misses, 4, "each chunk fetched once: {s:?}");
+    assert!(s.hits > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixty_four_concurrent_readers_of_one_chunk_make_one_request() {
+    let f = fixture((2 * CHUNK_SIZE) as usize).await;
+    f.faulty.update(|c| c.latency = Duration::from_millis(100));
+    let cache = ChunkCache::open(f.store.clone(), memory_only(64 * MIB)).await.unwrap();
+    cache.register(&f.blob).await.unwrap();
+    f.faulty.reset_stats();
+    let readers = (0..64u64).map(|i| {
+        let cache = cache.clone();
+        let blob = f.blob;
+        tokio::spawn(async move { cache.read(&blob, i * 1000, 4096).await.unwrap() })
+    });
+    for (i, r) in futures::future::join_all(readers).await.into_iter().enumerate() {
+        let got = r.unwrap();
+        let off = i * 1000;
+        assert_eq!(&got[..], &f.bytes[off..off + 4096]);
+    }
+    assert_eq!(f.faulty.stats().gets, 1, "{:?}", f.faulty.stats());
+    assert_eq!(cache.stats().backend_requests, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_sequential_4_mib_read_is_one_request() {
+    let f = fixture((8 * MIB) as usize).await;
+    let cache = ChunkCache::open(f.store.clone(), memory_only(64 * MIB)).await.unwrap();
+    cache.register(&f.blob).await.unwrap();
+    f.faulty.reset_stats();
+    let got = cache.read(&f.blob, 0, 4 * MIB).await.unwrap();
+    assert_eq!(&got[..], &f.bytes[..(4 * MIB) as usize]);
+    assert_eq!(f.faulty.stats().gets, 1);
+    let s = cache.stats();
+    assert_eq!((s.backend_requests, s.coalesced_chunks), (1, 16));
+    assert_eq!(s.bytes_fetched, 4 * MIB);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sequential_small_reads_trigger_bounded_readahead() {
+    let f = fixture((8 * MIB) as usize).await;
+    let config = CacheConfig {
+        readahead_bytes: MIB,
+        ..memory_only(64 * MIB)
+    };
+    let cache = ChunkCache::open(f.store.clone(), config).await.unwrap();
+    cache.register(&f.blob).await.unwrap();
+    f.faulty.reset_stats();
+    let mut off = 0;
+    while off < 8 * MIB {
+        let got = cache.read(&f.blob, off, 64 << 10).await.unwrap();
+        assert_eq!(&got[..], &f.bytes[off as usize..(off + (64 << 10)) as usize]);
+        off += 64 << 10;
+        tokio::task::yield_now().await;
+    }
+    let s = cache.stats();
+    // 32 chunks were read; readahead fetched most of them before they were asked for, in
+    // requests of several chunks.
+    assert!(s.readahead_chunks > 16, "{s:?}");
+    assert!(s.backend_requests < 32, "{s:?}");
+    // Bounded: never more than the blob, nothing fetched twice.
+    assert!(s.bytes_fetched <= 8 * MIB, "{s:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn memory_usage_stays_bounded_reading_three_times_capacity() {
+    let f = fixture((12 * MIB) as usize).await;
+    let cap = 4 * MIB;
+    let cache = ChunkCache::open(f.store.clone(), memory_only(cap)).await.unwrap();
+    let mut off = 0;
+    while off < 12 * MIB {
+        let got = cache.read(&f.blob, off, 300_000).await.unwrap();
+        let end = (off + 300_000).min(12 * MIB);
+        assert_eq!(&got[..], &f.bytes[off as usize..end as usize]);
+        assert!(cache.stats().memory_bytes <= cap, "{:?}", cache.stats());
+        off += 300_000;
+    }
+    let s = cache.stats();
+    assert!(s.evictions_memory >= 32, "{s:?}");
+    assert!(s.memory_bytes <= cap);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn corruption_in_the_backend_is_refetched_then_reported() {
+    let f = fixture((2 * CHUNK_SIZE) as usize).await;
+    let cache = ChunkCache::open(f.store.clone(), memory_only(64 * MIB)).await.unwrap();
+    cache.register(&f.blob).await.unwrap();
+
+    // Every body damaged: the refetch fails too, and the read reports which chunk.
+    f.faulty.set(FaultConfig {
+        bitflip_rate: 1.0,
+        ..Default::default()
+    });
+    let e = cache.read(&f.blob, 10, 100).await.unwrap_err();
+    assert!(e.to_string().contains("corrupt chunk 0"), "{e}");
+    let s = cache.stats();
+    assert_eq!((s.verify_failures, s.corrupt_errors), (2, 1), "{s:?}");
+
+    // One damaged body: the chunk is refetched alone and served correctly.
+    f.faulty.set(FaultConfig::default());
+    f.faulty.update(|c| c.bitflip_rate = 1.0);
+    let first = cache.read(&f.blob, CHUNK_SIZE, 10);
+    // Turn damage off right after the first request has been issued.
+    let faulty = f.faulty.clone();
+    let switch = async move {
+        tokio::time::sleep(Duration::from_millis(0)).await;
+        faulty.set(FaultConfig::default());
+    };
+    let (got, ()) = futures::future::join(first, switch).await;
+    match got {
+        Ok(b) => assert_eq!(&b[..], &f.bytes[CHUNK_SIZE as usize..CHUNK_SIZE as usize + 10]),
+        Err(e) => assert!(matches!(e, Error::Shared(_)), "{e}"),
+    }
+    // And the cache is usable afterwards, serving only verified bytes.
+    let got = cache.read(&f.blob, 0, 2 * CHUNK_SIZE).await.unwrap();
+    assert_eq!(&got[..], &f.bytes[..]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn truncated_bodies_and_errors_are_retried() {
+    let f = fixture((2 * CHUNK_SIZE) as usize).await;
+    let cache = ChunkCache::open(f.store.clone(), memory_only(64 * MIB)).await.unwrap();
+    cache.register(&f.blob).await.unwrap();
+    f.faulty.update(|c| c.fail_next = 2);
+    let got = cache.read(&f.blob, 0, 100).await.unwrap();
+    assert_eq!(&got[..], &f.bytes[..100]);
+
+    // A backend that keeps failing: a clear error for this read only.
+    f.faulty.update(|c| c.error_rate = 1.0);
+    let e = cache.read(&f.blob, CHUNK_SIZE, 100).await.unwrap_err();
+    assert!(e.to_string().contains("injected"), "{e}");
+    // The cache survives: cached data still served, and the backend's recovery is used.
+    assert_eq!(&cache.read(&f.blob, 0, 100).await.unwrap()[..], &f.bytes[..100]);
+    f.faulty.set(FaultConfig::default());
+    let got = cache.read(&f.blob, CHUNK_SIZE, 100).await.unwrap();
+    assert_eq!(&got[..], &f.bytes[CHUNK_SIZE as usize..CHUNK_SIZE as usize + 100]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn prefetch_fills_the_cache() {
+    let f = fixture((4 * MIB) as usize).await;
+    let cache = ChunkCache::open(f.store.clone(), memory_only(64 * MIB)).await.unwrap();
+    cache
+        .prefetch(f.blob, vec![0..MIB, 3 * MIB..3 * MIB + 10])
+        .await
+        .unwrap()
+        .unwrap();
+    let before = cache.stats();
+    assert_eq!(before.prefetch_chunks, 5);
+    cache.read(&f.blob, 0, MIB).await.unwrap();
+    cache.read(&f.blob, 3 * MIB, 10).await.unwrap();
+    let after = cache.stats();
+    assert_eq!(after.misses, 0, "{after:?}");
+    assert_eq!(after.backend_requests, before.backend_requests);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn level_two_survives_a_restart_and_drops_damaged_chunks() {
+    let f = fixture((4 * MIB) as usize).await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = || CacheConfig {
+        disk: Some(DiskCacheConfig {
+            dir: dir.path().join("cache"),
+            capacity: 64 * MIB,
+        }),
+        ..memory_only(MIB)
+    };
+    {
+        let cache = ChunkCache::open(f.store.clone(), config()).await.unwrap();
+        let got = cache.read(&f.blob, 0, 4 * MIB).await.unwrap();
+        assert_eq!(&got[..], &f.bytes[..]);
+        cache.flush().await.unwrap();
+    }
+    // After a restart, with the backend down, everything is served from local disk.
+    f.faulty.update(|c| {
+        c.error_rate = 1.0;
+        c.permanent = true;
+    });
+    let cache = ChunkCache::open(f.store.clone(), config()).await.unwrap();
+    cache.register(&f.blob).await.ok();
+    // The table is fetched from the backend: load it before the backend goes down.
+    f.faulty.set(FaultConfig::default());
+    cache.register(&f.blob).await.unwrap();
+    f.faulty.update(|c| {
+        c.error_rate = 1.0;
+        c.permanent = true;
+    });
+    let got = cache.read(&f.blob, 0, 4 * MIB).await.unwrap();
+    assert_eq!(&got[..], &f.bytes[..]);
+    let s = cache.stats();
+    assert_eq!(s.hits_disk, 16, "{s:?}");
+    assert_eq!(s.misses, 0);
+    drop(cache);
+
+    // Damage one chunk file on disk: it is detected, dropped and refetched, never served.
+    let mut damaged = 0;
+    for entry in walk(&dir.path().join("cache")) {
+        let name = entry.file_name().unwrap().to_string_lossy().into_owned();
+        if name.starts_with(&f.blob.to_hex()) && name.ends_with(".3") {
+            let mut bytes = std::fs::read(&entry).unwrap();
+            bytes[100] ^= 0x40;
+            std::fs::write(&entry, bytes).unwrap();
+            damaged += 1;
+        }
+    }
+    assert_eq!(damaged, 1, "found the file of chunk 3");
+    f.faulty.set(FaultConfig::default());
+    let cache = ChunkCache::open(f.store.clone(), config()).await.unwrap();
+    let got = cache.read(&f.blob, 0, 4 * MIB).await.unwrap();
+    assert_eq!(&got[..], &f.bytes[..]);
+    let s = cache.stats();
+    assert_eq!((s.verify_failures, s.misses, s.hits_disk), (1, 1, 15), "{s:?}");
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                out.extend(walk(&p));
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
