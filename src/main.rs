@@ -3,6 +3,8 @@
 //! Every command takes `--store URL` (default: `$STRATA_HOME/store`, with `STRATA_HOME`
 //! defaulting to `~/.local/share/strata`) and `--json` for machine-readable output.
 
+mod cache_cmd;
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -28,6 +30,8 @@ struct Cli {
     /// Machine-readable output (JSON) instead of tables.
     #[arg(long, global = true)]
     json: bool,
+    #[command(flatten)]
+    cache: cache_cmd::CacheOpts,
     #[command(subcommand)]
     command: Command,
 }
@@ -40,6 +44,9 @@ enum Command {
     /// Versioned layers (KIND/NAME:VERSION).
     #[command(subcommand)]
     Layer(LayerCmd),
+    /// The node's chunk cache.
+    #[command(subcommand)]
+    Cache(CacheCmd),
     /// Remove blobs that no layer references (never blobs younger than --grace).
     Gc {
         /// Keep unreferenced blobs uploaded or leased within this period (e.g. 1h, 30m).
@@ -72,6 +79,23 @@ enum BlobCmd {
     },
     /// List stored blobs.
     Ls,
+    /// Read (part of) a blob through the node's chunk cache: only the chunks it covers are
+    /// fetched, each verified against the blob's chunk table.
+    Cat {
+        digest: String,
+        #[arg(long, default_value_t = 0)]
+        offset: u64,
+        #[arg(long)]
+        length: Option<u64>,
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum CacheCmd {
+    /// Counters of the node's chunk cache (cumulative) and its usage.
+    Stats,
 }
 
 #[derive(Subcommand, Debug)]
@@ -87,15 +111,14 @@ enum LayerCmd {
     Push { manifest: PathBuf },
 }
 
-fn default_store() -> Result<String> {
-    let home = match std::env::var_os("STRATA_HOME") {
+fn strata_home() -> Result<PathBuf> {
+    Ok(match std::env::var_os("STRATA_HOME") {
         Some(h) => PathBuf::from(h),
         None => {
             let home = std::env::var_os("HOME").context("neither STRATA_HOME nor HOME is set")?;
             PathBuf::from(home).join(".local/share/strata")
         }
-    };
-    Ok(home.join("store").to_string_lossy().into_owned())
+    })
 }
 
 fn print_json<T: Serialize>(v: &T) -> Result<()> {
@@ -287,9 +310,10 @@ struct LayerRow {
 }
 
 async fn run(cli: Cli) -> Result<()> {
+    let home = strata_home()?;
     let url = match cli.store {
         Some(s) => s,
-        None => default_store()?,
+        None => home.join("store").to_string_lossy().into_owned(),
     };
     let backend = open_backend(&url).await?;
     let store = Store::new(backend);
@@ -301,6 +325,36 @@ async fn run(cli: Cli) -> Result<()> {
         }) => blob_put(&store, &paths, verify, jobs, cli.json).await?,
         Command::Blob(BlobCmd::Get { digest, output }) => {
             blob_get(&store, &digest, output.as_deref()).await?
+        }
+        Command::Blob(BlobCmd::Cat {
+            digest,
+            offset,
+            length,
+            output,
+        }) => {
+            let cache = cache_cmd::open(store.clone(), &cli.cache, &home).await?;
+            let result = match &output {
+                Some(path) => {
+                    let mut f = std::fs::File::create(path)
+                        .with_context(|| format!("create {}", path.display()))?;
+                    cache_cmd::cat(&cache, &digest, offset, length, &mut f).await
+                }
+                None => {
+                    let mut out = std::io::stdout().lock();
+                    cache_cmd::cat(&cache, &digest, offset, length, &mut out).await
+                }
+            };
+            cache.flush().await?;
+            result?;
+        }
+        Command::Cache(CacheCmd::Stats) => {
+            let cache = cache_cmd::open(store.clone(), &cli.cache, &home).await?;
+            let stats = cache.stats();
+            if cli.json {
+                print_json(&stats)?;
+            } else {
+                cache_cmd::print_stats(&stats);
+            }
         }
         Command::Blob(BlobCmd::Ls) => {
             let blobs = store.list_blobs().await?;
@@ -455,6 +509,14 @@ fn main() {
         }
     };
     if let Err(e) = runtime.block_on(run(cli)) {
+        // A reader that went away (`strata ... | head`) is not an error worth a message.
+        let broken_pipe = e.chain().any(|c| {
+            c.downcast_ref::<std::io::Error>()
+                .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+        });
+        if broken_pipe {
+            std::process::exit(141);
+        }
         eprintln!("strata: {e:#}");
         std::process::exit(1);
     }

@@ -33,6 +33,8 @@ pub struct FaultConfig {
     pub truncate_rate: f64,
     /// Probability that a successful read returns a body with one bit flipped.
     pub bitflip_rate: f64,
+    /// The next this-many successful reads return a body with one bit flipped.
+    pub bitflip_next: u32,
 }
 
 /// What the wrapper saw and did.
@@ -193,7 +195,13 @@ impl FaultyBackend {
             s.stats.bytes_read -= (body.len() - keep) as u64;
             return body.slice(..keep);
         }
-        if b > 0.0 && s.rng.f64() < b {
+        let flip_now = if s.config.bitflip_next > 0 {
+            s.config.bitflip_next -= 1;
+            true
+        } else {
+            b > 0.0 && s.rng.f64() < b
+        };
+        if flip_now {
             s.stats.flipped += 1;
             let at = s.rng.usize(..body.len());
             let bit = s.rng.u8(..8);

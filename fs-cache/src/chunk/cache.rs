@@ -102,6 +102,7 @@ pub struct CacheStats {
     pub read_latency_us: Vec<u64>,
     pub memory_bytes: u64,
     pub memory_capacity: u64,
+    #[serde(default, skip_deserializing)]
     pub disk: Option<DiskStats>,
 }
 
@@ -298,7 +299,11 @@ impl ChunkCache {
 
     /// Fetch the chunks covering `ranges` of `blob` in the background, at a lower priority
     /// than demand reads. The handle resolves when they are cached (or failed).
-    pub fn prefetch(&self, blob: Digest, ranges: Vec<Range<u64>>) -> tokio::task::JoinHandle<Result<()>> {
+    pub fn prefetch(
+        &self,
+        blob: Digest,
+        ranges: Vec<Range<u64>>,
+    ) -> tokio::task::JoinHandle<Result<()>> {
         let this = self.clone();
         tokio::spawn(async move {
             let table = this.register(&blob).await?;
@@ -308,7 +313,9 @@ impl ChunkCache {
                 }
                 let end = r.end.min(table.blob_size);
                 let chunks = (r.start / table.chunk_size)..((end - 1) / table.chunk_size + 1);
-                this.inner.get_chunks(&table, chunks, Priority::Prefetch).await?;
+                this.inner
+                    .get_chunks(&table, chunks, Priority::Prefetch)
+                    .await?;
             }
             Ok(())
         })
@@ -446,9 +453,7 @@ impl Inner {
             if let Some(disk) = self.disk.clone() {
                 let ids: Vec<ChunkId> = missing.iter().map(|&i| id(i)).collect();
                 let got = tokio::task::spawn_blocking(move || {
-                    ids.iter()
-                        .map(|c| (*c, disk.get(c)))
-                        .collect::<Vec<_>>()
+                    ids.iter().map(|c| (*c, disk.get(c))).collect::<Vec<_>>()
                 })
                 .await
                 .map_err(|e| Error::io("read", "disk cache", std::io::Error::other(e)))?;
@@ -467,7 +472,8 @@ impl Inner {
                             add(&self.counters.verify_failures, 1);
                             tracing::warn!(blob = %cid.blob, chunk = cid.index, "chunk on local disk does not match its digest; dropped");
                             if let Some(d) = self.disk.clone() {
-                                let _ = tokio::task::spawn_blocking(move || d.drop_corrupt(&cid)).await;
+                                let _ =
+                                    tokio::task::spawn_blocking(move || d.drop_corrupt(&cid)).await;
                             }
                             still.push(cid.index);
                         }
@@ -513,7 +519,9 @@ impl Inner {
         let mut runs: Vec<Vec<(u64, watch::Sender<Shared>)>> = Vec::new();
         for (i, tx) in claimed {
             match runs.last_mut() {
-                Some(run) if run.len() < per_request && run.last().map(|(j, _)| j + 1) == Some(i) => {
+                Some(run)
+                    if run.len() < per_request && run.last().map(|(j, _)| j + 1) == Some(i) =>
+                {
                     run.push((i, tx))
                 }
                 _ => runs.push(vec![(i, tx)]),
@@ -530,7 +538,11 @@ impl Inner {
                 .wait_for(|v| v.is_some())
                 .await
                 .map_err(|_| {
-                    Error::io("fetch", blob_key(&table.blob), std::io::Error::other("fetch task ended without a result"))
+                    Error::io(
+                        "fetch",
+                        blob_key(&table.blob),
+                        std::io::Error::other("fetch task ended without a result"),
+                    )
                 })?
                 .clone();
             match r {
@@ -583,7 +595,8 @@ impl Inner {
                 let mut out = Vec::with_capacity(run.len());
                 for (i, _) in &run {
                     let r = table.chunk_range(*i);
-                    let data = body.slice((r.start - span.start) as usize..(r.end - span.start) as usize);
+                    let data =
+                        body.slice((r.start - span.start) as usize..(r.end - span.start) as usize);
                     out.push(self.accept(&table, *i, data).await);
                 }
                 out
@@ -638,7 +651,11 @@ impl Inner {
                             op: "get",
                             key,
                             attempts: 1,
-                            message: format!("short read: {} of {want} bytes at {}", body.len(), span.start),
+                            message: format!(
+                                "short read: {} of {want} bytes at {}",
+                                body.len(),
+                                span.start
+                            ),
                             transient: true,
                             source: None,
                         });
@@ -650,7 +667,12 @@ impl Inner {
     }
 
     /// Verify a fetched chunk (refetching it alone once on a mismatch) and keep it.
-    async fn accept(&self, table: &Arc<ChunkTable>, index: u64, data: Bytes) -> std::result::Result<Bytes, Arc<Error>> {
+    async fn accept(
+        &self,
+        table: &Arc<ChunkTable>,
+        index: u64,
+        data: Bytes,
+    ) -> std::result::Result<Bytes, Arc<Error>> {
         let data = if Self::verify(table, index, &data) {
             data
         } else {
@@ -687,4 +709,3 @@ impl Inner {
         Ok(data)
     }
 }
-

@@ -1,0 +1,535 @@
+//! Level 2 of the chunk cache on real files: restarts, bounded usage, `kill -9` mid-fill,
+//! corruption behind the cache's back, and a full disk (a small tmpfs; needs root).
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fs_cache::chunk::disk::{DiskCache, DiskCacheConfig};
+use fs_cache::chunk::{ChunkId, CHUNK_SIZE};
+use fs_cache::Digest;
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+
+fn id(seed: &str, index: u64) -> ChunkId {
+    ChunkId {
+        blob: Digest::of(seed.as_bytes()),
+        index,
+    }
+}
+
+/// The bytes of a chunk, derived from its id only (so a fresh process can check them).
+fn content(id: &ChunkId, len: u64) -> Vec<u8> {
+    let mut hasher = blake3::Hasher::new();
+    hasher.update(&id.blob.0);
+    hasher.update(&id.index.to_le_bytes());
+    let mut out = vec![0u8; len as usize];
+    hasher.finalize_xof().fill(&mut out);
+    out
+}
+
+fn open(dir: &Path, capacity: u64) -> DiskCache {
+    match DiskCache::open(DiskCacheConfig {
+        dir: dir.to_path_buf(),
+        capacity,
+    }) {
+        Ok(c) => c,
+        Err(e) => panic!("open {}: {e}", dir.display()),
+    }
+}
+
+fn chunk_file(dir: &Path, id: &ChunkId) -> PathBuf {
+    let hex = id.blob.to_hex();
+    dir.join("chunks")
+        .join(&hex[..2])
+        .join(format!("{hex}.{}", id.index))
+}
+
+#[derive(Debug, Default)]
+struct Usage {
+    bytes: u64,
+    files: u64,
+    tmp_files: u64,
+}
+
+/// Walk `dir/chunks` (tolerating files that vanish during the walk).
+fn usage(dir: &Path) -> Usage {
+    let mut u = Usage::default();
+    let Ok(shards) = fs::read_dir(dir.join("chunks")) else {
+        return u;
+    };
+    for shard in shards.flatten() {
+        let Ok(files) = fs::read_dir(shard.path()) else {
+            continue;
+        };
+        for f in files.flatten() {
+            let Ok(meta) = f.metadata() else { continue };
+            u.bytes += meta.len();
+            u.files += 1;
+            if f.file_name().to_string_lossy().starts_with(".tmp.") {
+                u.tmp_files += 1;
+            }
+        }
+    }
+    u
+}
+
+#[test]
+fn round_trip_and_restart_keep_entries_and_lru_order() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cache");
+    let len = 64 * KIB;
+    let ids: Vec<ChunkId> = (0..5).map(|i| id("restart", i)).collect();
+    {
+        let cache = open(&dir, 4 * len);
+        assert_eq!(cache.get(&ids[0]).unwrap(), None);
+        for c in &ids[..4] {
+            cache.put(c, &content(c, len)).unwrap();
+        }
+        for c in &ids[..4] {
+            assert!(cache.contains(c));
+            assert_eq!(cache.get(c).unwrap().unwrap(), content(c, len));
+        }
+        // A chunk larger than CHUNK_SIZE is refused; an empty one is fine.
+        let big = vec![0u8; CHUNK_SIZE as usize + 1];
+        assert!(cache.put(&id("big", 0), &big).is_err());
+        let s = cache.stats();
+        assert_eq!((s.bytes, s.chunks, s.capacity), (4 * len, 4, 4 * len));
+        assert_eq!(s.evictions, 0);
+    }
+    let cache = open(&dir, 4 * len);
+    let s = cache.stats();
+    assert_eq!((s.bytes, s.chunks, s.recovered_orphans), (4 * len, 4, 0));
+    // Read them newest first: the recency order is now the reverse of the insertion order.
+    for c in ids[..4].iter().rev() {
+        assert_eq!(
+            cache.get(c).unwrap().unwrap(),
+            content(c, len),
+            "after reopen"
+        );
+    }
+    drop(cache);
+    // So after a restart 3 is the least recently used, then 2, 1, 0.
+    let cache = open(&dir, 4 * len);
+    cache.put(&ids[4], &content(&ids[4], len)).unwrap();
+    assert!(
+        !cache.contains(&ids[3]),
+        "the least recently used goes first"
+    );
+    assert!(cache.contains(&ids[2]) && cache.contains(&ids[0]) && cache.contains(&ids[4]));
+    assert!(!chunk_file(&dir, &ids[3]).exists());
+    assert_eq!(cache.stats().evictions, 1);
+    // Capacity shrunk between runs: evicted at open, LRU first (2, then 1).
+    drop(cache);
+    let cache = open(&dir, 2 * len);
+    let s = cache.stats();
+    assert_eq!((s.bytes, s.chunks, s.evictions), (2 * len, 2, 3));
+    assert!(cache.contains(&ids[0]) && cache.contains(&ids[4]));
+    assert_eq!(usage(&dir).files, 2);
+    // A second owner of the directory is refused while the first is open.
+    let second = DiskCache::open(DiskCacheConfig {
+        dir: dir.clone(),
+        capacity: len,
+    });
+    assert!(second.is_err(), "two caches on one directory");
+}
+
+#[test]
+fn usage_stays_under_capacity_while_reading_three_times_capacity() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cache");
+    let capacity = 4 * MIB;
+    let cache = open(&dir, capacity);
+    let stop = Arc::new(AtomicBool::new(false));
+    let max_seen = Arc::new(AtomicU64::new(0));
+    let watcher = {
+        let (stop, max_seen, dir) = (stop.clone(), max_seen.clone(), dir.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                max_seen.fetch_max(usage(&dir).bytes, Ordering::Relaxed);
+            }
+        })
+    };
+    let hot = id("bounded-hot", 0);
+    cache.put(&hot, &content(&hot, CHUNK_SIZE)).unwrap();
+    let n = 3 * capacity / CHUNK_SIZE;
+    let started = Instant::now();
+    for i in 0..n {
+        let c = id("bounded", i);
+        cache.put(&c, &content(&c, CHUNK_SIZE)).unwrap();
+        // Keep one chunk hot: it must survive every eviction.
+        assert!(cache.get(&hot).unwrap().is_some());
+        let s = cache.stats();
+        assert!(s.bytes <= capacity, "stats {s:?}");
+        let u = usage(&dir);
+        assert!(u.bytes <= capacity, "on disk {u:?} after put {i}");
+    }
+    let elapsed = started.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    watcher.join().unwrap();
+    let seen = max_seen.load(Ordering::Relaxed);
+    assert!(seen <= capacity + CHUNK_SIZE, "watcher saw {seen} bytes");
+    let s = cache.stats();
+    assert_eq!(s.bytes, capacity);
+    assert_eq!(s.chunks, capacity / CHUNK_SIZE);
+    assert_eq!(s.evictions, n + 1 - capacity / CHUNK_SIZE);
+    assert!(cache.contains(&hot));
+    for i in n - 15..n {
+        assert!(cache.contains(&id("bounded", i)), "recent chunk {i} kept");
+    }
+    println!(
+        "bounded: {n} puts of 256 KiB in {elapsed:?} ({:?}/put); max on disk seen {seen} (capacity {capacity})",
+        elapsed / n as u32
+    );
+}
+
+const FILLER_ENV: &str = "STRATA_DISK_FILLER_DIR";
+const FILLER_CAPACITY: u64 = MIB;
+const FILLER_SEEDS: [&str; 2] = ["kill9-a", "kill9-b"];
+const FILLER_INDEXES: u64 = 48;
+
+/// The length of a filler chunk: 1 KiB ..= 97 KiB, derived from the id.
+fn filler_len(c: &ChunkId) -> u64 {
+    KIB + (c.index * 7 + u64::from(c.blob.0[0])) % 97 * KIB
+}
+
+/// Not a test on its own: the child process of `kill_9_mid_fill_never_leaves_a_bad_entry`.
+/// It fills the cache from two threads until it is killed.
+#[test]
+fn kill9_filler_child() {
+    let Some(dir) = std::env::var_os(FILLER_ENV) else {
+        return;
+    };
+    let cache = Arc::new(open(Path::new(&dir), FILLER_CAPACITY));
+    let threads: Vec<_> = (0..2u64)
+        .map(|t| {
+            let cache = cache.clone();
+            std::thread::spawn(move || {
+                let mut rng = fastrand::Rng::with_seed(t ^ u64::from(std::process::id()));
+                for op in 0u64.. {
+                    let c = id(FILLER_SEEDS[rng.usize(..2)], rng.u64(..FILLER_INDEXES));
+                    match rng.u8(..10) {
+                        0..=5 => cache.put(&c, &content(&c, filler_len(&c))).unwrap(),
+                        6..=8 => {
+                            if let Some(b) = cache.get(&c).unwrap() {
+                                assert_eq!(b, content(&c, filler_len(&c)), "child read back");
+                            }
+                        }
+                        _ => cache.remove(&c).unwrap(),
+                    }
+                    if op % 64 == 63 {
+                        cache.flush().unwrap();
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
+#[test]
+fn kill_9_mid_fill_never_leaves_a_bad_entry() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cache");
+    let exe = std::env::current_exe().unwrap();
+    let mut rng = fastrand::Rng::new();
+    let mut seen_chunks = 0;
+    for round in 0..6 {
+        let delay = Duration::from_millis(rng.u64(50..=400));
+        let mut child = Command::new(&exe)
+            .args([
+                "kill9_filler_child",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(FILLER_ENV, &dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(delay);
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("filler exited by itself: {status}");
+        }
+        child.kill().unwrap(); // SIGKILL
+        child.wait().unwrap();
+
+        let before = usage(&dir);
+        let cache = open(&dir, FILLER_CAPACITY);
+        let s = cache.stats();
+        let mut found = 0;
+        let mut bytes = 0;
+        for seed in FILLER_SEEDS {
+            for i in 0..FILLER_INDEXES {
+                let c = id(seed, i);
+                if !cache.contains(&c) {
+                    assert!(!chunk_file(&dir, &c).exists(), "unindexed file kept: {c:?}");
+                    continue;
+                }
+                let got = cache.get(&c).unwrap();
+                let got =
+                    got.unwrap_or_else(|| panic!("round {round}: indexed chunk {c:?} unreadable"));
+                assert_eq!(got, content(&c, filler_len(&c)), "round {round}: {c:?}");
+                found += 1;
+                bytes += got.len() as u64;
+            }
+        }
+        let after = usage(&dir);
+        assert_eq!((s.chunks, s.bytes), (found, bytes), "round {round}");
+        assert_eq!((after.files, after.bytes), (found, bytes), "round {round}");
+        assert_eq!(after.tmp_files, 0);
+        assert!(bytes <= FILLER_CAPACITY);
+        let s = cache.stats();
+        assert_eq!(s.dropped_corrupt, 0, "round {round}: {s:?}");
+        println!(
+            "kill -9 round {round} after {delay:?}: {found} chunks / {bytes} bytes intact; \
+             before reopen {} files ({} temporary); {s:?}",
+            before.files, before.tmp_files
+        );
+        seen_chunks += found;
+    }
+    assert!(seen_chunks > 0, "the filler never got to write anything");
+}
+
+#[test]
+fn corrupt_truncated_and_stray_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cache");
+    let len = 32 * KIB;
+    let [a, b, c, d] = [0, 1, 2, 3].map(|i| id("corrupt", i));
+    let cache = open(&dir, MIB);
+    for x in [&a, &b, &c, &d] {
+        cache.put(x, &content(x, len)).unwrap();
+    }
+
+    // Bytes flipped behind the cache's back: served as is (the caller verifies), then dropped.
+    let path = chunk_file(&dir, &a);
+    let mut bytes = fs::read(&path).unwrap();
+    bytes[100] ^= 0xff;
+    fs::write(&path, &bytes).unwrap();
+    let got = cache.get(&a).unwrap().unwrap();
+    assert_ne!(got, content(&a, len));
+    assert_eq!(got.len() as u64, len);
+    cache.drop_corrupt(&a).unwrap();
+    assert!(!cache.contains(&a) && !path.exists());
+    assert_eq!(cache.get(&a).unwrap(), None);
+    assert_eq!(cache.stats().dropped_corrupt, 1);
+    cache.drop_corrupt(&a).unwrap(); // not cached any more: counts nothing
+    cache.remove(&b).unwrap(); // plain remove counts nothing
+    assert!(!cache.contains(&b) && !chunk_file(&dir, &b).exists());
+    assert_eq!(cache.stats().dropped_corrupt, 1);
+
+    // Truncated while open: dropped on get.
+    fs::File::options()
+        .write(true)
+        .open(chunk_file(&dir, &c))
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+    assert_eq!(cache.get(&c).unwrap(), None);
+    assert!(!cache.contains(&c));
+    assert_eq!(cache.stats().dropped_corrupt, 2);
+    // Re-put after a drop works.
+    cache.put(&a, &content(&a, len)).unwrap();
+    assert_eq!(cache.get(&a).unwrap().unwrap(), content(&a, len));
+    let before = cache.stats();
+    drop(cache);
+
+    // Truncated while closed: dropped at open. Plus stray files: a temporary file and an
+    // unindexed chunk file, as a crash leaves them.
+    fs::File::options()
+        .write(true)
+        .open(chunk_file(&dir, &d))
+        .unwrap()
+        .set_len(1)
+        .unwrap();
+    let stray = id("stray", 9);
+    let stray_path = chunk_file(&dir, &stray);
+    fs::write(&stray_path, content(&stray, 10)).unwrap();
+    let tmp_file = stray_path.with_file_name(format!(".tmp.{}.9.1.1", stray.blob));
+    fs::write(&tmp_file, b"partial").unwrap();
+    let cache = open(&dir, MIB);
+    assert!(!cache.contains(&d) && !chunk_file(&dir, &d).exists());
+    assert!(!cache.contains(&stray) && !stray_path.exists() && !tmp_file.exists());
+    let s = cache.stats();
+    assert_eq!(s.dropped_corrupt, before.dropped_corrupt + 1);
+    assert_eq!(s.recovered_orphans, before.recovered_orphans + 2);
+    assert_eq!((s.chunks, s.bytes), (1, len));
+    drop(cache);
+
+    // Garbage in the index (a bad value, a bad key) and an entry whose file is gone: treated
+    // as absent and cleaned at open, never a panic.
+    {
+        let db = rocksdb::DB::open_default(dir.join("index")).unwrap();
+        let mut key = vec![b'c'];
+        key.extend_from_slice(&c.blob.0);
+        key.extend_from_slice(&c.index.to_be_bytes());
+        db.put(&key, b"\x07garbage").unwrap();
+        db.put(b"c-short-key", [1u8; 13]).unwrap();
+        let mut gone = vec![b'c'];
+        gone.extend_from_slice(&d.blob.0);
+        gone.extend_from_slice(&d.index.to_be_bytes());
+        let mut value = vec![1u8];
+        value.extend_from_slice(&(len as u32).to_le_bytes());
+        value.extend_from_slice(&1u64.to_le_bytes());
+        db.put(&gone, &value).unwrap();
+    }
+    let cache = open(&dir, MIB);
+    let s2 = cache.stats();
+    assert_eq!(s2.recovered_orphans, s.recovered_orphans + 3);
+    assert_eq!((s2.chunks, s2.bytes), (1, len));
+    assert!(!cache.contains(&c) && !cache.contains(&d));
+    assert_eq!(cache.get(&a).unwrap().unwrap(), content(&a, len));
+    drop(cache);
+    let s3 = open(&dir, MIB).stats();
+    assert_eq!(
+        s3.recovered_orphans, s2.recovered_orphans,
+        "cleaned for good"
+    );
+}
+
+/// A tmpfs mounted for one test, unmounted even if the test fails.
+struct TmpfsMount {
+    path: PathBuf,
+}
+
+impl TmpfsMount {
+    fn new(path: &Path, size: &str) -> Result<Self, String> {
+        fs::create_dir_all(path).map_err(|e| e.to_string())?;
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(path)
+            .output()
+            .map_err(|e| e.to_string())?;
+        if !out.status.success() {
+            return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+        }
+        Ok(TmpfsMount {
+            path: path.to_path_buf(),
+        })
+    }
+}
+
+impl Drop for TmpfsMount {
+    fn drop(&mut self) {
+        let ok = Command::new("umount")
+            .arg(&self.path)
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            let _ = Command::new("umount").arg("-l").arg(&self.path).status();
+        }
+    }
+}
+
+fn skip_or_fail(why: &str) {
+    if std::env::var("CI").is_ok_and(|v| v == "true") {
+        panic!("disk-full test cannot run under CI: {why}");
+    }
+    eprintln!("\n*** SKIPPED disk_full_turns_into_eviction_or_a_clear_error: {why} ***\n");
+}
+
+fn check_no_space(e: &fs_cache::Error) {
+    let msg = e.to_string().to_lowercase();
+    assert!(
+        msg.contains("no space"),
+        "unclear error on a full disk: {e}"
+    );
+}
+
+#[test]
+fn disk_full_turns_into_eviction_or_a_clear_error() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return skip_or_fail("needs root to mount a tmpfs");
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mnt = tmp.path().join("small");
+    let _mount = match TmpfsMount::new(&mnt, "3m") {
+        Ok(m) => m,
+        Err(e) => return skip_or_fail(&format!("mount tmpfs: {e}")),
+    };
+    let dir = mnt.join("cache");
+    let capacity = 8 * MIB; // more than the disk
+    let len = CHUNK_SIZE;
+    let all: Vec<ChunkId> = (0..60).map(|i| id("enospc", i)).collect();
+    let verify = |cache: &DiskCache| {
+        let mut n = 0;
+        for c in &all {
+            if cache.contains(c) {
+                let got = cache.get(c).unwrap().expect("indexed chunk readable");
+                assert_eq!(got, content(c, len), "{c:?}");
+                n += 1;
+            }
+        }
+        let u = usage(&dir);
+        assert_eq!((u.files, u.tmp_files), (n, 0));
+        assert_eq!(cache.stats().chunks, n);
+        n
+    };
+
+    // 1. The cache alone fills the disk: the free-space check and ENOSPC turn into eviction.
+    let cache = open(&dir, capacity);
+    let (mut ok, mut refused) = (0, 0);
+    for c in &all[..40] {
+        match cache.put(c, &content(c, len)) {
+            Ok(()) => ok += 1,
+            Err(e) => {
+                check_no_space(&e);
+                refused += 1;
+            }
+        }
+        assert!(cache.stats().bytes <= 3 * MIB);
+    }
+    let s = cache.stats();
+    println!("disk full, phase 1: {ok} puts ok, {refused} refused; {s:?}");
+    assert!(ok >= 30, "puts should succeed through eviction");
+    assert!(s.evictions > 0 && s.chunks > 0);
+    drop(cache);
+    let cache = open(&dir, capacity);
+    let n1 = verify(&cache);
+
+    // 2. Someone else fills the disk: puts fail with a clear error or succeed after evicting.
+    let ballast = mnt.join("ballast");
+    {
+        use std::io::Write;
+        let mut f = fs::File::create(&ballast).unwrap();
+        let block = vec![0x55u8; 64 * KIB as usize];
+        while f.write_all(&block).is_ok() {}
+        let _ = f.sync_all();
+    }
+    let (mut ok, mut refused) = (0, 0);
+    for c in &all[40..50] {
+        match cache.put(c, &content(c, len)) {
+            Ok(()) => ok += 1,
+            Err(e) => {
+                check_no_space(&e);
+                refused += 1;
+            }
+        }
+    }
+    let s = cache.stats();
+    println!("disk full, phase 2 (ballast): {ok} puts ok, {refused} refused; {s:?}");
+    assert!(s.enospc > 0, "ENOSPC was met and counted");
+    fs::remove_file(&ballast).unwrap();
+    drop(cache);
+
+    // 3. Space is back: consistent after reopen, and puts work again.
+    let cache = open(&dir, capacity);
+    let n3 = verify(&cache);
+    for c in &all[50..60] {
+        cache.put(c, &content(c, len)).unwrap();
+    }
+    assert!(cache.contains(&all[59]));
+    drop(cache);
+    let cache = open(&dir, capacity);
+    let n4 = verify(&cache);
+    println!("disk full: chunks intact after each reopen: {n1}, {n3}, {n4}");
+}

@@ -1,0 +1,135 @@
+//! `strata blob cat` (reads through the node's chunk cache) and `strata cache stats`.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use fs_cache::chunk::disk::DiskCacheConfig;
+use fs_cache::chunk::{CacheConfig, CacheStats, ChunkCache};
+use fs_cache::{Digest, Store};
+
+/// Where the node cache lives and how big it may grow.
+#[derive(clap::Args, Debug, Clone)]
+pub struct CacheOpts {
+    /// Directory of the node's chunk cache (default: $STRATA_HOME/cache).
+    #[arg(long, global = true, env = "STRATA_CACHE_DIR")]
+    pub cache_dir: Option<PathBuf>,
+    /// Level-1 (memory) capacity, e.g. 256MiB.
+    #[arg(long, global = true, env = "STRATA_CACHE_MEMORY", default_value = "256MiB", value_parser = parse_size)]
+    pub cache_memory: u64,
+    /// Level-2 (local disk) capacity, e.g. 10GiB.
+    #[arg(long, global = true, env = "STRATA_CACHE_DISK", default_value = "10GiB", value_parser = parse_size)]
+    pub cache_disk: u64,
+}
+
+/// Parse `123`, `4KiB`, `256MiB`, `10GiB`, `1TiB` (also KB/MB/GB as powers of 1000).
+pub fn parse_size(s: &str) -> std::result::Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (expected e.g. 512MiB or 10GiB)"))?;
+    let mult: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "K" | "KiB" => 1 << 10,
+        "M" | "MiB" => 1 << 20,
+        "G" | "GiB" => 1 << 30,
+        "T" | "TiB" => 1 << 40,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "TB" => 1_000_000_000_000,
+        u => {
+            return Err(format!(
+                "unknown size unit {u:?} (expected B, KiB, MiB, GiB, TiB)"
+            ))
+        }
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("{s:?} is too large"))
+}
+
+impl CacheOpts {
+    pub fn config(&self, home: &Path) -> CacheConfig {
+        let dir = self.cache_dir.clone().unwrap_or_else(|| home.join("cache"));
+        CacheConfig {
+            memory_bytes: self.cache_memory,
+            disk: Some(DiskCacheConfig {
+                dir: dir.join("chunks"),
+                capacity: self.cache_disk,
+            }),
+            stats_file: Some(dir.join("stats.json")),
+            ..CacheConfig::default()
+        }
+    }
+}
+
+pub async fn open(store: Store, opts: &CacheOpts, home: &Path) -> Result<ChunkCache> {
+    let config = opts.config(home);
+    if let Some(d) = &config.disk {
+        std::fs::create_dir_all(&d.dir)
+            .with_context(|| format!("create cache directory {}", d.dir.display()))?;
+    }
+    ChunkCache::open(store, config)
+        .await
+        .context("open the node's chunk cache")
+}
+
+/// Copy `len` bytes of `blob` at `offset` through the cache into `out`.
+pub async fn cat(
+    cache: &ChunkCache,
+    digest: &str,
+    offset: u64,
+    len: Option<u64>,
+    out: &mut dyn Write,
+) -> Result<u64> {
+    let d: Digest = digest.parse()?;
+    let size = cache.blob_size(&d).await?;
+    if offset > size {
+        bail!("offset {offset} is past the end of blob {d} ({size} bytes)");
+    }
+    let end = len.map_or(size, |l| offset.saturating_add(l).min(size));
+    let mut at = offset;
+    const PIECE: u64 = 4 << 20;
+    while at < end {
+        let n = PIECE.min(end - at);
+        let buf = cache.read(&d, at, n).await?;
+        out.write_all(&buf).context("write output")?;
+        at += buf.len() as u64;
+    }
+    out.flush().context("write output")?;
+    Ok(end - offset)
+}
+
+pub fn print_stats(s: &CacheStats) {
+    let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+    println!(
+        "hits            {:>12}  (memory {}, disk {})",
+        s.hits, s.hits_memory, s.hits_disk
+    );
+    println!("misses          {:>12}", s.misses);
+    println!("bytes read      {:>12}", s.bytes_read);
+    println!(
+        "bytes fetched   {:>12}  ({:.2}× bytes read)",
+        s.bytes_fetched,
+        ratio(s.bytes_fetched, s.bytes_read)
+    );
+    println!(
+        "backend requests{:>12}  ({:.1} chunks per request)",
+        s.backend_requests,
+        ratio(s.coalesced_chunks, s.backend_requests)
+    );
+    println!("evictions       {:>12}", s.evictions);
+    println!("verify failures {:>12}", s.verify_failures);
+    println!(
+        "memory          {:>12} of {}",
+        s.memory_bytes, s.memory_capacity
+    );
+    if let Some(d) = &s.disk {
+        println!(
+            "disk            {:>12} of {} ({} chunks)",
+            d.bytes, d.capacity, d.chunks
+        );
+    }
+}
