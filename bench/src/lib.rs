@@ -11,8 +11,10 @@
 //! - [`create_bucket`]: an unsigned `PUT /BUCKET` (moto accepts unsigned requests).
 //! - [`bench_dir`]: where a bench writes its test files: on a local disk, never tmpfs, so that
 //!   "the file" is a real file on a real filesystem.
-//! - [`aligned_offsets`] and [`fill_pseudo_random`]: deterministic (seeded) test data and
-//!   access patterns, so two runs read the same ranges of the same bytes.
+//! - [`aligned_offsets`], [`random_offsets`], [`random_regions`] and [`fill_pseudo_random`]:
+//!   deterministic (seeded) test data and access patterns, so two runs read the same ranges of
+//!   the same bytes.
+//! - [`median`]: the middle of a few repeated measurements.
 //! - [`size_label`]: `4096` → `"4KiB"`, used in benchmark ids.
 //!
 //! Nothing here is timed; it only sets the stage.
@@ -302,6 +304,74 @@ pub fn aligned_offsets(file_size: u64, block: u64, count: usize, seed: u64) -> V
     (0..count).map(|_| (rng.next() % slots) * block).collect()
 }
 
+/// `count` offsets of `align`-aligned ranges of `len` bytes that fit in a file of `file_size`
+/// bytes, spread uniformly at random (deterministically from `seed`). Unlike
+/// [`aligned_offsets`] the ranges need not be aligned to their own size: a 128 KiB range at a
+/// 4 KiB-aligned offset may straddle a 256 KiB chunk boundary, as a page-aligned read would.
+///
+/// # Panics
+/// If `align` is zero, or `len` is larger than `file_size`.
+pub fn random_offsets(file_size: u64, len: u64, align: u64, count: usize, seed: u64) -> Vec<u64> {
+    assert!(
+        align > 0 && len <= file_size,
+        "align {align}, len {len} vs file {file_size}"
+    );
+    let slots = (file_size - len) / align + 1;
+    let mut rng = SplitMix64(seed);
+    (0..count).map(|_| (rng.next() % slots) * align).collect()
+}
+
+/// Cut `0..file_size` into consecutive regions whose lengths are random multiples of `align`
+/// in `min..=max` (the last one may be shorter), and return a random `fraction` of them
+/// (rounded to the nearest count, at least one), in random order. The regions never overlap,
+/// so the bytes returned add up to about `fraction × file_size`.
+///
+/// # Panics
+/// If `align` is zero, `min` is zero, `min > max`, or `fraction` is not in `0.0..=1.0`.
+pub fn random_regions(
+    file_size: u64,
+    min: u64,
+    max: u64,
+    align: u64,
+    fraction: f64,
+    seed: u64,
+) -> Vec<std::ops::Range<u64>> {
+    assert!(
+        align > 0 && min > 0 && min <= max,
+        "regions {min}..={max} by {align}"
+    );
+    assert!((0.0..=1.0).contains(&fraction), "fraction {fraction}");
+    let mut rng = SplitMix64(seed);
+    let (lo, hi) = (min.div_ceil(align), max / align);
+    let mut regions = Vec::new();
+    let mut at = 0;
+    while at < file_size {
+        let len = (lo + rng.next() % (hi - lo + 1)) * align;
+        let end = (at + len).min(file_size);
+        regions.push(at..end);
+        at = end;
+    }
+    // Fisher-Yates, then keep a prefix.
+    for i in (1..regions.len()).rev() {
+        let j = (rng.next() % (i as u64 + 1)) as usize;
+        regions.swap(i, j);
+    }
+    let keep = ((regions.len() as f64 * fraction).round() as usize).clamp(1, regions.len());
+    regions.truncate(keep);
+    regions
+}
+
+/// The median of `values` (the mean of the middle two for an even count); 0 for none.
+pub fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
 /// Fill `buf` with deterministic pseudo-random bytes (incompressible, unlike zeros, should a
 /// layer below ever compress or deduplicate).
 pub fn fill_pseudo_random(buf: &mut [u8], seed: u64) {
@@ -361,6 +431,41 @@ mod tests {
         assert!(offs.iter().all(|o| o % 4096 == 0 && o + 4096 <= 1 << 20));
         assert_eq!(offs, aligned_offsets(1 << 20, 4096, 1000, 7));
         assert!(offs.iter().any(|&o| o != offs[0]));
+    }
+
+    #[test]
+    fn random_offsets_fit_and_are_aligned() {
+        let offs = random_offsets(1 << 20, 128 << 10, 4096, 1000, 3);
+        assert!(offs
+            .iter()
+            .all(|o| o % 4096 == 0 && o + (128 << 10) <= 1 << 20));
+        // Not aligned to their own size: some of them straddle a 128 KiB boundary.
+        assert!(offs.iter().any(|o| o % (128 << 10) != 0));
+        assert_eq!(random_offsets(4096, 4096, 4096, 3, 1), vec![0, 0, 0]);
+    }
+
+    #[test]
+    fn random_regions_are_disjoint_and_sized() {
+        let total = 32 << 20;
+        let r = random_regions(total, 4096, 64 << 10, 4096, 0.1, 9);
+        let bytes: u64 = r.iter().map(|r| r.end - r.start).sum();
+        assert!(r.iter().all(|r| r.start % 4096 == 0 && r.end <= total));
+        assert!(r
+            .iter()
+            .all(|r| (4096..=64 << 10).contains(&(r.end - r.start))));
+        let mut sorted = r.clone();
+        sorted.sort_by_key(|r| r.start);
+        assert!(sorted.windows(2).all(|w| w[0].end <= w[1].start));
+        // About a tenth of the bytes (a tenth of the regions, of random sizes).
+        assert!(bytes > total / 20 && bytes < total / 5, "{bytes}");
+        assert_eq!(r, random_regions(total, 4096, 64 << 10, 4096, 0.1, 9));
+    }
+
+    #[test]
+    fn medians() {
+        assert_eq!(median(&[]), 0.0);
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
     }
 
     #[test]

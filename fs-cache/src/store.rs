@@ -5,7 +5,7 @@
 //! | --- | --- |
 //! | `blobs/<d[0..2]>/<d>` | the blob whose blake3 digest is `d` (64 lowercase hex) |
 //! | `blobs/<d[0..2]>/<d>.<suffix>` | a sidecar of blob `d`; it lives and dies with the blob |
-//! | `blobs/<d[0..2]>/<d>.chunks` | the chunk table of blob `d` ([`crate::chunk::table`]), written right after the blob |
+//! | `blobs/<d[0..2]>/<d>.chunks` | the chunk table of blob `d` ([`crate::chunk::table`]), written right after the blob; blobs of at most one chunk have none (their one chunk digest is the blob digest) |
 //! | `leases/<d>` | a note that blob `d` was (re)announced by a push; protects it from gc for the grace period |
 //!
 //! # Invariants
@@ -29,6 +29,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::backend::{file_stream, Backend, ObjectMeta, PutMode};
 use crate::chunk::table::{ChunkTable, ChunkTableBuilder};
+use crate::chunk::CHUNK_SIZE;
 use crate::error::{Error, Result};
 
 /// A blake3 digest: the name of a blob.
@@ -184,7 +185,9 @@ impl Store {
         }
         let table = ChunkTable::for_bytes(digest, &data);
         self.backend.put(&blob_key(&digest), data).await?;
-        self.put_chunk_table(&table).await?;
+        if size > CHUNK_SIZE {
+            self.put_chunk_table(&table).await?;
+        }
         Ok(PutBlob {
             digest,
             size,
@@ -203,12 +206,22 @@ impl Store {
         Ok(())
     }
 
-    /// The chunk table of blob `d`. A blob stored without one (an older or interrupted writer)
-    /// is read whole once, verified, and its table is built and stored.
+    /// The chunk table of blob `d`. A blob of at most one chunk has no stored table: its one
+    /// chunk digest is the blob's digest. A larger blob stored without one (an interrupted
+    /// writer) is read whole once, verified, and its table is built and stored.
     pub async fn chunk_table(&self, d: &Digest) -> Result<ChunkTable> {
         match self.backend.get(&sidecar_key(d, CHUNKS_SUFFIX)).await {
             Ok(bytes) => ChunkTable::decode(d, &bytes),
             Err(e) if e.is_not_found() => {
+                let size = self.backend.head(&blob_key(d)).await?.size;
+                if size <= CHUNK_SIZE {
+                    return Ok(ChunkTable {
+                        blob: *d,
+                        blob_size: size,
+                        chunk_size: CHUNK_SIZE,
+                        digests: if size == 0 { Vec::new() } else { vec![*d] },
+                    });
+                }
                 let data = self.get_blob(d).await?;
                 let table = ChunkTable::for_bytes(*d, &data);
                 self.put_chunk_table(&table).await?;
@@ -291,7 +304,9 @@ impl Store {
             .put_stream(&blob_key(&digest), body, PutMode::Overwrite)
             .await?;
         let builder = std::mem::take(&mut hashers.lock().unwrap_or_else(|p| p.into_inner()).1);
-        self.put_chunk_table(&builder.finish(digest)).await?;
+        if size > CHUNK_SIZE {
+            self.put_chunk_table(&builder.finish(digest)).await?;
+        }
         Ok(PutBlob {
             digest,
             size,

@@ -496,32 +496,49 @@ fn disk_full_turns_into_eviction_or_a_clear_error() {
     let cache = open(&dir, capacity);
     let n1 = verify(&cache);
 
-    // 2. Someone else fills the disk: puts fail with a clear error or succeed after evicting.
+    // 2. Someone else fills the disk while the cache holds chunks: puts evict (files first,
+    //    as the index may not be written below its reserve) and succeed.
     let ballast = mnt.join("ballast");
-    {
+    let fill_disk = || {
         use std::io::Write;
-        let mut f = fs::File::create(&ballast).unwrap();
-        let block = vec![0x55u8; 64 * KIB as usize];
+        let mut f = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&ballast)
+            .unwrap();
+        let block = vec![0x55u8; 4 * KIB as usize];
         while f.write_all(&block).is_ok() {}
-        let _ = f.sync_all();
-    }
-    let (mut ok, mut refused) = (0, 0);
-    for c in &all[40..50] {
-        match cache.put(c, &content(c, len)) {
-            Ok(()) => ok += 1,
-            Err(e) => {
-                check_no_space(&e);
-                refused += 1;
-            }
-        }
+        while f.write_all(&[0x55]).is_ok() {}
+    };
+    fill_disk();
+    for c in &all[40..45] {
+        cache.put(c, &content(c, len)).unwrap();
     }
     let s = cache.stats();
-    println!("disk full, phase 2 (ballast): {ok} puts ok, {refused} refused; {s:?}");
-    assert!(s.enospc > 0, "ENOSPC was met and counted");
-    fs::remove_file(&ballast).unwrap();
-    drop(cache);
+    println!("disk full, phase 2 (ballast, chunks to evict): {s:?}");
+    assert!(s.enospc > 0, "the full disk was noticed and counted");
+    assert!(cache.contains(&all[44]));
 
-    // 3. Space is back: consistent after reopen, and puts work again.
+    // 3. Full disk and nothing left to evict: a clear error, no partial file, no entry.
+    for c in &all {
+        cache.remove(c).unwrap();
+    }
+    fill_disk();
+    let before = cache.stats().enospc;
+    for c in &all[45..48] {
+        let e = cache.put(c, &content(c, len)).unwrap_err();
+        check_no_space(&e);
+        assert!(!cache.contains(c));
+        println!("disk full, phase 3: {e}");
+    }
+    check_no_space(&cache.flush().unwrap_err());
+    assert!(cache.stats().enospc > before);
+    let u = usage(&dir);
+    assert_eq!((u.files, u.tmp_files), (0, 0));
+    drop(cache); // its flush fails (no space): logged, nothing breaks
+    fs::remove_file(&ballast).unwrap();
+
+    // 4. Space is back: consistent after reopen, and puts work again.
     let cache = open(&dir, capacity);
     let n3 = verify(&cache);
     for c in &all[50..60] {

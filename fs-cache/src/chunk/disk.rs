@@ -7,71 +7,79 @@
 //!
 //! # On-disk layout
 //! ```text
-//! <dir>/chunks/<hh>/<blob hex>.<index>       one chunk, exactly its bytes (0 ..= CHUNK_SIZE)
-//! <dir>/chunks/<hh>/.tmp.<blob hex>.<index>.<pid>.<n>   a chunk being written (never indexed)
-//! <dir>/index/                                RocksDB: the index (RocksDB's own files only)
+//! <dir>/chunks/<hh>/<blob hex>.<index>                  one chunk: exactly its bytes
+//! <dir>/chunks/<hh>/.tmp.<blob hex>.<index>.<pid>.<n>    a chunk being written; never indexed
+//! <dir>/index/                                          RocksDB (its own files only)
 //! ```
-//! `<hh>` is the first two hex digits of the blob digest (256 shard directories, all created at
-//! open); `<index>` is the chunk index in decimal. A file under a final name is only ever
-//! created by `rename` of a temporary file that was completely written and `fdatasync`ed, so a
-//! final name always holds a whole chunk. Files are never modified in place.
+//! `<hh>` is the first two hex digits of the blob digest (256 shard directories, created at
+//! open); `<index>` is the chunk index in decimal. A final name is only ever created by
+//! `rename` of a temporary file that was completely written and `fdatasync`ed, so a final name
+//! always holds a whole chunk. Files are never modified in place.
 //!
-//! # Index (RocksDB) encoding
-//! | key | bytes | value |
-//! | --- | --- | --- |
-//! | `b'c'` + blob digest (32) + index (u64 BE) | 41 | `[version = 1][size: u32 LE][seq: u64 LE]`, 13 bytes |
-//! | `b"m/format"` | 8 | `b"strata-chunk-index v1"`; another value refuses to open |
-//! | `b"m/counters"` | 10 | `[version = 1]` + evictions, dropped_corrupt, enospc, recovered_orphans (u64 LE each), 33 bytes |
+//! # Index encoding (RocksDB keys and values)
+//! | key | value |
+//! | --- | --- |
+//! | `b'c'` + blob digest (32 bytes) + chunk index (u64 BE): 41 bytes | `[1][size: u32 LE][seq: u64 LE]`: 13 bytes |
+//! | `b"m/format"` | `b"strata-chunk-index v1"`; any other value refuses to open |
+//! | `b"m/counters"` | `[1]` + evictions, dropped_corrupt, enospc, recovered_orphans (u64 LE each): 33 bytes |
 //!
-//! A chunk key exists only while its file is complete and present (see below). `size` is the
-//! chunk's length; `seq` is its recency: a counter bumped on every put and hit, so that sorting
-//! by `seq` gives the LRU order. An entry that does not decode (wrong length, version, a size
-//! over [`CHUNK_SIZE`]) is treated as absent and deleted at open, never a panic.
+//! `size` is the chunk's length (at most [`CHUNK_SIZE`]); `seq` its recency: a counter taken on
+//! every put and hit, so that sorting by `seq` gives the LRU order. A key or value that does not
+//! decode is treated as absent and deleted at open, never a panic.
 //!
 //! # Ordering, and why a crash cannot make the index lie
-//! - **put**: evict LRU chunks until `bytes + in-flight + size <= capacity` → write
-//!   `.tmp.*` → `fdatasync` → `rename` to the final name → put the index entry. The entry is
-//!   written only after the file is durable and under its final name, so a `kill -9` at any
-//!   point leaves either no entry (the file, if any, is an orphan removed at the next open) or
-//!   an entry for a whole file.
-//! - **evict / remove**: delete the index entry first, then unlink the file. A crash in between
-//!   leaves an orphan file, removed at the next open.
-//! - Index writes are not `fsync`ed one by one (RocksDB's WAL reaches the OS on every write, so
-//!   a killed process loses nothing). After a power loss the index may be older or newer than
-//!   the directory (a rename or unlink that did not reach the disk); [`DiskCache::open`] checks
-//!   every entry against its file's size, so neither case makes it serve a missing or torn
-//!   chunk. [`DiskCache::flush`] (also run on drop) persists recency and counters, `fsync`s the
-//!   shard directories touched since the last flush, then syncs the WAL.
+//! - **put**: evict LRU chunks until `bytes + in flight + size <= capacity` → write `.tmp.*` →
+//!   `fdatasync` → `rename` to the final name → put the index entry. The entry is written only
+//!   once the file is durable under its final name, so a `kill -9` at any point leaves no entry
+//!   (the file, if any, is an orphan removed at the next open) or an entry for a whole file.
+//! - **evict / remove**: delete the index entry, then unlink the file; a crash in between leaves
+//!   an orphan file, removed at the next open. (When the index may not be written for lack of
+//!   space, see below, the file goes first and the entry is deleted with the next index write
+//!   or dropped at the next open because its file is missing.)
+//! - Index writes are not synced one by one: RocksDB's WAL reaches the OS on every write, so a
+//!   killed process loses nothing. After a power loss the index may be older or newer than the
+//!   directories; [`DiskCache::open`] checks every entry against its file's size, so neither
+//!   case makes it serve a missing or torn chunk. [`DiskCache::flush`] (also run on drop)
+//!   writes recency and counters, `fsync`s the shard directories touched since the last flush,
+//!   then syncs the WAL.
 //!
 //! # Recovery on open
-//! The RocksDB lock makes a cache directory single-owner. Then: every chunk entry is decoded
-//! and its file `stat`ed; entries that do not decode or whose file is missing
-//! (`recovered_orphans`) or has another size (`dropped_corrupt`; the file is unlinked) are
-//! deleted. The survivors are loaded into the in-memory LRU in `seq` order. Every file in the
-//! shard directories that is not an indexed chunk (temporary files, orphans of a crash) is
-//! deleted (`recovered_orphans`). If the capacity shrank, LRU chunks are evicted until usage
-//! fits.
+//! RocksDB's lock makes a directory single-owner. Every entry is decoded and its file
+//! `stat`ed; entries that do not decode or whose file is missing (`recovered_orphans`) or has
+//! another size (`dropped_corrupt`, file unlinked) are deleted. The rest are loaded into the
+//! in-memory LRU in `seq` order. Every file in the shard directories that is not an indexed
+//! chunk (temporary files, orphans of a crash) is deleted (`recovered_orphans`). If the
+//! capacity shrank, LRU chunks are evicted until usage fits.
 //!
 //! # Concurrency and cost
-//! One mutex guards the in-memory state (an `LruCache` plus the chunks being put or removed);
-//! it is never held across I/O. A hit is a map lookup and list move under the mutex, then an
-//! `open` + `fstat` + `pread` of the file. Recency changes are collected in memory and written
-//! to the index in batches of [`RECENCY_BATCH`] (or on flush); losing them in a crash only
-//! makes the LRU order slightly stale. A chunk being put or removed is in flight: a second put
-//! of it returns at once (the first one will index it), and it is never evicted meanwhile.
-//! `bytes` (indexed) plus the bytes reserved by puts in flight never exceed the capacity; the
-//! files on disk may exceed it only by the chunks being written at that moment.
+//! One mutex guards the in-memory state (an `LruCache` plus the chunks in flight) and is never
+//! held across I/O; a second one serializes index writes, so that a batch of recency updates
+//! cannot re-create an entry evicted meanwhile. A hit is a lookup and list move under the mutex,
+//! then `open` + `fstat` + `pread`. Recency is written to the index in batches of
+//! [`RECENCY_BATCH`] hits (and on flush); losing it in a crash only makes the LRU order stale.
+//! A chunk being put or removed is in flight: a second put of it returns at once, and it is not
+//! evicted meanwhile. Indexed bytes plus bytes reserved by puts in flight never exceed the
+//! capacity; files on disk exceed it at most by the chunks being written at that moment.
 //!
 //! # A full disk
-//! Before writing, a put checks the filesystem's free space (`statvfs`) and evicts LRU chunks
-//! until the chunk plus a reserve for the index (capacity / 64, clamped to 1..=64 MiB) fits;
-//! this keeps RocksDB itself from running out of space. If a write still fails with `ENOSPC`
-//! (someone else filled the disk), the temporary file is removed, a batch of LRU chunks is
-//! evicted and the write retried once; a second failure returns [`Error::Cache`] saying "no
-//! space left on device". Either way no partial file and no entry remain. Every `ENOSPC`
-//! seen is counted in `enospc`.
+//! Debian's librocksdb (7.8) is built with assertions: once RocksDB meets `ENOSPC` (seen with
+//! its WAL and with a memtable flush to an SST) the process aborts (`SIGABRT`) at its next write
+//! or on close. So RocksDB must never meet a full disk, and the cache keeps space for it:
+//! - a *reserve* (`min(16 MiB + capacity / 512, max(capacity / 8, 1 MiB))`) stays free: before
+//!   writing a chunk, a put checks `statvfs` and evicts LRU chunks until the chunk plus the
+//!   reserve fit. The cache gives way when others fill the disk.
+//! - every index write first checks that half the reserve is free; if not, the write is refused
+//!   with [`Error::Cache`] ("no space left on device …") and counted in `enospc`. An eviction
+//!   that cannot write the index unlinks the files anyway (see the ordering above).
+//! - a chunk write that fails with `ENOSPC`/`EDQUOT` removes its temporary file, evicts a batch
+//!   of LRU chunks and retries once; a second failure is an [`Error::Cache`] saying "no space
+//!   left on device". No partial file and no entry remain.
+//!
+//! [`DiskCache::open`] refuses (the same error) when less than half the reserve is free. What is
+//! left is a race with another process that fills the disk between the check and RocksDB's
+//! write; the space RocksDB preallocates for its files (`fallocate`) narrows it.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
 use std::io;
@@ -87,7 +95,7 @@ use rocksdb::{IteratorMode, WriteBatch, DB};
 use serde::{Deserialize, Serialize};
 
 use super::{ChunkId, CHUNK_SIZE};
-use crate::error::{BoxError, Error, Result};
+use crate::error::{Error, Result};
 use crate::store::Digest;
 
 /// Hits whose recency is written to the index in one batch.
@@ -97,16 +105,16 @@ const CHUNK_KEY_TAG: u8 = b'c';
 const CHUNK_KEY_LEN: usize = 1 + 32 + 8;
 const ENTRY_VERSION: u8 = 1;
 const ENTRY_LEN: usize = 1 + 4 + 8;
+const META_PREFIX: &[u8] = b"m/";
 const META_FORMAT: &[u8] = b"m/format";
 const FORMAT: &[u8] = b"strata-chunk-index v1";
 const META_COUNTERS: &[u8] = b"m/counters";
 const COUNTERS_VERSION: u8 = 1;
 const COUNTERS_LEN: usize = 1 + 4 * 8;
 const TMP_PREFIX: &str = ".tmp.";
-/// Bytes evicted before the one retry of a write that failed with `ENOSPC`.
+/// Bytes evicted before the one retry of a chunk write that failed with `ENOSPC`.
 const ENOSPC_EVICT: u64 = 4 * CHUNK_SIZE;
-const MIN_RESERVE: u64 = 1 << 20;
-const MAX_RESERVE: u64 = 64 << 20;
+const MIB: u64 = 1 << 20;
 
 const _: () = assert!(CHUNK_KEY_LEN == 41);
 const _: () = assert!(ENTRY_LEN == 13);
@@ -118,7 +126,7 @@ const _: () = assert!(CHUNK_SIZE <= u32::MAX as u64);
 pub struct DiskCacheConfig {
     /// The cache directory (created if missing); it holds `chunks/` and `index/`.
     pub dir: PathBuf,
-    /// The most bytes of chunk data kept (files; the index is not counted).
+    /// The most bytes of chunk data kept (chunk files; the index is not counted).
     pub capacity: u64,
 }
 
@@ -134,22 +142,21 @@ pub struct DiskStats {
     /// Chunks evicted to stay under the capacity or to free disk space.
     pub evictions: u64,
     /// Chunks dropped because their file was bad: reported by the caller (digest mismatch),
-    /// found with the wrong size or missing on `get`, or with the wrong size at open.
+    /// missing or of the wrong size on `get`, or of the wrong size at open.
     pub dropped_corrupt: u64,
-    /// `ENOSPC`/`EDQUOT` errors met while writing a chunk or the index.
+    /// Times the disk was full: `ENOSPC`/`EDQUOT` on a chunk write, or an index write refused
+    /// because less than the index's share of the reserve was free.
     pub enospc: u64,
     /// Cleaned up at open: temporary and unindexed chunk files, and index entries that do not
     /// decode or whose file is missing.
     pub recovered_orphans: u64,
 }
 
-#[derive(Clone, Copy, Debug, Default)]
-struct Counters {
-    evictions: u64,
-    dropped_corrupt: u64,
-    enospc: u64,
-    recovered_orphans: u64,
-}
+/// Indexes into the event counters, in their order in `m/counters`.
+const EVICTIONS: usize = 0;
+const DROPPED_CORRUPT: usize = 1;
+const ENOSPC: usize = 2;
+const RECOVERED_ORPHANS: usize = 3;
 
 /// An indexed chunk.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -158,25 +165,15 @@ struct Entry {
     seq: u64,
 }
 
-/// A chunk in flight: being put (its bytes are reserved) or being removed.
-#[derive(Debug)]
-enum Inflight {
-    Pending,
-    Doomed,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Reason {
-    Evicted,
-    Corrupt,
-    Removed,
-}
+/// An index write's failure, and whether it was refused for lack of space (RocksDB untouched).
+type IndexResult = Result<(), (Error, bool)>;
 
 #[derive(Debug)]
 struct State {
     /// Indexed chunks, most recently used first.
     lru: LruCache<ChunkId, Entry>,
-    inflight: HashMap<ChunkId, Inflight>,
+    /// Chunks being put or removed.
+    inflight: HashSet<ChunkId>,
     /// Bytes of the chunks in `lru`.
     present: u64,
     /// Bytes reserved by puts in flight.
@@ -184,9 +181,11 @@ struct State {
     next_seq: u64,
     /// Chunks whose recency changed since it was last written to the index.
     dirty: HashSet<ChunkId>,
+    /// Entries whose file was unlinked while the index could not be written.
+    stale: Vec<ChunkId>,
     /// Shard directories with renames or unlinks not yet `fsync`ed.
     dirty_dirs: [bool; 256],
-    counters: Counters,
+    counters: [u64; 4],
 }
 
 impl State {
@@ -200,8 +199,8 @@ impl State {
         Some(entry)
     }
 
-    /// Take LRU chunks out of the index's in-memory view until `bytes` are freed (or none is
-    /// left); the caller removes them with [`DiskCache::discard`].
+    /// Take LRU chunks out until `bytes` are freed (or none is left); the caller removes them
+    /// with [`DiskCache::discard`].
     fn doom_lru(&mut self, bytes: u64) -> Vec<(ChunkId, Entry)> {
         let mut freed = 0;
         let mut victims = Vec::new();
@@ -218,7 +217,7 @@ impl State {
     fn doom(&mut self, id: ChunkId, entry: Entry) -> (ChunkId, Entry) {
         self.present -= u64::from(entry.size);
         self.dirty.remove(&id);
-        self.inflight.insert(id, Inflight::Doomed);
+        self.inflight.insert(id);
         (id, entry)
     }
 }
@@ -229,12 +228,11 @@ pub struct DiskCache {
     chunks: PathBuf,
     index_dir: PathBuf,
     capacity: u64,
-    /// Free space kept on the filesystem for the index.
+    /// Free space kept on the filesystem (module docs, "A full disk").
     reserve: u64,
     db: DB,
     state: Mutex<State>,
-    /// Held while writing index entries derived from `state` (recency batches) and while
-    /// deleting entries, so that a recency batch never re-creates an evicted entry.
+    /// Held around every index write.
     index_lock: Mutex<()>,
     tmp_seq: AtomicU64,
 }
@@ -243,7 +241,6 @@ impl fmt::Debug for DiskCache {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("DiskCache")
             .field("dir", &self.dir)
-            .field("capacity", &self.capacity)
             .field("stats", &self.stats())
             .finish_non_exhaustive()
     }
@@ -252,75 +249,62 @@ impl fmt::Debug for DiskCache {
 impl DiskCache {
     /// Open (or create) the cache in `config.dir`, recovering from any crash (module docs).
     pub fn open(config: DiskCacheConfig) -> Result<Self> {
-        let dir = config.dir;
+        let DiskCacheConfig { dir, capacity } = config;
         let chunks = dir.join("chunks");
         let index_dir = dir.join("index");
         for d in [&dir, &chunks, &index_dir] {
             fs::create_dir_all(d).map_err(|e| Error::io("create directory", d, e))?;
         }
-        for shard in 0..=255u8 {
-            let d = chunks.join(hex::encode([shard]));
-            match fs::create_dir(&d) {
-                Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-                Err(e) => return Err(Error::io("create directory", d, e)),
-            }
+        for d in (0..=255u8).map(|shard| chunks.join(hex::encode([shard]))) {
+            fs::create_dir_all(&d).map_err(|e| Error::io("create directory", d, e))?;
         }
         sync_dir(&chunks)?;
 
+        let reserve = (16 * MIB + capacity / 512).min((capacity / 8).max(MIB));
+        if let Some(free) = free_bytes(&index_dir).filter(|f| *f < reserve / 2) {
+            return Err(Error::Cache {
+                path: index_dir,
+                message: format!(
+                    "no space left on device to open the index: {free} bytes free, {} needed",
+                    reserve / 2
+                ),
+                source: None,
+            });
+        }
         let mut opts = rocksdb::Options::default();
         opts.create_if_missing(true);
         opts.set_compression_type(rocksdb::DBCompressionType::None);
-        opts.set_write_buffer_size(4 << 20);
-        opts.set_max_total_wal_size(16 << 20);
+        opts.set_write_buffer_size((reserve / 4).clamp(256 << 10, 4 * MIB) as usize);
+        opts.set_max_total_wal_size(16 * MIB);
         opts.set_log_level(rocksdb::LogLevel::Warn);
         opts.set_keep_log_file_num(2);
-        opts.set_max_log_file_size(1 << 20);
+        opts.set_max_log_file_size(MIB as usize);
         let db = DB::open(&opts, &index_dir).map_err(|e| {
             rocks_error(
                 &index_dir,
-                "cannot open the index (is another process using this cache?)",
+                "cannot open the index (is another process using it?)",
                 e,
             )
         })?;
-        match db.get(META_FORMAT) {
-            Ok(Some(v)) if v == FORMAT => {}
-            Ok(Some(v)) => {
-                return Err(Error::Cache {
-                    path: index_dir,
-                    message: format!(
-                        "index format {:?} is not {:?}; move the directory away to start afresh",
-                        String::from_utf8_lossy(&v),
-                        String::from_utf8_lossy(FORMAT)
-                    ),
-                    source: None,
-                })
-            }
-            Ok(None) => db
-                .put(META_FORMAT, FORMAT)
-                .map_err(|e| rocks_error(&index_dir, "cannot write the index", e))?,
-            Err(e) => return Err(rocks_error(&index_dir, "cannot read the index", e)),
-        }
         let counters = match db.get(META_COUNTERS) {
             Ok(v) => v.as_deref().and_then(decode_counters).unwrap_or_default(),
             Err(e) => return Err(rocks_error(&index_dir, "cannot read the index", e)),
         };
-
-        let capacity = config.capacity;
         let cache = DiskCache {
             dir,
             chunks,
             index_dir,
             capacity,
-            reserve: (capacity / 64).clamp(MIN_RESERVE, MAX_RESERVE),
+            reserve,
             db,
             state: Mutex::new(State {
                 lru: LruCache::unbounded(),
-                inflight: HashMap::new(),
+                inflight: HashSet::new(),
                 present: 0,
                 pending: 0,
                 next_seq: 0,
                 dirty: HashSet::new(),
+                stale: Vec::new(),
                 dirty_dirs: [false; 256],
                 counters,
             }),
@@ -331,16 +315,29 @@ impl DiskCache {
         Ok(cache)
     }
 
-    /// Load the index, drop entries without a whole file, delete files without an entry, and
-    /// evict down to the capacity.
+    /// Check the format, load the index, drop entries without a whole file, delete files
+    /// without an entry, and evict down to the capacity.
     fn recover(&self) -> Result<()> {
+        match self.db.get(META_FORMAT) {
+            Ok(Some(v)) if v == FORMAT => {}
+            Ok(Some(v)) => {
+                return Err(self.error(format!(
+                    "index format {:?} is not {:?}; move the directory away to start afresh",
+                    String::from_utf8_lossy(&v),
+                    String::from_utf8_lossy(FORMAT)
+                )))
+            }
+            Ok(None) => (self.write_index(|b| b.put(META_FORMAT, FORMAT), "cannot write"))
+                .map_err(|(e, _)| e)?,
+            Err(e) => return Err(self.rocks_error("cannot read the index", e)),
+        }
         let mut entries = Vec::new();
         let mut bad_keys = Vec::new();
         let mut bad_files = Vec::new();
         let (mut orphans, mut corrupt) = (0u64, 0u64);
         for item in self.db.full_iterator(IteratorMode::Start) {
             let (key, value) = item.map_err(|e| self.rocks_error("cannot read the index", e))?;
-            if key.starts_with(b"m/") {
+            if key.starts_with(META_PREFIX) {
                 continue;
             }
             let (Some(id), Some(entry)) = (decode_key(&key), decode_entry(&value)) else {
@@ -368,13 +365,8 @@ impl DiskCache {
             }
         }
         if !bad_keys.is_empty() {
-            let mut batch = WriteBatch::default();
-            for key in &bad_keys {
-                batch.delete(key);
-            }
-            self.db
-                .write(batch)
-                .map_err(|e| self.rocks_error("cannot clean the index", e))?;
+            let delete_all = |b: &mut WriteBatch| bad_keys.iter().for_each(|k| b.delete(k));
+            (self.write_index(delete_all, "cannot clean the index")).map_err(|(e, _)| e)?;
             for path in &bad_files {
                 remove_file(path)?;
             }
@@ -388,12 +380,12 @@ impl DiskCache {
                 st.next_seq = st.next_seq.max(entry.seq + 1);
                 st.lru.push(id, entry);
             }
-            st.counters.recovered_orphans += orphans;
-            st.counters.dropped_corrupt += corrupt;
+            st.counters[RECOVERED_ORPHANS] += orphans;
+            st.counters[DROPPED_CORRUPT] += corrupt;
             let over = st.present.saturating_sub(self.capacity);
             st.doom_lru(over)
         };
-        self.discard(victims, Reason::Evicted)?;
+        self.discard(victims, Some(EVICTIONS))?;
 
         // Files without an entry: temporary files and orphans of a crash.
         let mut removed = 0;
@@ -403,16 +395,13 @@ impl DiskCache {
             let listing = fs::read_dir(&shard_dir).map_err(|e| Error::io("list", &shard_dir, e))?;
             for dirent in listing {
                 let dirent = dirent.map_err(|e| Error::io("list", &shard_dir, e))?;
-                let name = dirent.file_name();
-                let keep = name
-                    .to_str()
-                    .and_then(|n| parse_chunk_name(&shard_hex, n))
+                let indexed = (dirent.file_name().to_str())
+                    .and_then(|name| parse_chunk_name(&shard_hex, name))
                     .is_some_and(|id| self.lock().lru.contains(&id));
-                if keep {
-                    continue;
-                }
                 let path = dirent.path();
-                if dirent.file_type().is_ok_and(|t| t.is_dir()) {
+                if indexed {
+                    continue;
+                } else if dirent.file_type().is_ok_and(|t| t.is_dir()) {
                     tracing::warn!(path = %path.display(), "unexpected directory in the chunk cache; left alone");
                     continue;
                 }
@@ -420,7 +409,7 @@ impl DiskCache {
                 removed += 1;
             }
         }
-        self.lock().counters.recovered_orphans += removed;
+        self.lock().counters[RECOVERED_ORPHANS] += removed;
         if removed + orphans + corrupt > 0 {
             tracing::info!(dir = %self.dir.display(), removed_files = removed, dropped_entries = orphans + corrupt, "chunk cache recovered");
         }
@@ -429,8 +418,7 @@ impl DiskCache {
 
     /// The chunk's bytes, or `None` if it is not cached; marks it recently used. The bytes are
     /// not verified here: the caller checks them and calls [`Self::drop_corrupt`] on a mismatch.
-    /// A file that vanished or has the wrong size is dropped (`dropped_corrupt`) and `None`
-    /// returned.
+    /// A file that vanished or has the wrong size is dropped (`dropped_corrupt`): `None`.
     pub fn get(&self, id: &ChunkId) -> Result<Option<Bytes>> {
         let (entry, persist) = {
             let mut st = self.lock();
@@ -441,71 +429,61 @@ impl DiskCache {
         };
         if persist {
             if let Err(e) = self.persist_recency(false) {
-                tracing::warn!(error = %e, "chunk cache: recency not saved");
+                tracing::debug!(error = %e, "chunk cache: recency not saved");
             }
         }
         let path = self.chunk_path(id);
         let file = match File::open(&path) {
             Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                self.forget(id, Some(entry.seq), Reason::Corrupt)?;
+                self.forget(id, Some(entry.seq), Some(DROPPED_CORRUPT))?;
                 return Ok(None);
             }
             Err(e) => return Err(Error::io("open chunk", path, e)),
         };
-        let len = file
-            .metadata()
+        let len = (file.metadata())
             .map_err(|e| Error::io("stat chunk", &path, e))?
             .len();
         let size = entry.size as usize;
-        if len != size as u64 {
-            self.forget(id, Some(entry.seq), Reason::Corrupt)?;
-            return Ok(None);
-        }
         let mut buf = Vec::with_capacity(size);
-        while buf.len() < size {
+        while len == size as u64 && buf.len() < size {
             let offset = buf.len() as u64;
             match rustix::io::pread(&file, rustix::buffer::spare_capacity(&mut buf), offset) {
                 Ok(0) => break,
-                Ok(_) => {}
-                Err(rustix::io::Errno::INTR) => {}
+                Ok(_) | Err(rustix::io::Errno::INTR) => {}
                 Err(e) => return Err(Error::io("read chunk", path, e.into())),
             }
         }
-        if buf.len() != size {
-            self.forget(id, Some(entry.seq), Reason::Corrupt)?;
+        if buf.len() != size || len != size as u64 {
+            self.forget(id, Some(entry.seq), Some(DROPPED_CORRUPT))?;
             return Ok(None);
         }
         Ok(Some(Bytes::from(buf)))
     }
 
-    /// Cache a chunk: durable on disk before it is indexed; LRU chunks are evicted first so
-    /// that usage stays within the capacity. A chunk already cached (or being put) is only
-    /// marked used; one that cannot fit (larger than the capacity left to puts in flight) is
-    /// not cached. Chunks larger than [`CHUNK_SIZE`] are refused.
+    /// Cache a chunk: durable on disk before it is indexed; LRU chunks are evicted first so that
+    /// usage stays within the capacity. A chunk already cached (or being put) is only marked
+    /// used; one that cannot fit (more than the capacity left by puts in flight) is not cached.
+    /// Chunks larger than [`CHUNK_SIZE`] are refused.
     pub fn put(&self, id: &ChunkId, data: &[u8]) -> Result<()> {
         let size = data.len() as u64;
         if size > CHUNK_SIZE {
-            return Err(self.error(
-                format!(
-                    "chunk {} of blob {} is {size} bytes, more than the chunk size {CHUNK_SIZE}",
-                    id.index, id.blob
-                ),
-                None,
-            ));
+            return Err(self.error(format!(
+                "chunk {} of blob {} is {size} bytes, more than the chunk size {CHUNK_SIZE}",
+                id.index, id.blob
+            )));
         }
         let victims = {
             let mut st = self.lock();
-            if st.touch(id).is_some() || st.inflight.contains_key(id) {
+            if st.touch(id).is_some() || st.inflight.contains(id) {
                 return Ok(());
             }
             if st.pending + size > self.capacity {
-                tracing::debug!(chunk = id.index, blob = %id.blob, "chunk cache full of puts in flight; not caching");
                 return Ok(());
             }
             let over = (st.present + st.pending + size).saturating_sub(self.capacity);
             let victims = st.doom_lru(over);
-            st.inflight.insert(*id, Inflight::Pending);
+            st.inflight.insert(*id);
             st.pending += size;
             victims
         };
@@ -515,31 +493,27 @@ impl DiskCache {
             size,
             done: false,
         };
-        self.discard(victims, Reason::Evicted)?;
+        self.discard(victims, Some(EVICTIONS))?;
         self.make_room_on_disk(size)?;
         let path = self.store_file(id, data)?;
 
         let entry = {
             let mut st = self.lock();
-            let seq = st.next_seq;
             st.next_seq += 1;
             Entry {
                 size: size as u32,
-                seq,
+                seq: st.next_seq - 1,
             }
         };
-        if let Err(e) = self.db.put(chunk_key(id), encode_entry(entry)) {
+        let indexed = self.write_index(
+            |b| b.put(chunk_key(id), encode_entry(entry)),
+            "cannot index a chunk; it was not cached",
+        );
+        if let Err(e) = indexed {
             if let Err(e) = remove_file(&path) {
                 tracing::warn!(error = %e, "chunk cache: unindexed chunk file left for the next open");
             }
-            let nospace = is_rocks_nospace(&e);
-            let what = if nospace {
-                self.lock().counters.enospc += 1;
-                "no space left on device to index a chunk; it was not cached"
-            } else {
-                "cannot index a chunk; it was not cached"
-            };
-            return Err(self.rocks_error(what, e));
+            return Err(e.0);
         }
         pending.done = true;
         let mut st = self.lock();
@@ -551,15 +525,15 @@ impl DiskCache {
         Ok(())
     }
 
-    /// Drop a chunk (for example one the caller found corrupt); counts nothing.
+    /// Drop a chunk; counts nothing.
     pub fn remove(&self, id: &ChunkId) -> Result<()> {
-        self.remove_for(id, Reason::Removed)
+        self.forget(id, None, None)
     }
 
-    /// Drop a chunk whose bytes do not match its digest; counts it in `dropped_corrupt` if it
-    /// was cached.
+    /// Drop a chunk whose bytes do not match its digest; counted in `dropped_corrupt` if it was
+    /// cached.
     pub fn drop_corrupt(&self, id: &ChunkId) -> Result<()> {
-        self.remove_for(id, Reason::Corrupt)
+        self.forget(id, None, Some(DROPPED_CORRUPT))
     }
 
     /// Whether the chunk is cached (does not mark it used).
@@ -573,10 +547,10 @@ impl DiskCache {
             bytes: st.present,
             chunks: st.lru.len() as u64,
             capacity: self.capacity,
-            evictions: st.counters.evictions,
-            dropped_corrupt: st.counters.dropped_corrupt,
-            enospc: st.counters.enospc,
-            recovered_orphans: st.counters.recovered_orphans,
+            evictions: st.counters[EVICTIONS],
+            dropped_corrupt: st.counters[DROPPED_CORRUPT],
+            enospc: st.counters[ENOSPC],
+            recovered_orphans: st.counters[RECOVERED_ORPHANS],
         }
     }
 
@@ -590,24 +564,25 @@ impl DiskCache {
                 std::mem::replace(&mut st.dirty_dirs, [false; 256]),
             )
         };
-        self.db
-            .put(META_COUNTERS, encode_counters(&counters))
-            .map_err(|e| self.rocks_error("cannot write the counters", e))?;
+        let counters = encode_counters(&counters);
+        (self.write_index(
+            |b| b.put(META_COUNTERS, counters),
+            "cannot write the counters",
+        ))
+        .map_err(|(e, _)| e)?;
         for (shard, _) in dirs.iter().enumerate().filter(|(_, dirty)| **dirty) {
             sync_dir(&self.chunks.join(hex::encode([shard as u8])))?;
         }
-        self.db
-            .flush_wal(true)
-            .map_err(|e| self.rocks_error("cannot sync the index", e))
+        let _index = self
+            .index_lock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        self.index_room()?;
+        (self.db.flush_wal(true)).map_err(|e| self.rocks_error("cannot sync the index", e))
     }
 
-    fn remove_for(&self, id: &ChunkId, reason: Reason) -> Result<()> {
-        self.forget(id, None, reason)
-    }
-
-    /// Remove `id` if it is cached and, with `seq`, still the entry that was looked at (not
-    /// touched, or evicted and put again, since).
-    fn forget(&self, id: &ChunkId, seq: Option<u64>, reason: Reason) -> Result<()> {
+    /// Remove `id` if it is cached and, with `seq`, still the entry that was looked at.
+    fn forget(&self, id: &ChunkId, seq: Option<u64>, counter: Option<usize>) -> Result<()> {
         let victim = {
             let mut st = self.lock();
             match st.lru.peek(id) {
@@ -619,112 +594,95 @@ impl DiskCache {
             };
             st.doom(*id, entry)
         };
-        self.discard(vec![victim], reason)
+        self.discard(vec![victim], counter)
     }
 
-    /// Remove doomed chunks: index entries first, then the files.
-    fn discard(&self, victims: Vec<(ChunkId, Entry)>, reason: Reason) -> Result<()> {
+    /// Remove doomed chunks: index entries first, then the files (module docs).
+    fn discard(&self, victims: Vec<(ChunkId, Entry)>, counter: Option<usize>) -> Result<()> {
         if victims.is_empty() {
             return Ok(());
         }
-        let written = {
-            let _index = self
-                .index_lock
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            let mut batch = WriteBatch::default();
-            for (id, _) in &victims {
-                batch.delete(chunk_key(id));
+        let delete_all =
+            |b: &mut WriteBatch| victims.iter().for_each(|(id, _)| b.delete(chunk_key(id)));
+        let stale = match self.write_index(delete_all, "cannot remove chunks from the index") {
+            Ok(()) => false,
+            Err((e, true)) => {
+                tracing::warn!(error = %e, "chunk cache: evicting files before their index entries");
+                true
             }
-            self.db.write(batch)
+            Err((e, false)) => {
+                // Nothing was removed: put the chunks back, least recently used last.
+                let mut st = self.lock();
+                for (id, entry) in victims.iter().rev() {
+                    st.inflight.remove(id);
+                    st.present += u64::from(entry.size);
+                    st.lru.push(*id, *entry);
+                    st.lru.demote(id);
+                }
+                return Err(e);
+            }
         };
-        if let Err(e) = written {
-            // Nothing was removed: put the chunks back, least recently used last.
-            let mut st = self.lock();
-            for (id, entry) in victims.iter().rev() {
-                st.inflight.remove(id);
-                st.present += u64::from(entry.size);
-                st.lru.push(*id, *entry);
-                st.lru.demote(id);
-            }
-            if is_rocks_nospace(&e) {
-                st.counters.enospc += 1;
-            }
-            drop(st);
-            return Err(self.rocks_error("cannot remove chunks from the index", e));
-        }
-        let mut failed = None;
         for (id, _) in &victims {
             if let Err(e) = remove_file(&self.chunk_path(id)) {
-                // Unindexed now: the next open deletes it.
-                failed = Some(e);
+                tracing::warn!(error = %e, "chunk cache: evicted chunk file left for the next open");
             }
-        }
-        if let Some(e) = failed {
-            tracing::warn!(error = %e, "chunk cache: evicted chunk file left for the next open");
         }
         let n = victims.len() as u64;
         let mut st = self.lock();
         for (id, _) in &victims {
             st.inflight.remove(id);
             st.dirty_dirs[usize::from(id.blob.0[0])] = true;
+            if stale {
+                st.stale.push(*id);
+            }
         }
-        match reason {
-            Reason::Evicted => st.counters.evictions += n,
-            Reason::Corrupt => st.counters.dropped_corrupt += n,
-            Reason::Removed => {}
+        if let Some(c) = counter {
+            st.counters[c] += n;
         }
         Ok(())
     }
 
-    /// Evict until the filesystem has room for `size` bytes plus the index reserve.
+    /// Evict until the filesystem has room for `size` bytes plus the reserve.
     fn make_room_on_disk(&self, size: u64) -> Result<()> {
-        let Ok(vfs) = rustix::fs::statvfs(&self.chunks) else {
+        let want = size + self.reserve;
+        let Some(free) = free_bytes(&self.chunks).filter(|f| *f < want) else {
             return Ok(());
         };
-        let free = vfs.f_bavail.saturating_mul(vfs.f_frsize);
-        let want = size + self.reserve;
-        if free >= want {
-            return Ok(());
-        }
         let victims = self.lock().doom_lru(want - free);
-        self.discard(victims, Reason::Evicted)
+        self.discard(victims, Some(EVICTIONS))
     }
 
     /// Write the chunk file under its final name, evicting and retrying once on `ENOSPC`.
     fn store_file(&self, id: &ChunkId, data: &[u8]) -> Result<PathBuf> {
-        let first = match self.write_file(id, data) {
-            Ok(path) => return Ok(path),
-            Err((path, e)) if !is_nospace(&e) => return Err(Error::io("write chunk", path, e)),
-            Err((_, e)) => e,
-        };
-        let victims = {
-            let mut st = self.lock();
-            st.counters.enospc += 1;
-            st.doom_lru(ENOSPC_EVICT.max(data.len() as u64))
-        };
-        tracing::warn!(error = %first, evicting = victims.len(), "chunk cache: disk full");
-        self.discard(victims, Reason::Evicted)?;
-        match self.write_file(id, data) {
-            Ok(path) => Ok(path),
-            Err((path, e)) if !is_nospace(&e) => Err(Error::io("write chunk", path, e)),
-            Err((_, e)) => {
-                let bytes = {
-                    let mut st = self.lock();
-                    st.counters.enospc += 1;
-                    st.present
-                };
-                Err(self.error(
-                    format!(
+        let mut retried = false;
+        loop {
+            let e = match self.write_file(id, data) {
+                Ok(path) => return Ok(path),
+                Err((path, e)) if !is_nospace(&e) => return Err(Error::io("write chunk", path, e)),
+                Err((_, e)) => e,
+            };
+            let (victims, bytes) = {
+                let mut st = self.lock();
+                st.counters[ENOSPC] += 1;
+                let victims = st.doom_lru(if retried { 0 } else { ENOSPC_EVICT });
+                (victims, st.present)
+            };
+            if retried {
+                return Err(Error::Cache {
+                    path: self.dir.clone(),
+                    message: format!(
                         "no space left on device for chunk {} of blob {} ({} bytes), even after \
                          evicting; the cache holds {bytes} bytes: {e}",
                         id.index,
                         id.blob,
                         data.len()
                     ),
-                    Some(Box::new(e)),
-                ))
+                    source: Some(Box::new(e)),
+                });
             }
+            tracing::warn!(error = %e, evicting = victims.len(), "chunk cache: disk full");
+            self.discard(victims, Some(EVICTIONS))?;
+            retried = true;
         }
     }
 
@@ -738,19 +696,15 @@ impl DiskCache {
             std::process::id(),
             self.tmp_seq.fetch_add(1, Ordering::Relaxed)
         ));
-        let written = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o644)
+        let written = (OpenOptions::new().write(true).create_new(true).mode(0o644))
             .open(&tmp)
             .and_then(|file| {
                 file.write_all_at(data, 0)?;
                 file.sync_data()?;
-                // Clean now; keep the page cache for level 1 and for hot files.
+                // The pages are clean now; do not let them crowd out level 1 and hot files.
                 let _ = rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::DontNeed);
-                Ok(())
-            })
-            .and_then(|()| fs::rename(&tmp, &path));
+                fs::rename(&tmp, &path)
+            });
         match written {
             Ok(()) => Ok(path),
             Err(e) => {
@@ -762,10 +716,10 @@ impl DiskCache {
         }
     }
 
-    /// Write the recency of chunks hit since the last time. With `wait == false`, skip if
-    /// another thread is already writing the index.
+    /// Write the recency of the chunks hit since last time. With `wait == false`, skip if
+    /// another thread is writing the index.
     fn persist_recency(&self, wait: bool) -> Result<()> {
-        let _index = match self.index_lock.try_lock() {
+        let index = match self.index_lock.try_lock() {
             Ok(guard) => guard,
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
             Err(TryLockError::WouldBlock) if !wait => return Ok(()),
@@ -777,21 +731,71 @@ impl DiskCache {
         let updates: Vec<(ChunkId, Entry)> = {
             let mut st = self.lock();
             let dirty = std::mem::take(&mut st.dirty);
-            dirty
-                .into_iter()
+            (dirty.into_iter())
                 .filter_map(|id| st.lru.peek(&id).map(|e| (id, *e)))
                 .collect()
         };
         if updates.is_empty() {
             return Ok(());
         }
+        let put_all = |b: &mut WriteBatch| {
+            for (id, entry) in &updates {
+                b.put(chunk_key(id), encode_entry(*entry));
+            }
+        };
+        (self.write_index_locked(&index, put_all, "cannot write recency to the index"))
+            .map_err(|(e, _)| e)
+    }
+
+    fn write_index(&self, fill: impl FnOnce(&mut WriteBatch), what: &str) -> IndexResult {
+        let index = self
+            .index_lock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        self.write_index_locked(&index, fill, what)
+    }
+
+    /// One index write, only if there is room for it (module docs, "A full disk"); it also
+    /// deletes the stale entries of chunks that are neither cached nor in flight.
+    fn write_index_locked(
+        &self,
+        _index: &MutexGuard<'_, ()>,
+        fill: impl FnOnce(&mut WriteBatch),
+        what: &str,
+    ) -> IndexResult {
+        self.index_room().map_err(|e| (e, true))?;
         let mut batch = WriteBatch::default();
-        for (id, entry) in &updates {
-            batch.put(chunk_key(id), encode_entry(*entry));
+        fill(&mut batch);
+        {
+            let mut st = self.lock();
+            let stale = std::mem::take(&mut st.stale);
+            for id in stale {
+                if !st.lru.contains(&id) && !st.inflight.contains(&id) {
+                    batch.delete(chunk_key(&id));
+                }
+            }
         }
-        self.db
-            .write(batch)
-            .map_err(|e| self.rocks_error("cannot write recency to the index", e))
+        self.db.write(batch).map_err(|e| {
+            if is_rocks_nospace(&e) {
+                self.lock().counters[ENOSPC] += 1;
+                tracing::error!(error = %e, "chunk cache: RocksDB met a full disk");
+            }
+            (self.rocks_error(what, e), false)
+        })
+    }
+
+    /// Whether the index may be written: half the reserve is free.
+    fn index_room(&self) -> Result<()> {
+        match free_bytes(&self.index_dir) {
+            Some(free) if free < self.reserve / 2 => {
+                self.lock().counters[ENOSPC] += 1;
+                Err(self.error(format!(
+                    "no space left on device for the index: {free} bytes free, {} kept for it",
+                    self.reserve / 2
+                )))
+            }
+            _ => Ok(()),
+        }
     }
 
     fn chunk_path(&self, id: &ChunkId) -> PathBuf {
@@ -806,11 +810,11 @@ impl DiskCache {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn error(&self, message: String, source: Option<BoxError>) -> Error {
+    fn error(&self, message: String) -> Error {
         Error::Cache {
             path: self.dir.clone(),
             message,
-            source,
+            source: None,
         }
     }
 
@@ -855,9 +859,7 @@ fn chunk_key(id: &ChunkId) -> [u8; CHUNK_KEY_LEN] {
 
 fn decode_key(key: &[u8]) -> Option<ChunkId> {
     let key: &[u8; CHUNK_KEY_LEN] = key.try_into().ok()?;
-    if key[0] != CHUNK_KEY_TAG {
-        return None;
-    }
+    (key[0] == CHUNK_KEY_TAG).then_some(())?;
     Some(ChunkId {
         blob: Digest(key[1..33].try_into().ok()?),
         index: u64::from_be_bytes(key[33..].try_into().ok()?),
@@ -875,74 +877,55 @@ fn encode_entry(entry: Entry) -> [u8; ENTRY_LEN] {
 fn decode_entry(v: &[u8]) -> Option<Entry> {
     let v: &[u8; ENTRY_LEN] = v.try_into().ok()?;
     let size = u32::from_le_bytes(v[1..5].try_into().ok()?);
-    if v[0] != ENTRY_VERSION || u64::from(size) > CHUNK_SIZE {
-        return None;
-    }
+    (v[0] == ENTRY_VERSION && u64::from(size) <= CHUNK_SIZE).then_some(())?;
     Some(Entry {
         size,
         seq: u64::from_le_bytes(v[5..].try_into().ok()?),
     })
 }
 
-fn encode_counters(c: &Counters) -> [u8; COUNTERS_LEN] {
-    let mut v = [0u8; COUNTERS_LEN];
-    v[0] = COUNTERS_VERSION;
-    let fields = [
-        c.evictions,
-        c.dropped_corrupt,
-        c.enospc,
-        c.recovered_orphans,
-    ];
-    for (slot, n) in v[1..].chunks_exact_mut(8).zip(fields) {
+fn encode_counters(c: &[u64; 4]) -> [u8; COUNTERS_LEN] {
+    let mut v = [COUNTERS_VERSION; COUNTERS_LEN];
+    for (slot, n) in v[1..].chunks_exact_mut(8).zip(c) {
         slot.copy_from_slice(&n.to_le_bytes());
     }
     v
 }
 
-fn decode_counters(v: &[u8]) -> Option<Counters> {
+fn decode_counters(v: &[u8]) -> Option<[u64; 4]> {
     let v: &[u8; COUNTERS_LEN] = v.try_into().ok()?;
-    if v[0] != COUNTERS_VERSION {
-        return None;
+    let mut c = [0u64; 4];
+    for (n, slot) in c.iter_mut().zip(v[1..].chunks_exact(8)) {
+        *n = u64::from_le_bytes(slot.try_into().ok()?);
     }
-    let n = |i: usize| {
-        v[1 + 8 * i..9 + 8 * i]
-            .try_into()
-            .ok()
-            .map(u64::from_le_bytes)
-    };
-    Some(Counters {
-        evictions: n(0)?,
-        dropped_corrupt: n(1)?,
-        enospc: n(2)?,
-        recovered_orphans: n(3)?,
-    })
+    (v[0] == COUNTERS_VERSION).then_some(c)
 }
 
-/// `<blob hex>.<index>` in the shard directory `shard`, exactly as [`DiskCache`] names it.
+/// `<blob hex>.<index>` in shard directory `shard`, exactly as [`DiskCache`] names it.
 fn parse_chunk_name(shard: &str, name: &str) -> Option<ChunkId> {
     let (hex, index) = name.split_once('.')?;
-    if !hex.starts_with(shard) {
-        return None;
-    }
     let id = ChunkId {
         blob: Digest::from_str(hex).ok()?,
         index: index.parse().ok()?,
     };
-    (id.index.to_string() == index).then_some(id)
+    (hex.starts_with(shard) && id.index.to_string() == index).then_some(id)
 }
 
 fn remove_file(path: &Path) -> Result<()> {
     match fs::remove_file(path) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(Error::io("remove", path, e)),
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(Error::io("remove", path, e)),
+        _ => Ok(()),
     }
 }
 
 fn sync_dir(dir: &Path) -> Result<()> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| Error::io("fsync directory", dir, e))
+    (File::open(dir).and_then(|d| d.sync_all())).map_err(|e| Error::io("fsync directory", dir, e))
+}
+
+/// Bytes available on the filesystem holding `path`; `None` if `statvfs` fails.
+fn free_bytes(path: &Path) -> Option<u64> {
+    let vfs = rustix::fs::statvfs(path).ok()?;
+    Some(vfs.f_bavail.saturating_mul(vfs.f_frsize))
 }
 
 fn is_nospace(e: &io::Error) -> bool {
@@ -961,47 +944,5 @@ fn rocks_error(index_dir: &Path, what: &str, e: rocksdb::Error) -> Error {
         path: index_dir.to_path_buf(),
         message: format!("{what}: {e}"),
         source: Some(Box::new(e)),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn encodings_round_trip_and_reject_garbage() {
-        let id = ChunkId {
-            blob: Digest::of(b"x"),
-            index: 7,
-        };
-        assert_eq!(decode_key(&chunk_key(&id)), Some(id));
-        assert_eq!(decode_key(&chunk_key(&id)[..40]), None);
-        let entry = Entry { size: 4096, seq: 9 };
-        assert_eq!(decode_entry(&encode_entry(entry)), Some(entry));
-        let mut bad = encode_entry(entry);
-        bad[0] = 2;
-        assert_eq!(decode_entry(&bad), None);
-        let huge = encode_entry(Entry {
-            size: CHUNK_SIZE as u32 + 1,
-            seq: 0,
-        });
-        assert_eq!(decode_entry(&huge), None);
-        assert_eq!(decode_entry(b""), None);
-        let c = Counters {
-            evictions: 1,
-            dropped_corrupt: 2,
-            enospc: 3,
-            recovered_orphans: 4,
-        };
-        let back = decode_counters(&encode_counters(&c)).map(|c| c.recovered_orphans);
-        assert_eq!(back, Some(4));
-        let hex = id.blob.to_hex();
-        assert_eq!(parse_chunk_name(&hex[..2], &format!("{hex}.7")), Some(id));
-        assert_eq!(parse_chunk_name(&hex[..2], &format!("{hex}.07")), None);
-        assert_eq!(parse_chunk_name("zz", &format!("{hex}.7")), None);
-        assert_eq!(
-            parse_chunk_name(&hex[..2], &format!(".tmp.{hex}.7.1.2")),
-            None
-        );
     }
 }
