@@ -153,3 +153,80 @@ fn errors_are_one_clear_line() {
     );
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
 }
+
+#[test]
+fn cat_reads_through_the_node_cache_and_stats_count_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let home = tmp.path().join("home");
+    let data: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+    let file = tmp.path().join("big");
+    std::fs::write(&file, &data).unwrap();
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_strata"))
+            .env("STRATA_HOME", &home)
+            .arg("--store")
+            .arg(&store)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let put: serde_json::Value =
+        serde_json::from_str(&ok(run(&["--json", "blob", "put", file.to_str().unwrap()]))).unwrap();
+    let digest = put["entries"][0]["digest"].as_str().unwrap().to_owned();
+
+    let out = tmp.path().join("part");
+    ok(run(&[
+        "blob",
+        "cat",
+        &digest,
+        "--offset",
+        "1000000",
+        "--length",
+        "300000",
+        "-o",
+        out.to_str().unwrap(),
+    ]));
+    assert_eq!(std::fs::read(&out).unwrap(), &data[1_000_000..1_300_000]);
+    let stats: serde_json::Value =
+        serde_json::from_str(&ok(run(&["--json", "cache", "stats"]))).unwrap();
+    for key in [
+        "hits",
+        "misses",
+        "bytes_read",
+        "bytes_fetched",
+        "backend_requests",
+        "evictions",
+        "verify_failures",
+    ] {
+        assert!(stats[key].is_u64(), "{key} missing: {stats}");
+    }
+    assert_eq!(stats["bytes_read"], 300_000);
+    // 300,000 bytes at 1,000,000 span chunks 3 and 4: two chunks fetched, in one request.
+    assert_eq!(stats["misses"], 2, "{stats}");
+    assert_eq!(stats["backend_requests"], 1, "{stats}");
+    assert_eq!(stats["disk"]["chunks"], 2, "{stats}");
+
+    // Again: served from the node's disk cache, nothing fetched; counters are cumulative.
+    ok(run(&[
+        "blob",
+        "cat",
+        &digest,
+        "--offset",
+        "1000000",
+        "--length",
+        "300000",
+        "-o",
+        out.to_str().unwrap(),
+    ]));
+    let stats: serde_json::Value =
+        serde_json::from_str(&ok(run(&["--json", "cache", "stats"]))).unwrap();
+    assert_eq!(stats["bytes_read"], 600_000);
+    assert_eq!(stats["backend_requests"], 1, "{stats}");
+    assert_eq!(stats["hits_disk"], 2, "{stats}");
+
+    // The whole blob, to stdout.
+    let whole = run(&["blob", "cat", &digest]);
+    assert!(whole.status.success());
+    assert_eq!(whole.stdout, data);
+}

@@ -187,6 +187,64 @@ fn usage_stays_under_capacity_while_reading_three_times_capacity() {
     );
 }
 
+#[test]
+fn many_threads_share_one_cache() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cache");
+    let capacity = MIB;
+    let len = |c: &ChunkId| 32 * KIB + c.index % 5 * 8 * KIB;
+    let cache = Arc::new(open(&dir, capacity));
+    let started = Instant::now();
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let cache = cache.clone();
+            std::thread::spawn(move || {
+                let mut rng = fastrand::Rng::with_seed(t);
+                for _ in 0..500 {
+                    let c = id("threads", rng.u64(..64));
+                    match rng.u8(..10) {
+                        0..=3 => cache.put(&c, &content(&c, len(&c))).unwrap(),
+                        4..=7 => {
+                            if let Some(b) = cache.get(&c).unwrap() {
+                                assert_eq!(b, content(&c, len(&c)), "{c:?}");
+                            }
+                        }
+                        8 => cache.remove(&c).unwrap(),
+                        _ => cache.drop_corrupt(&c).unwrap(),
+                    }
+                    assert!(cache.stats().bytes <= capacity);
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let elapsed = started.elapsed();
+    let s = cache.stats();
+    let u = usage(&dir);
+    assert_eq!((u.files, u.bytes, u.tmp_files), (s.chunks, s.bytes, 0));
+
+    // Hit cost: one 256 KiB chunk read back many times.
+    let hot = id("threads-hot", 0);
+    cache.put(&hot, &content(&hot, CHUNK_SIZE)).unwrap();
+    let n = 2000;
+    let t0 = Instant::now();
+    for _ in 0..n {
+        assert!(cache.get(&hot).unwrap().is_some());
+    }
+    let per_hit = t0.elapsed() / n;
+    println!("threads: 4 x 500 mixed ops in {elapsed:?}; {s:?}; hit of 256 KiB: {per_hit:?}");
+    drop(cache);
+    let cache = open(&dir, capacity);
+    for i in 0..64 {
+        let c = id("threads", i);
+        if cache.contains(&c) {
+            assert_eq!(cache.get(&c).unwrap().unwrap(), content(&c, len(&c)));
+        }
+    }
+}
+
 const FILLER_ENV: &str = "STRATA_DISK_FILLER_DIR";
 const FILLER_CAPACITY: u64 = MIB;
 const FILLER_SEEDS: [&str; 2] = ["kill9-a", "kill9-b"];
@@ -204,6 +262,11 @@ fn kill9_filler_child() {
     let Some(dir) = std::env::var_os(FILLER_ENV) else {
         return;
     };
+    // Any failure ends the process, so that the parent sees it exit before it is killed.
+    let fail = |what: String| -> ! {
+        eprintln!("filler: {what}");
+        std::process::exit(3)
+    };
     let cache = Arc::new(open(Path::new(&dir), FILLER_CAPACITY));
     let threads: Vec<_> = (0..2u64)
         .map(|t| {
@@ -212,25 +275,31 @@ fn kill9_filler_child() {
                 let mut rng = fastrand::Rng::with_seed(t ^ u64::from(std::process::id()));
                 for op in 0u64.. {
                     let c = id(FILLER_SEEDS[rng.usize(..2)], rng.u64(..FILLER_INDEXES));
-                    match rng.u8(..10) {
-                        0..=5 => cache.put(&c, &content(&c, filler_len(&c))).unwrap(),
-                        6..=8 => {
-                            if let Some(b) = cache.get(&c).unwrap() {
-                                assert_eq!(b, content(&c, filler_len(&c)), "child read back");
+                    let done = match rng.u8(..10) {
+                        0..=5 => cache.put(&c, &content(&c, filler_len(&c))),
+                        6..=8 => cache.get(&c).map(|got| match got {
+                            Some(b) if b != content(&c, filler_len(&c)) => {
+                                fail(format!("{c:?} read back wrong"))
                             }
-                        }
-                        _ => cache.remove(&c).unwrap(),
-                    }
-                    if op % 64 == 63 {
-                        cache.flush().unwrap();
+                            _ => (),
+                        }),
+                        _ => cache.remove(&c),
+                    };
+                    let done = done.and_then(|()| match op % 64 {
+                        63 => cache.flush(),
+                        _ => Ok(()),
+                    });
+                    if let Err(e) = done {
+                        fail(e.to_string());
                     }
                 }
             })
         })
         .collect();
     for t in threads {
-        t.join().unwrap();
+        let _ = t.join();
     }
+    fail("a filler thread stopped".into());
 }
 
 #[test]
@@ -355,12 +424,16 @@ fn corrupt_truncated_and_stray_files() {
     fs::write(&stray_path, content(&stray, 10)).unwrap();
     let tmp_file = stray_path.with_file_name(format!(".tmp.{}.9.1.1", stray.blob));
     fs::write(&tmp_file, b"partial").unwrap();
+    // Not the cache's spelling of chunk `a` (index 0): a stray too.
+    let odd_name = chunk_file(&dir, &a).with_extension("00");
+    fs::write(&odd_name, content(&a, len)).unwrap();
     let cache = open(&dir, MIB);
     assert!(!cache.contains(&d) && !chunk_file(&dir, &d).exists());
     assert!(!cache.contains(&stray) && !stray_path.exists() && !tmp_file.exists());
+    assert!(!odd_name.exists() && chunk_file(&dir, &a).exists());
     let s = cache.stats();
     assert_eq!(s.dropped_corrupt, before.dropped_corrupt + 1);
-    assert_eq!(s.recovered_orphans, before.recovered_orphans + 2);
+    assert_eq!(s.recovered_orphans, before.recovered_orphans + 3);
     assert_eq!((s.chunks, s.bytes), (1, len));
     drop(cache);
 
