@@ -7,7 +7,9 @@
 //!
 //! - `sequential`: the whole blob, in order, in 128 KiB reads;
 //! - `random10`: the blob cut into consecutive regions of 4 KiB..64 KiB (random multiples of
-//!   4 KiB), a random tenth of them read in random order.
+//!   4 KiB), a random tenth of them read in random order;
+//! - `sequential-4MiB`: the whole blob in 4 MiB reads (a read that by itself spans
+//!   `max_request_bytes`: what coalescing alone does, without readahead).
 //!
 //! Each pattern runs with two configurations: `default` (`CacheConfig::default()`: coalescing
 //! up to 4 MiB per request, 1 MiB readahead after a sequential read) and `no-coalesce` (no
@@ -36,6 +38,7 @@ use fs_cache::{Backend, Digest, FaultConfig, FaultyBackend, MemoryBackend, Store
 
 const LATENCY: Duration = Duration::from_millis(2);
 const SEQUENTIAL_READ: u64 = 128 << 10;
+const LARGE_READ: u64 = 4 << 20;
 const REGION_MIN: u64 = 4 << 10;
 const REGION_MAX: u64 = 64 << 10;
 const REGION_ALIGN: u64 = 4 << 10;
@@ -267,13 +270,14 @@ fn main() {
     let total = Instant::now();
     let world = rt.block_on(World::new(params.blob_size));
 
-    let sequential = Pattern {
-        name: "sequential",
+    let in_order = |name, len: u64| Pattern {
+        name,
         reads: (0..params.blob_size)
-            .step_by(SEQUENTIAL_READ as usize)
-            .map(|o| o..(o + SEQUENTIAL_READ).min(params.blob_size))
+            .step_by(len as usize)
+            .map(|o| o..(o + len).min(params.blob_size))
             .collect(),
     };
+    let sequential = in_order("sequential", SEQUENTIAL_READ);
     let random = Pattern {
         name: "random10",
         reads: random_regions(
@@ -285,7 +289,7 @@ fn main() {
             0x5241_4E44,
         ),
     };
-    let patterns = [sequential, random];
+    let patterns = [sequential, random, in_order("sequential-4MiB", LARGE_READ)];
     let levels = [Level::Memory, Level::MemoryAndDisk];
     let configs = [Config::Default, Config::NoCoalesce];
 
@@ -298,10 +302,11 @@ fn main() {
     let l2_dir = bench_dir(Path::new(env!("CARGO_TARGET_TMPDIR")));
     println!();
     println!(
-        "cache_miss: {} blob in MemoryBackend behind FaultyBackend, latency {:?} per request \
+        "cache_miss: {} blob ({} chunks) in MemoryBackend behind FaultyBackend, latency {:?} per request \
          (measured: {} for a 256 KiB GET, {} for a 4 MiB GET, median); level 2 under {} ({}); \
          {} runs per row, each with a fresh cache",
         size_label(params.blob_size),
+        params.blob_size.div_ceil(CHUNK_SIZE),
         LATENCY,
         ms(one_chunk),
         ms(four_mib),
@@ -331,11 +336,11 @@ fn main() {
         let _ = writeln!(out);
         let _ = writeln!(
             out,
-            "| pattern | config | reads | bytes read | bytes fetched | fetched / read | GETs | chunks / GET | readahead chunks | wall time | per read p50 / p99 / max |"
+            "| pattern | config | reads | bytes read | bytes fetched | fetched / read | GETs | chunks / GET | `misses` | `readahead_chunks` | wall time | per read p50 / p99 / max |"
         );
         let _ = writeln!(
             out,
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
         );
         for (p, pattern) in patterns.iter().enumerate() {
             for (c, config) in configs.iter().enumerate() {
@@ -355,7 +360,7 @@ fn main() {
                     .expect("at least one run");
                 let _ = writeln!(
                     out,
-                    "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} [{:.0}–{:.0}] | {} / {} / {} |",
+                    "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} [{:.0}–{:.0}] | {} / {} / {} |",
                     pattern.name,
                     config.name(),
                     pattern.reads.len(),
@@ -371,6 +376,7 @@ fn main() {
                             .map(|r| r.cache.coalesced_chunks * 100 / r.gets.max(1)),
                         |x| format!("{:.2}", x / 100.0)
                     ),
+                    spread(rs.iter().map(|r| r.cache.misses), |x| format!("{x:.0}")),
                     spread(rs.iter().map(|r| r.cache.readahead_chunks), |x| format!(
                         "{x:.0}"
                     )),
