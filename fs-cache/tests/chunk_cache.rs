@@ -155,13 +155,15 @@ async fn sequential_small_reads_trigger_bounded_readahead() {
             &f.bytes[off as usize..(off + (64 << 10)) as usize]
         );
         off += 64 << 10;
-        tokio::task::yield_now().await;
+        // The reader does a little work between reads, as readers do.
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
     let s = cache.stats();
     // 32 chunks were read; readahead fetched most of them before they were asked for, in
     // requests of several chunks.
     assert!(s.readahead_chunks > 16, "{s:?}");
-    assert!(s.backend_requests < 32, "{s:?}");
+    // Readahead is issued in whole windows (1 MiB = 4 chunks), not chunk by chunk.
+    assert!(s.backend_requests <= 12, "{s:?}");
     // Bounded: never more than the blob, nothing fetched twice.
     assert!(s.bytes_fetched <= 8 * MIB, "{s:?}");
 }
@@ -347,4 +349,38 @@ fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
         }
     }
     out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_demand_read_joining_a_waiting_prefetch_does_not_wait_behind_it() {
+    let f = fixture((8 * CHUNK_SIZE) as usize).await;
+    let cache = ChunkCache::open(f.store.clone(), memory_only(64 * MIB))
+        .await
+        .unwrap();
+    cache.register(&f.blob).await.unwrap();
+    f.faulty.reset_stats();
+    f.faulty.update(|c| c.latency = Duration::from_millis(1500));
+    let start = std::time::Instant::now();
+    // A demand fetch in flight...
+    let busy = {
+        let cache = cache.clone();
+        let blob = f.blob;
+        tokio::spawn(async move { cache.read(&blob, 0, 10).await.unwrap() })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // ...so this prefetch claims chunk 5 and waits for demand to go idle...
+    let prefetch = cache.prefetch(f.blob, vec![5 * CHUNK_SIZE..5 * CHUNK_SIZE + 1]);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // ...until a demand read of chunk 5 joins it and lifts it to demand priority.
+    let got = cache.read(&f.blob, 5 * CHUNK_SIZE, 10).await.unwrap();
+    assert_eq!(
+        &got[..],
+        &f.bytes[5 * CHUNK_SIZE as usize..5 * CHUNK_SIZE as usize + 10]
+    );
+    let waited = start.elapsed();
+    busy.await.unwrap();
+    prefetch.await.unwrap().unwrap();
+    // Behind the busy fetch it would take two latencies (3 s); lifted, about one.
+    assert!(waited < Duration::from_millis(2600), "waited {waited:?}");
+    assert_eq!(f.faulty.stats().gets, 2, "chunk 5 was fetched once");
 }

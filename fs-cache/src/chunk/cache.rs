@@ -98,6 +98,9 @@ pub struct CacheStats {
     pub backend_errors: u64,
     pub readahead_chunks: u64,
     pub prefetch_chunks: u64,
+    /// Fetched chunks not kept on local disk because too many writes were pending.
+    #[serde(default)]
+    pub disk_writes_skipped: u64,
     /// Read latency histogram: `read_latency_us[i]` counts reads that took < 2^i µs.
     pub read_latency_us: Vec<u64>,
     pub memory_bytes: u64,
@@ -123,6 +126,7 @@ struct Counters {
     backend_errors: AtomicU64,
     readahead_chunks: AtomicU64,
     prefetch_chunks: AtomicU64,
+    disk_writes_skipped: AtomicU64,
     latency: [AtomicU64; LATENCY_BUCKETS],
 }
 
@@ -137,6 +141,39 @@ struct Memory {
 
 type Shared = Option<std::result::Result<Bytes, Arc<Error>>>;
 
+/// A chunk being fetched: its result, and a way for a demand reader that joins a low-priority
+/// fetch (readahead, prefetch) still waiting for its turn to make it start at once.
+#[derive(Clone)]
+struct InFlight {
+    result: watch::Receiver<Shared>,
+    boost: Arc<Boost>,
+}
+
+#[derive(Default)]
+struct Boost {
+    set: std::sync::atomic::AtomicBool,
+    notify: Notify,
+}
+
+impl Boost {
+    fn raise(&self) {
+        self.set.store(true, Ordering::Release);
+        self.notify.notify_waiters();
+    }
+}
+
+/// Per-blob sequential-read state: where the last read ended, and how far readahead has
+/// already been issued.
+#[derive(Clone, Copy, Default)]
+struct Sequential {
+    last_end: u64,
+    ahead_until: u64,
+}
+
+/// Fetched chunks waiting to be written to level 2 in the background; past this, new chunks
+/// are served but not kept on disk (and counted).
+const MAX_PENDING_DISK_WRITES: usize = 64;
+
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Priority {
     Demand,
@@ -150,8 +187,9 @@ struct Inner {
     tables: Mutex<HashMap<Digest, Arc<ChunkTable>>>,
     memory: Mutex<Memory>,
     disk: Option<Arc<DiskCache>>,
-    inflight: Mutex<HashMap<ChunkId, watch::Receiver<Shared>>>,
-    last_end: Mutex<HashMap<Digest, u64>>,
+    inflight: Mutex<HashMap<ChunkId, InFlight>>,
+    sequential: Mutex<HashMap<Digest, Sequential>>,
+    disk_writes: Arc<Semaphore>,
     counters: Counters,
     demand_active: AtomicUsize,
     demand_idle: Notify,
@@ -209,7 +247,8 @@ impl ChunkCache {
                 }),
                 disk,
                 inflight: Mutex::new(HashMap::new()),
-                last_end: Mutex::new(HashMap::new()),
+                sequential: Mutex::new(HashMap::new()),
+                disk_writes: Arc::new(Semaphore::new(MAX_PENDING_DISK_WRITES)),
                 counters: Counters::default(),
                 demand_active: AtomicUsize::new(0),
                 demand_idle: Notify::new(),
@@ -257,23 +296,34 @@ impl ChunkCache {
             .get_chunks(&table, first..last + 1, Priority::Demand)
             .await?;
 
-        // Sequential detection and readahead.
-        let sequential = {
-            let mut last_end = lock(&self.inner.last_end);
-            let seq = last_end.get(blob) == Some(&offset) && offset > 0;
-            last_end.insert(*blob, end);
-            seq
-        };
-        if sequential && self.inner.config.readahead_bytes > 0 {
-            let ra_chunks = self.inner.config.readahead_bytes.div_ceil(table.chunk_size);
-            let ra = (last + 1)..(last + 1 + ra_chunks).min(table.chunk_count());
-            if !ra.is_empty() {
-                let inner = self.inner.clone();
-                let t = table.clone();
-                tokio::spawn(async move {
-                    let _ = inner.get_chunks(&t, ra, Priority::Readahead).await;
-                });
+        // Sequential detection and readahead: once a reader is sequential, keep a window of
+        // `readahead_bytes` ahead of it, issued as one request whenever less than half of the
+        // window is left (so readahead requests are whole windows, not single chunks).
+        let window = self.inner.config.readahead_bytes;
+        let ahead = {
+            let mut seq = lock(&self.inner.sequential);
+            let state = seq.entry(*blob).or_default();
+            let is_sequential = offset > 0 && state.last_end == offset;
+            state.last_end = end;
+            let mut ahead = None;
+            if is_sequential && window > 0 && end < table.blob_size {
+                let from = state.ahead_until.max((last + 1) * table.chunk_size);
+                if from < table.blob_size && from.saturating_sub(end) < window / 2 {
+                    let to = (from + window).min(table.blob_size);
+                    state.ahead_until = to;
+                    ahead = Some(from / table.chunk_size..to.div_ceil(table.chunk_size));
+                }
+            } else if !is_sequential {
+                state.ahead_until = 0;
             }
+            ahead
+        };
+        if let Some(ra) = ahead {
+            let inner = self.inner.clone();
+            let t = table.clone();
+            tokio::spawn(async move {
+                let _ = inner.get_chunks(&t, ra, Priority::Readahead).await;
+            });
         }
 
         let out = if chunks.len() == 1 {
@@ -354,6 +404,7 @@ impl ChunkCache {
             backend_errors: b.backend_errors + g(&c.backend_errors),
             readahead_chunks: b.readahead_chunks + g(&c.readahead_chunks),
             prefetch_chunks: b.prefetch_chunks + g(&c.prefetch_chunks),
+            disk_writes_skipped: b.disk_writes_skipped + g(&c.disk_writes_skipped),
             read_latency_us: latency,
             memory_bytes,
             memory_capacity: self.inner.config.memory_bytes,
@@ -361,8 +412,17 @@ impl ChunkCache {
         }
     }
 
-    /// Persist level 2's recency and the cumulative counters.
+    /// Wait for pending level-2 writes, then persist level 2's recency and the cumulative
+    /// counters.
     pub async fn flush(&self) -> Result<()> {
+        // Wait for the background writes to level 2 to finish.
+        let all = self
+            .inner
+            .disk_writes
+            .acquire_many(MAX_PENDING_DISK_WRITES as u32)
+            .await
+            .ok();
+        drop(all);
         if let Some(d) = self.inner.disk.clone() {
             tokio::task::spawn_blocking(move || d.flush())
                 .await
@@ -490,29 +550,45 @@ impl Inner {
         if missing.is_empty() {
             return Ok(found.into_iter().flatten().collect());
         }
-        match priority {
-            Priority::Demand => add(&self.counters.misses, missing.len() as u64),
-            Priority::Readahead => add(&self.counters.readahead_chunks, missing.len() as u64),
-            Priority::Prefetch => add(&self.counters.prefetch_chunks, missing.len() as u64),
-        }
-
-        // Join fetches in flight; claim the rest.
+        // Join fetches in flight (raising their priority if this is a demand read); claim the
+        // rest.
         let mut waits: Vec<(u64, watch::Receiver<Shared>)> = Vec::new();
         let mut claimed: Vec<(u64, watch::Sender<Shared>)> = Vec::new();
+        let boost = Arc::new(Boost::default());
+        if priority == Priority::Demand {
+            boost.set.store(true, Ordering::Release);
+        }
         {
             let mut inflight = lock(&self.inflight);
             for &i in &missing {
                 match inflight.get(&id(i)) {
-                    Some(rx) => waits.push((i, rx.clone())),
+                    Some(f) => {
+                        if priority == Priority::Demand {
+                            f.boost.raise();
+                        }
+                        waits.push((i, f.result.clone()));
+                    }
                     None => {
                         let (tx, rx) = watch::channel(None);
-                        inflight.insert(id(i), rx.clone());
+                        inflight.insert(
+                            id(i),
+                            InFlight {
+                                result: rx.clone(),
+                                boost: boost.clone(),
+                            },
+                        );
                         waits.push((i, rx));
                         claimed.push((i, tx));
                     }
                 }
             }
         }
+        let counter = match priority {
+            Priority::Demand => &self.counters.misses,
+            Priority::Readahead => &self.counters.readahead_chunks,
+            Priority::Prefetch => &self.counters.prefetch_chunks,
+        };
+        add(counter, claimed.len() as u64);
 
         // Claimed chunks: runs of adjacent indices, each at most max_request_bytes.
         let per_request = (self.config.max_request_bytes / table.chunk_size).max(1) as usize;
@@ -530,7 +606,8 @@ impl Inner {
         for run in runs {
             let inner = self.clone();
             let table = table.clone();
-            tokio::spawn(async move { inner.fetch_run(table, run, priority).await });
+            let boost = boost.clone();
+            tokio::spawn(async move { inner.fetch_run(table, run, priority, boost).await });
         }
 
         for (i, mut rx) in waits {
@@ -567,6 +644,7 @@ impl Inner {
         table: Arc<ChunkTable>,
         run: Vec<(u64, watch::Sender<Shared>)>,
         priority: Priority,
+        boost: Arc<Boost>,
     ) {
         let _demand = if priority == Priority::Demand {
             self.demand_active.fetch_add(1, Ordering::AcqRel);
@@ -577,15 +655,26 @@ impl Inner {
         let _permit = if priority == Priority::Demand {
             None
         } else {
-            // Lower priority: wait until no demand fetch is in flight.
+            // Lower priority: wait until no demand fetch is in flight and a prefetch slot is
+            // free — unless a demand reader joined this fetch, which then starts at once.
             loop {
                 let idle = self.demand_idle.notified();
-                if self.demand_active.load(Ordering::Acquire) == 0 {
-                    break;
+                let boosted = boost.notify.notified();
+                if boost.set.load(Ordering::Acquire) {
+                    break None;
                 }
-                idle.await;
+                if self.demand_active.load(Ordering::Acquire) == 0 {
+                    tokio::select! {
+                        permit = self.prefetch_gate.acquire() => break permit.ok(),
+                        () = boosted => {}
+                    }
+                    continue;
+                }
+                tokio::select! {
+                    () = idle => {}
+                    () = boosted => {}
+                }
             }
-            self.prefetch_gate.acquire().await.ok()
         };
         let first = run[0].0;
         let last = run[run.len() - 1].0;
@@ -700,10 +789,20 @@ impl Inner {
         let data = Bytes::copy_from_slice(&data);
         self.memory_put(id, data.clone());
         if let Some(disk) = self.disk.clone() {
-            let d = data.clone();
-            let r = tokio::task::spawn_blocking(move || disk.put(&id, &d)).await;
-            if let Ok(Err(e)) = r {
-                tracing::warn!(error = %e, "could not keep a chunk on local disk");
+            // Readers get the chunk now; level 2 keeps it in the background (the disk cache
+            // indexes a chunk only once its file is complete, so this never exposes a partial
+            // chunk). Past a bound on pending writes, the chunk is not kept on disk.
+            match self.disk_writes.clone().try_acquire_owned() {
+                Ok(permit) => {
+                    let d = data.clone();
+                    tokio::task::spawn_blocking(move || {
+                        if let Err(e) = disk.put(&id, &d) {
+                            tracing::warn!(error = %e, "could not keep a chunk on local disk");
+                        }
+                        drop(permit);
+                    });
+                }
+                Err(_) => add(&self.counters.disk_writes_skipped, 1),
             }
         }
         Ok(data)
