@@ -369,7 +369,8 @@ async fn a_demand_read_joining_a_waiting_prefetch_does_not_wait_behind_it() {
     };
     tokio::time::sleep(Duration::from_millis(50)).await;
     // ...so this prefetch claims chunk 5 and waits for demand to go idle...
-    let prefetch = cache.prefetch(f.blob, Vec::from([5 * CHUNK_SIZE..5 * CHUNK_SIZE + 1]));
+    let wanted = 5 * CHUNK_SIZE..5 * CHUNK_SIZE + 1;
+    let prefetch = cache.prefetch(f.blob, std::iter::once(wanted).collect());
     tokio::time::sleep(Duration::from_millis(50)).await;
     // ...until a demand read of chunk 5 joins it and lifts it to demand priority.
     let got = cache.read(&f.blob, 5 * CHUNK_SIZE, 10).await.unwrap();
