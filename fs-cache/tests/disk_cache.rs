@@ -56,6 +56,12 @@ struct Usage {
     tmp_files: u64,
 }
 
+/// Bytes a chunk of `len` bytes takes on disk: its data and its crc32c trailer (4 bytes per
+/// 4 KiB block).
+fn on_disk(len: u64) -> u64 {
+    len + 4 * len.div_ceil(4096)
+}
+
 /// Walk `dir/chunks` (tolerating files that vanish during the walk).
 fn usage(dir: &Path) -> Usage {
     let mut u = Usage::default();
@@ -85,7 +91,7 @@ fn round_trip_and_restart_keep_entries_and_lru_order() {
     let len = 64 * KIB;
     let ids: Vec<ChunkId> = (0..5).map(|i| id("restart", i)).collect();
     {
-        let cache = open(&dir, 4 * len);
+        let cache = open(&dir, 4 * on_disk(len));
         assert_eq!(cache.get(&ids[0]).unwrap(), None);
         for c in &ids[..4] {
             cache.put(c, &content(c, len)).unwrap();
@@ -98,12 +104,18 @@ fn round_trip_and_restart_keep_entries_and_lru_order() {
         let big = vec![0u8; CHUNK_SIZE as usize + 1];
         assert!(cache.put(&id("big", 0), &big).is_err());
         let s = cache.stats();
-        assert_eq!((s.bytes, s.chunks, s.capacity), (4 * len, 4, 4 * len));
+        assert_eq!(
+            (s.bytes, s.chunks, s.capacity),
+            (4 * on_disk(len), 4, 4 * on_disk(len))
+        );
         assert_eq!(s.evictions, 0);
     }
-    let cache = open(&dir, 4 * len);
+    let cache = open(&dir, 4 * on_disk(len));
     let s = cache.stats();
-    assert_eq!((s.bytes, s.chunks, s.recovered_orphans), (4 * len, 4, 0));
+    assert_eq!(
+        (s.bytes, s.chunks, s.recovered_orphans),
+        (4 * on_disk(len), 4, 0)
+    );
     // Read them newest first: the recency order is now the reverse of the insertion order.
     for c in ids[..4].iter().rev() {
         assert_eq!(
@@ -114,7 +126,7 @@ fn round_trip_and_restart_keep_entries_and_lru_order() {
     }
     drop(cache);
     // So after a restart 3 is the least recently used, then 2, 1, 0.
-    let cache = open(&dir, 4 * len);
+    let cache = open(&dir, 4 * on_disk(len));
     cache.put(&ids[4], &content(&ids[4], len)).unwrap();
     assert!(
         !cache.contains(&ids[3]),
@@ -125,9 +137,9 @@ fn round_trip_and_restart_keep_entries_and_lru_order() {
     assert_eq!(cache.stats().evictions, 1);
     // Capacity shrunk between runs: evicted at open, LRU first (2, then 1).
     drop(cache);
-    let cache = open(&dir, 2 * len);
+    let cache = open(&dir, 2 * on_disk(len));
     let s = cache.stats();
-    assert_eq!((s.bytes, s.chunks, s.evictions), (2 * len, 2, 3));
+    assert_eq!((s.bytes, s.chunks, s.evictions), (2 * on_disk(len), 2, 3));
     assert!(cache.contains(&ids[0]) && cache.contains(&ids[4]));
     assert_eq!(usage(&dir).files, 2);
     // A second owner of the directory is refused while the first is open.
@@ -174,11 +186,12 @@ fn usage_stays_under_capacity_while_reading_three_times_capacity() {
     let seen = max_seen.load(Ordering::Relaxed);
     assert!(seen <= capacity + CHUNK_SIZE, "watcher saw {seen} bytes");
     let s = cache.stats();
-    assert_eq!(s.bytes, capacity);
-    assert_eq!(s.chunks, capacity / CHUNK_SIZE);
-    assert_eq!(s.evictions, n + 1 - capacity / CHUNK_SIZE);
+    let per = on_disk(CHUNK_SIZE);
+    assert_eq!(s.chunks, capacity / per);
+    assert_eq!(s.bytes, s.chunks * per);
+    assert_eq!(s.evictions, n + 1 - capacity / per);
     assert!(cache.contains(&hot));
-    for i in n - 15..n {
+    for i in n + 1 - capacity / per..n {
         assert!(cache.contains(&id("bounded", i)), "recent chunk {i} kept");
     }
     println!(
@@ -347,7 +360,7 @@ fn kill_9_mid_fill_never_leaves_a_bad_entry() {
                     got.unwrap_or_else(|| panic!("round {round}: indexed chunk {c:?} unreadable"));
                 assert_eq!(got, content(&c, filler_len(&c)), "round {round}: {c:?}");
                 found += 1;
-                bytes += got.len() as u64;
+                bytes += on_disk(got.len() as u64);
             }
         }
         let after = usage(&dir);
@@ -434,7 +447,7 @@ fn corrupt_truncated_and_stray_files() {
     let s = cache.stats();
     assert_eq!(s.dropped_corrupt, before.dropped_corrupt + 1);
     assert_eq!(s.recovered_orphans, before.recovered_orphans + 3);
-    assert_eq!((s.chunks, s.bytes), (1, len));
+    assert_eq!((s.chunks, s.bytes), (1, on_disk(len)));
     drop(cache);
 
     // Garbage in the index (a bad value, a bad key) and an entry whose file is gone: treated
@@ -457,7 +470,7 @@ fn corrupt_truncated_and_stray_files() {
     let cache = open(&dir, MIB);
     let s2 = cache.stats();
     assert_eq!(s2.recovered_orphans, s.recovered_orphans + 3);
-    assert_eq!((s2.chunks, s2.bytes), (1, len));
+    assert_eq!((s2.chunks, s2.bytes), (1, on_disk(len)));
     assert!(!cache.contains(&c) && !cache.contains(&d));
     assert_eq!(cache.get(&a).unwrap().unwrap(), content(&a, len));
     drop(cache);
@@ -622,4 +635,66 @@ fn disk_full_turns_into_eviction_or_a_clear_error() {
     let cache = open(&dir, capacity);
     let n4 = verify(&cache);
     println!("disk full: chunks intact after each reopen: {n1}, {n3}, {n4}");
+}
+
+#[test]
+fn ranged_reads_check_only_their_blocks_and_catch_damage() {
+    use fs_cache::chunk::disk::RangeRead;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cache");
+    let cache = open(&dir, MIB);
+    let c = id("ranged", 0);
+    let data = content(&c, CHUNK_SIZE);
+    cache.put(&c, &data).unwrap();
+    for (r, nowait) in [
+        (0..1, false),
+        (4095..4097, false),
+        (100_000..CHUNK_SIZE, true),
+        (0..CHUNK_SIZE, false),
+    ] {
+        match cache.read_range(&c, r.clone(), nowait).unwrap() {
+            RangeRead::Hit(b) => assert_eq!(&b[..], &data[r.start as usize..r.end as usize]),
+            // Not in the page cache (the cache drops written pages): fine for a no-wait read.
+            RangeRead::WouldBlock if nowait => {}
+            other => panic!("{r:?}: {other:?}"),
+        }
+    }
+    assert!(cache.read_range(&c, 0..CHUNK_SIZE + 1, false).is_err());
+    assert_eq!(
+        cache.read_range(&id("ranged", 9), 0..1, false).unwrap(),
+        RangeRead::Absent
+    );
+
+    // Damage block 10: ranges over it are refused, others still served.
+    let path = chunk_file(&dir, &c);
+    let mut bytes = fs::read(&path).unwrap();
+    bytes[10 * 4096 + 7] ^= 1;
+    fs::write(&path, &bytes).unwrap();
+    assert_eq!(
+        cache.read_range(&c, 40_000..41_000, false).unwrap(),
+        RangeRead::Corrupt
+    );
+    assert!(matches!(
+        cache.read_range(&c, 0..4096, false).unwrap(),
+        RangeRead::Hit(_)
+    ));
+    // Damage the trailer instead: the block it covers is refused.
+    bytes[10 * 4096 + 7] ^= 1;
+    let trailer_of_block_3 = CHUNK_SIZE as usize + 4 * 3;
+    bytes[trailer_of_block_3] ^= 0x80;
+    fs::write(&path, &bytes).unwrap();
+    assert_eq!(
+        cache.read_range(&c, 3 * 4096..3 * 4096 + 1, false).unwrap(),
+        RangeRead::Corrupt
+    );
+    assert!(matches!(
+        cache.read_range(&c, 40_000..41_000, false).unwrap(),
+        RangeRead::Hit(_)
+    ));
+    cache.drop_corrupt(&c).unwrap();
+    assert_eq!(
+        cache.read_range(&c, 0..1, false).unwrap(),
+        RangeRead::Absent
+    );
+    assert!(!path.exists());
 }

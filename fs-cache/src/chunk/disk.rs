@@ -1,13 +1,17 @@
 //! Level 2 of the chunk cache: whole chunks as files on local disk, bounded in bytes, evicted
 //! least recently used first, indexed in RocksDB so that the cache survives a restart.
 //!
-//! This level stores bytes; it does not judge them. The caller verifies every chunk that
-//! [`DiskCache::get`] returns against its digest and calls [`DiskCache::drop_corrupt`] on a
-//! mismatch, so a chunk file whose bytes went bad is dropped and refetched, never served.
+//! A chunk enters this level only after the cache verified it against its blake3 digest. On
+//! disk, every 4 KiB block of it is covered by a crc32c computed from those verified bytes
+//! (the file's trailer), so that a hit can read and check just the blocks it needs
+//! ([`DiskCache::read_range`]) instead of reading and re-hashing the whole chunk. A block whose
+//! bytes no longer match is reported as [`RangeRead::Corrupt`]; the caller drops the chunk
+//! ([`DiskCache::drop_corrupt`]) and refetches it: bad bytes are never served. [`DiskCache::get`]
+//! returns a whole chunk unchecked, for callers that verify it themselves.
 //!
 //! # On-disk layout
 //! ```text
-//! <dir>/chunks/<hh>/<blob hex>.<index>                  one chunk: exactly its bytes
+//! <dir>/chunks/<hh>/<blob hex>.<index>                  one chunk: its bytes, then the trailer
 //! <dir>/chunks/<hh>/.tmp.<blob hex>.<index>.<pid>.<n>    a chunk being written; never indexed
 //! <dir>/index/                                          RocksDB (its own files only)
 //! ```
@@ -16,11 +20,15 @@
 //! `rename` of a temporary file that was completely written and `fdatasync`ed, so a final name
 //! always holds a whole chunk. Files are never modified in place.
 //!
+//! The trailer holds one crc32c (Castagnoli, u32 LE) per 4 KiB block of the chunk, the last
+//! block possibly short: a chunk of `size` bytes has a file of `size + 4 × ceil(size / 4096)`
+//! bytes (a 256 KiB chunk: 256 bytes of trailer).
+//!
 //! # Index encoding (RocksDB keys and values)
 //! | key | value |
 //! | --- | --- |
 //! | `b'c'` + blob digest (32 bytes) + chunk index (u64 BE): 41 bytes | `[1][size: u32 LE][seq: u64 LE]`: 13 bytes |
-//! | `b"m/format"` | `b"strata-chunk-index v1"`; any other value refuses to open |
+//! | `b"m/format"` | `b"strata-chunk-index v2"` (v2: chunk files carry a crc32c trailer); any other value refuses to open |
 //! | `b"m/counters"` | `[1]` + evictions, dropped_corrupt, enospc, recovered_orphans (u64 LE each): 33 bytes |
 //!
 //! `size` is the chunk's length (at most [`CHUNK_SIZE`]); `seq` its recency: a counter taken on
@@ -107,7 +115,7 @@ const ENTRY_VERSION: u8 = 1;
 const ENTRY_LEN: usize = 1 + 4 + 8;
 const META_PREFIX: &[u8] = b"m/";
 const META_FORMAT: &[u8] = b"m/format";
-const FORMAT: &[u8] = b"strata-chunk-index v1";
+const FORMAT: &[u8] = b"strata-chunk-index v2";
 const META_COUNTERS: &[u8] = b"m/counters";
 const COUNTERS_VERSION: u8 = 1;
 const COUNTERS_LEN: usize = 1 + 4 * 8;
@@ -115,6 +123,38 @@ const TMP_PREFIX: &str = ".tmp.";
 /// Bytes evicted before the one retry of a chunk write that failed with `ENOSPC`.
 const ENOSPC_EVICT: u64 = 4 * CHUNK_SIZE;
 const MIB: u64 = 1 << 20;
+/// The unit of the crc32c trailer.
+pub const CHECK_BLOCK: u64 = 4096;
+
+/// Bytes of the crc32c trailer of a chunk of `size` bytes.
+fn trailer_len(size: u64) -> u64 {
+    4 * size.div_ceil(CHECK_BLOCK)
+}
+
+/// Bytes of the file of a chunk of `size` bytes.
+fn file_len(size: u64) -> u64 {
+    size + trailer_len(size)
+}
+
+/// The crc32c trailer of `data`.
+fn trailer(data: &[u8]) -> Vec<u8> {
+    data.chunks(CHECK_BLOCK as usize)
+        .flat_map(|b| crc32c::crc32c(b).to_le_bytes())
+        .collect()
+}
+
+/// The outcome of [`DiskCache::read_range`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RangeRead {
+    /// The bytes asked for, each block checked against its crc32c.
+    Hit(Bytes),
+    /// Not cached (or its file vanished or had the wrong size: dropped).
+    Absent,
+    /// A block does not match its crc32c: the caller must drop the chunk and refetch it.
+    Corrupt,
+    /// Asked not to block, and the bytes are not all in the page cache.
+    WouldBlock,
+}
 
 const _: () = assert!(CHUNK_KEY_LEN == 41);
 const _: () = assert!(ENTRY_LEN == 13);
@@ -208,14 +248,14 @@ impl State {
             let Some((id, entry)) = self.lru.pop_lru() else {
                 break;
             };
-            freed += u64::from(entry.size);
+            freed += file_len(u64::from(entry.size));
             victims.push(self.doom(id, entry));
         }
         victims
     }
 
     fn doom(&mut self, id: ChunkId, entry: Entry) -> (ChunkId, Entry) {
-        self.present -= u64::from(entry.size);
+        self.present -= file_len(u64::from(entry.size));
         self.dirty.remove(&id);
         self.inflight.insert(id);
         (id, entry)
@@ -347,7 +387,7 @@ impl DiskCache {
             };
             let path = self.chunk_path(&id);
             match fs::symlink_metadata(&path) {
-                Ok(m) if m.is_file() && m.len() == u64::from(entry.size) => {
+                Ok(m) if m.is_file() && m.len() == file_len(u64::from(entry.size)) => {
                     entries.push((id, entry))
                 }
                 Ok(m) => {
@@ -376,7 +416,7 @@ impl DiskCache {
         let victims = {
             let mut st = self.lock();
             for (id, entry) in entries {
-                st.present += u64::from(entry.size);
+                st.present += file_len(u64::from(entry.size));
                 st.next_seq = st.next_seq.max(entry.seq + 1);
                 st.lru.push(id, entry);
             }
@@ -445,6 +485,11 @@ impl DiskCache {
             .map_err(|e| Error::io("stat chunk", &path, e))?
             .len();
         let size = entry.size as usize;
+        let len = if len == file_len(size as u64) {
+            size as u64
+        } else {
+            u64::MAX
+        };
         let mut buf = Vec::with_capacity(size);
         while len == size as u64 && buf.len() < size {
             let offset = buf.len() as u64;
@@ -461,6 +506,79 @@ impl DiskCache {
         Ok(Some(Bytes::from(buf)))
     }
 
+    /// Bytes `range` of a cached chunk, reading and checking (crc32c) only the 4 KiB blocks
+    /// that cover it; marks the chunk recently used. With `nowait`, the reads do not wait for
+    /// the disk (`RWF_NOWAIT`): bytes that are not in the page cache give
+    /// [`RangeRead::WouldBlock`], and the caller retries on a thread that may block.
+    pub fn read_range(
+        &self,
+        id: &ChunkId,
+        range: std::ops::Range<u64>,
+        nowait: bool,
+    ) -> Result<RangeRead> {
+        let entry = {
+            let mut st = self.lock();
+            match st.touch(id) {
+                Some(e) => e,
+                None => return Ok(RangeRead::Absent),
+            }
+        };
+        let size = u64::from(entry.size);
+        if range.start > range.end || range.end > size {
+            return Err(self.error(format!(
+                "range {range:?} is outside chunk {} of blob {} ({size} bytes)",
+                id.index, id.blob
+            )));
+        }
+        if range.is_empty() {
+            return Ok(RangeRead::Hit(Bytes::new()));
+        }
+        let path = self.chunk_path(id);
+        let file = match File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                self.forget(id, Some(entry.seq), Some(DROPPED_CORRUPT))?;
+                return Ok(RangeRead::Absent);
+            }
+            Err(e) => return Err(Error::io("open chunk", path, e)),
+        };
+        let len = file
+            .metadata()
+            .map_err(|e| Error::io("stat chunk", &path, e))?
+            .len();
+        if len != file_len(size) {
+            self.forget(id, Some(entry.seq), Some(DROPPED_CORRUPT))?;
+            return Ok(RangeRead::Absent);
+        }
+        let first = range.start / CHECK_BLOCK;
+        let last = range.end.div_ceil(CHECK_BLOCK);
+        let data_at = first * CHECK_BLOCK;
+        let data_len = (last * CHECK_BLOCK).min(size) - data_at;
+        let mut data = vec![0u8; data_len as usize];
+        let mut sums = vec![0u8; 4 * (last - first) as usize];
+        let flags = if nowait {
+            rustix::io::ReadWriteFlags::NOWAIT
+        } else {
+            rustix::io::ReadWriteFlags::empty()
+        };
+        for (buf, at) in [(&mut data, data_at), (&mut sums, size + 4 * first)] {
+            match read_exact_flags(&file, buf, at, flags) {
+                Ok(true) => {}
+                Ok(false) => return Ok(RangeRead::WouldBlock),
+                Err(e) => return Err(Error::io("read chunk", &path, e)),
+            }
+        }
+        for (block, sum) in data.chunks(CHECK_BLOCK as usize).zip(sums.chunks_exact(4)) {
+            if crc32c::crc32c(block).to_le_bytes() != sum {
+                return Ok(RangeRead::Corrupt);
+            }
+        }
+        let data = Bytes::from(data);
+        Ok(RangeRead::Hit(data.slice(
+            (range.start - data_at) as usize..(range.end - data_at) as usize,
+        )))
+    }
+
     /// Cache a chunk: durable on disk before it is indexed; LRU chunks are evicted first so that
     /// usage stays within the capacity. A chunk already cached (or being put) is only marked
     /// used; one that cannot fit (more than the capacity left by puts in flight) is not cached.
@@ -473,28 +591,30 @@ impl DiskCache {
                 id.index, id.blob
             )));
         }
+        // What the chunk costs on disk: its bytes and its crc32c trailer.
+        let cost = file_len(size);
         let victims = {
             let mut st = self.lock();
             if st.touch(id).is_some() || st.inflight.contains(id) {
                 return Ok(());
             }
-            if st.pending + size > self.capacity {
+            if st.pending + cost > self.capacity {
                 return Ok(());
             }
-            let over = (st.present + st.pending + size).saturating_sub(self.capacity);
+            let over = (st.present + st.pending + cost).saturating_sub(self.capacity);
             let victims = st.doom_lru(over);
             st.inflight.insert(*id);
-            st.pending += size;
+            st.pending += cost;
             victims
         };
         let mut pending = PendingGuard {
             cache: self,
             id: *id,
-            size,
+            size: cost,
             done: false,
         };
         self.discard(victims, Some(EVICTIONS))?;
-        self.make_room_on_disk(size)?;
+        self.make_room_on_disk(cost)?;
         let path = self.store_file(id, data)?;
 
         let entry = {
@@ -518,8 +638,8 @@ impl DiskCache {
         pending.done = true;
         let mut st = self.lock();
         st.inflight.remove(id);
-        st.pending -= size;
-        st.present += size;
+        st.pending -= cost;
+        st.present += cost;
         st.lru.push(*id, entry);
         st.dirty_dirs[usize::from(id.blob.0[0])] = true;
         Ok(())
@@ -615,7 +735,7 @@ impl DiskCache {
                 let mut st = self.lock();
                 for (id, entry) in victims.iter().rev() {
                     st.inflight.remove(id);
-                    st.present += u64::from(entry.size);
+                    st.present += file_len(u64::from(entry.size));
                     st.lru.push(*id, *entry);
                     st.lru.demote(id);
                 }
@@ -700,6 +820,7 @@ impl DiskCache {
             .open(&tmp)
             .and_then(|file| {
                 file.write_all_at(data, 0)?;
+                file.write_all_at(&trailer(data), data.len() as u64)?;
                 file.sync_data()?;
                 // The pages are clean now; do not let them crowd out level 1 and hot files.
                 let _ = rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::DontNeed);
@@ -945,4 +1066,41 @@ fn rocks_error(index_dir: &Path, what: &str, e: rocksdb::Error) -> Error {
         message: format!("{what}: {e}"),
         source: Some(Box::new(e)),
     }
+}
+
+/// Fill `buf` from `file` at `at`. `Ok(false)`: with `RWF_NOWAIT`, not all of it was in the
+/// page cache (nothing is lost; read again without the flag).
+fn read_exact_flags(
+    file: &File,
+    buf: &mut [u8],
+    mut at: u64,
+    flags: rustix::io::ReadWriteFlags,
+) -> io::Result<bool> {
+    let mut done = 0;
+    while done < buf.len() {
+        let mut slices = [io::IoSliceMut::new(&mut buf[done..])];
+        match rustix::io::preadv2(file, &mut slices, at, flags) {
+            Ok(0) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "chunk file shorter than its index entry",
+                ))
+            }
+            Ok(n) => {
+                done += n;
+                at += n as u64;
+            }
+            Err(rustix::io::Errno::AGAIN) if flags.contains(rustix::io::ReadWriteFlags::NOWAIT) => {
+                return Ok(false)
+            }
+            Err(rustix::io::Errno::OPNOTSUPP)
+                if flags.contains(rustix::io::ReadWriteFlags::NOWAIT) =>
+            {
+                return Ok(false)
+            }
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(true)
 }
