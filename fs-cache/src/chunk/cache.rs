@@ -31,7 +31,7 @@ use bytes::{Bytes, BytesMut};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{watch, Notify, Semaphore};
 
-use super::disk::{DiskCache, DiskCacheConfig, DiskStats};
+use super::disk::{DiskCache, DiskCacheConfig, DiskStats, RangeRead};
 use super::table::ChunkTable;
 use super::ChunkId;
 use crate::backend::retry::RetryContext;
@@ -291,9 +291,14 @@ impl ChunkCache {
         }
         let first = offset / table.chunk_size;
         let last = (end - 1) / table.chunk_size;
-        let chunks = self
+        // The part of chunk `i` this read needs, in the chunk's own coordinates.
+        let part = |i: u64| {
+            let r = table.chunk_range(i);
+            (offset.max(r.start) - r.start)..(end.min(r.end) - r.start)
+        };
+        let parts = self
             .inner
-            .get_chunks(&table, first..last + 1, Priority::Demand)
+            .read_parts(&table, first..last + 1, &part)
             .await?;
 
         // Sequential detection and readahead: once a reader is sequential, keep a window of
@@ -322,20 +327,16 @@ impl ChunkCache {
             let inner = self.inner.clone();
             let t = table.clone();
             tokio::spawn(async move {
-                let _ = inner.get_chunks(&t, ra, Priority::Readahead).await;
+                let _ = inner.warm(&t, ra, Priority::Readahead).await;
             });
         }
 
-        let out = if chunks.len() == 1 {
-            let base = first * table.chunk_size;
-            chunks[0].slice((offset - base) as usize..(end - base) as usize)
+        let out = if parts.len() == 1 {
+            parts.into_iter().next().unwrap_or_default()
         } else {
             let mut out = BytesMut::with_capacity((end - offset) as usize);
-            for (i, c) in chunks.iter().enumerate() {
-                let r = table.chunk_range(first + i as u64);
-                let s = offset.max(r.start) - r.start;
-                let e = end.min(r.end) - r.start;
-                out.extend_from_slice(&c[s as usize..e as usize]);
+            for p in &parts {
+                out.extend_from_slice(p);
             }
             out.freeze()
         };
@@ -363,9 +364,7 @@ impl ChunkCache {
                 }
                 let end = r.end.min(table.blob_size);
                 let chunks = (r.start / table.chunk_size)..((end - 1) / table.chunk_size + 1);
-                this.inner
-                    .get_chunks(&table, chunks, Priority::Prefetch)
-                    .await?;
+                this.inner.warm(&table, chunks, Priority::Prefetch).await?;
             }
             Ok(())
         })
@@ -484,15 +483,16 @@ impl Inner {
             && table.digests.get(index as usize) == Some(&Digest::of(data))
     }
 
-    /// The chunks `range` of `table`'s blob, in order.
-    async fn get_chunks(
+    /// For each chunk `i` of `range`, bytes `part(i)` of it (chunk coordinates): from level 1,
+    /// else level 2 (only the 4 KiB blocks needed, each checked), else the backend.
+    async fn read_parts(
         self: &Arc<Self>,
         table: &Arc<ChunkTable>,
         range: Range<u64>,
-        priority: Priority,
+        part: &(dyn Fn(u64) -> Range<u64> + Sync),
     ) -> Result<Vec<Bytes>> {
         let n = (range.end - range.start) as usize;
-        let mut found: Vec<Option<Bytes>> = vec![None; n];
+        let mut parts: Vec<Option<Bytes>> = vec![None; n];
         let id = |i: u64| ChunkId {
             blob: table.blob,
             index: i,
@@ -501,55 +501,108 @@ impl Inner {
         for i in range.clone() {
             match self.memory_get(&id(i)) {
                 Some(b) => {
-                    if priority == Priority::Demand {
-                        add(&self.counters.hits_memory, 1);
-                    }
-                    found[(i - range.start) as usize] = Some(b);
+                    add(&self.counters.hits_memory, 1);
+                    let p = part(i);
+                    parts[(i - range.start) as usize] =
+                        Some(b.slice(p.start as usize..p.end as usize));
                 }
                 None => missing.push(i),
             }
         }
-        if !missing.is_empty() {
-            if let Some(disk) = self.disk.clone() {
-                let ids: Vec<ChunkId> = missing.iter().map(|&i| id(i)).collect();
-                let got = tokio::task::spawn_blocking(move || {
-                    ids.iter().map(|c| (*c, disk.get(c))).collect::<Vec<_>>()
-                })
-                .await
-                .map_err(|e| Error::io("read", "disk cache", std::io::Error::other(e)))?;
-                let mut still = Vec::new();
-                for (cid, r) in got {
-                    match r {
-                        Ok(Some(data)) if Self::verify(table, cid.index, &data) => {
-                            if priority == Priority::Demand {
-                                add(&self.counters.hits_disk, 1);
-                            }
-                            self.memory_put(cid, data.clone());
-                            found[(cid.index - range.start) as usize] = Some(data);
+        if let (false, Some(disk)) = (missing.is_empty(), self.disk.clone()) {
+            let wanted: Vec<(u64, Range<u64>)> = missing.iter().map(|&i| (i, part(i))).collect();
+            // First without waiting for the disk (page-cache hits cost no thread hand-off),
+            // then, for what was not in the page cache, on a thread that may block.
+            let mut outcomes = disk_reads(&disk, table.blob, wanted.clone(), true);
+            let blocked: Vec<(u64, Range<u64>)> = outcomes
+                .iter()
+                .filter(|(_, _, r)| matches!(r, Ok(RangeRead::WouldBlock)))
+                .map(|(i, p, _)| (*i, p.clone()))
+                .collect();
+            if !blocked.is_empty() {
+                let (d, blob) = (disk.clone(), table.blob);
+                let more =
+                    tokio::task::spawn_blocking(move || disk_reads(&d, blob, blocked, false))
+                        .await
+                        .map_err(|e| Error::io("read", "disk cache", std::io::Error::other(e)))?;
+                outcomes.retain(|(_, _, r)| !matches!(r, Ok(RangeRead::WouldBlock)));
+                outcomes.extend(more);
+            }
+            missing.clear();
+            for (i, p, outcome) in outcomes {
+                match outcome {
+                    Ok(RangeRead::Hit(bytes)) => {
+                        add(&self.counters.hits_disk, 1);
+                        let r = table.chunk_range(i);
+                        if p.start == 0 && p.end == r.end - r.start {
+                            self.memory_put(id(i), bytes.clone());
                         }
-                        Ok(Some(_)) => {
-                            // Damaged on local disk: never served; dropped and refetched.
-                            add(&self.counters.verify_failures, 1);
-                            tracing::warn!(blob = %cid.blob, chunk = cid.index, "chunk on local disk does not match its digest; dropped");
-                            if let Some(d) = self.disk.clone() {
-                                let _ =
-                                    tokio::task::spawn_blocking(move || d.drop_corrupt(&cid)).await;
-                            }
-                            still.push(cid.index);
-                        }
-                        Ok(None) => still.push(cid.index),
-                        Err(e) => {
-                            tracing::warn!(error = %e, "disk cache read failed; fetching from the backend");
-                            still.push(cid.index);
-                        }
+                        parts[(i - range.start) as usize] = Some(bytes);
+                    }
+                    Ok(RangeRead::Corrupt) => {
+                        // Damaged on local disk: never served; dropped and refetched.
+                        add(&self.counters.verify_failures, 1);
+                        tracing::warn!(blob = %table.blob, chunk = i, "chunk on local disk failed its check; dropped");
+                        let (d, cid) = (disk.clone(), id(i));
+                        let _ = tokio::task::spawn_blocking(move || d.drop_corrupt(&cid)).await;
+                        missing.push(i);
+                    }
+                    Ok(_) => missing.push(i),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "disk cache read failed; fetching from the backend");
+                        missing.push(i);
                     }
                 }
-                missing = still;
+            }
+            missing.sort_unstable();
+        }
+        if !missing.is_empty() {
+            let fetched = self.fetch_chunks(table, &missing, Priority::Demand).await?;
+            for (i, b) in missing.iter().zip(fetched) {
+                let p = part(*i);
+                parts[(*i - range.start) as usize] =
+                    Some(b.slice(p.start as usize..p.end as usize));
             }
         }
-        if missing.is_empty() {
-            return Ok(found.into_iter().flatten().collect());
+        Ok(parts.into_iter().flatten().collect())
+    }
+
+    /// Make sure the chunks `range` are cached (readahead, prefetch): fetch those in neither
+    /// level.
+    async fn warm(
+        self: &Arc<Self>,
+        table: &Arc<ChunkTable>,
+        range: Range<u64>,
+        priority: Priority,
+    ) -> Result<()> {
+        let missing: Vec<u64> = range
+            .filter(|&i| {
+                let cid = ChunkId {
+                    blob: table.blob,
+                    index: i,
+                };
+                !lock(&self.memory).lru.contains(&cid)
+                    && !self.disk.as_ref().is_some_and(|d| d.contains(&cid))
+            })
+            .collect();
+        if !missing.is_empty() {
+            self.fetch_chunks(table, &missing, priority).await?;
         }
+        Ok(())
+    }
+
+    /// Chunks `missing` (sorted) of `table`'s blob from the backend, joining fetches already in
+    /// flight; in order.
+    async fn fetch_chunks(
+        self: &Arc<Self>,
+        table: &Arc<ChunkTable>,
+        missing: &[u64],
+        priority: Priority,
+    ) -> Result<Vec<Bytes>> {
+        let id = |i: u64| ChunkId {
+            blob: table.blob,
+            index: i,
+        };
         // Join fetches in flight (raising their priority if this is a demand read); claim the
         // rest.
         let mut waits: Vec<(u64, watch::Receiver<Shared>)> = Vec::new();
@@ -560,7 +613,7 @@ impl Inner {
         }
         {
             let mut inflight = lock(&self.inflight);
-            for &i in &missing {
+            for &i in missing {
                 match inflight.get(&id(i)) {
                     Some(f) => {
                         if priority == Priority::Demand {
@@ -610,7 +663,8 @@ impl Inner {
             tokio::spawn(async move { inner.fetch_run(table, run, priority, boost).await });
         }
 
-        for (i, mut rx) in waits {
+        let mut found = Vec::with_capacity(waits.len());
+        for (_, mut rx) in waits {
             let r = rx
                 .wait_for(|v| v.is_some())
                 .await
@@ -623,7 +677,7 @@ impl Inner {
                 })?
                 .clone();
             match r {
-                Some(Ok(b)) => found[(i - range.start) as usize] = Some(b),
+                Some(Ok(b)) => found.push(b),
                 Some(Err(e)) => return Err(Error::Shared(e)),
                 // `wait_for` returned only once the value was set.
                 None => {
@@ -635,7 +689,7 @@ impl Inner {
                 }
             }
         }
-        Ok(found.into_iter().flatten().collect())
+        Ok(found)
     }
 
     /// Fetch one run of adjacent chunks with one backend request, verify, keep, publish.
@@ -807,4 +861,20 @@ impl Inner {
         }
         Ok(data)
     }
+}
+
+/// Level-2 reads of `wanted` (chunk index, range in the chunk) of `blob`.
+fn disk_reads(
+    disk: &DiskCache,
+    blob: Digest,
+    wanted: Vec<(u64, Range<u64>)>,
+    nowait: bool,
+) -> Vec<(u64, Range<u64>, Result<RangeRead>)> {
+    wanted
+        .into_iter()
+        .map(|(i, p)| {
+            let r = disk.read_range(&ChunkId { blob, index: i }, p.clone(), nowait);
+            (i, p, r)
+        })
+        .collect()
 }
