@@ -4,8 +4,11 @@
 //! # Path of a read
 //! 1. The blob's chunk table is loaded once ([`crate::Store::chunk_table`]) and kept.
 //! 2. Each chunk the read covers is looked up in level 1 (memory, LRU, bounded in bytes), then
-//!    level 2 ([`super::disk::DiskCache`]); a level-2 chunk is verified against its digest
-//!    first, and dropped (then refetched) if it does not match.
+//!    level 2 ([`super::disk::DiskCache`]), which reads only the 4 KiB blocks the read needs and
+//!    checks each against the crc32c written when the (blake3-verified) chunk entered the
+//!    cache; a chunk that fails is dropped and refetched. Level-2 reads first run inline with
+//!    `RWF_NOWAIT` (page-cache hits need no thread hand-off), then on a blocking thread for
+//!    what was not cached. A whole-chunk level-2 hit is promoted to level 1.
 //! 3. The rest is fetched from the backend: runs of adjacent missing chunks become one ranged
 //!    request each, up to `max_request_bytes`. A chunk already being fetched by another reader
 //!    is not requested again: the reader waits for that request and shares its result or error.
