@@ -1104,3 +1104,18 @@ fn read_exact_flags(
     }
     Ok(true)
 }
+
+/// Decoders of the index's keys and values, exposed for the fuzz target (`fuzz/`): they must
+/// reject any malformed input without panicking.
+#[doc(hidden)]
+pub fn fuzz_decode_index(key: &[u8], value: &[u8]) {
+    if let Some(id) = decode_key(key) {
+        assert_eq!(chunk_key(&id)[..], key[..]);
+    }
+    if let Some(entry) = decode_entry(value) {
+        assert_eq!(encode_entry(entry)[..], value[..]);
+    }
+    if let Some(c) = decode_counters(value) {
+        assert_eq!(encode_counters(&c)[..], value[..]);
+    }
+}
