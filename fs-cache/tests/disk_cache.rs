@@ -678,11 +678,14 @@ fn ranged_reads_check_only_their_blocks_and_catch_damage() {
         cache.read_range(&c, 0..4096, false).unwrap(),
         RangeRead::Hit(_)
     ));
-    // Damage the trailer instead: the block it covers is refused.
+    // Damage the trailer instead (read by a fresh cache, which has not kept the trailer in
+    // memory yet): the block it covers is refused.
     bytes[10 * 4096 + 7] ^= 1;
     let trailer_of_block_3 = CHUNK_SIZE as usize + 4 * 3;
     bytes[trailer_of_block_3] ^= 0x80;
     fs::write(&path, &bytes).unwrap();
+    drop(cache);
+    let cache = open(&dir, MIB);
     assert_eq!(
         cache.read_range(&c, 3 * 4096..3 * 4096 + 1, false).unwrap(),
         RangeRead::Corrupt

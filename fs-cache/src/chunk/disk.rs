@@ -95,7 +95,7 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
 
 use bytes::Bytes;
 use lru::LruCache;
@@ -275,7 +275,20 @@ pub struct DiskCache {
     /// Held around every index write.
     index_lock: Mutex<()>,
     tmp_seq: AtomicU64,
+    /// Chunk files kept open for ranged reads, with their crc32c trailers (see `read_range`).
+    open_files: Mutex<LruCache<ChunkId, Arc<OpenChunk>>>,
 }
+
+/// An open chunk file and its trailer. A chunk's bytes never change (its blob is named by its
+/// digest), so a descriptor that outlives an eviction still reads the right bytes; evictions
+/// close it anyway so that no unlinked file keeps its space.
+struct OpenChunk {
+    file: File,
+    sums: Vec<u8>,
+}
+
+/// Chunk files kept open at most.
+const OPEN_FILES: usize = 256;
 
 impl fmt::Debug for DiskCache {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -350,6 +363,9 @@ impl DiskCache {
             }),
             index_lock: Mutex::new(()),
             tmp_seq: AtomicU64::new(0),
+            open_files: Mutex::new(LruCache::new(
+                std::num::NonZeroUsize::new(OPEN_FILES).unwrap_or(std::num::NonZeroUsize::MIN),
+            )),
         };
         cache.recover()?;
         Ok(cache)
@@ -534,40 +550,56 @@ impl DiskCache {
             return Ok(RangeRead::Hit(Bytes::new()));
         }
         let path = self.chunk_path(id);
-        let file = match File::open(&path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                self.forget(id, Some(entry.seq), Some(DROPPED_CORRUPT))?;
-                return Ok(RangeRead::Absent);
-            }
-            Err(e) => return Err(Error::io("open chunk", path, e)),
-        };
-        let len = file
-            .metadata()
-            .map_err(|e| Error::io("stat chunk", &path, e))?
-            .len();
-        if len != file_len(size) {
-            self.forget(id, Some(entry.seq), Some(DROPPED_CORRUPT))?;
-            return Ok(RangeRead::Absent);
-        }
-        let first = range.start / CHECK_BLOCK;
-        let last = range.end.div_ceil(CHECK_BLOCK);
-        let data_at = first * CHECK_BLOCK;
-        let data_len = (last * CHECK_BLOCK).min(size) - data_at;
-        let mut data = vec![0u8; data_len as usize];
-        let mut sums = vec![0u8; 4 * (last - first) as usize];
         let flags = if nowait {
             rustix::io::ReadWriteFlags::NOWAIT
         } else {
             rustix::io::ReadWriteFlags::empty()
         };
-        for (buf, at) in [(&mut data, data_at), (&mut sums, size + 4 * first)] {
-            match read_exact_flags(&file, buf, at, flags) {
-                Ok(true) => {}
-                Ok(false) => return Ok(RangeRead::WouldBlock),
-                Err(e) => return Err(Error::io("read chunk", &path, e)),
+        let cached = (self.open_files.lock().unwrap_or_else(PoisonError::into_inner))
+            .get(id)
+            .cloned();
+        let chunk = match cached {
+            Some(c) => c,
+            None => {
+                let file = match File::open(&path) {
+                    Ok(f) => f,
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                        self.forget(id, Some(entry.seq), Some(DROPPED_CORRUPT))?;
+                        return Ok(RangeRead::Absent);
+                    }
+                    Err(e) => return Err(Error::io("open chunk", path, e)),
+                };
+                let len = file
+                    .metadata()
+                    .map_err(|e| Error::io("stat chunk", &path, e))?
+                    .len();
+                if len != file_len(size) {
+                    self.forget(id, Some(entry.seq), Some(DROPPED_CORRUPT))?;
+                    return Ok(RangeRead::Absent);
+                }
+                let mut sums = vec![0u8; trailer_len(size) as usize];
+                match read_exact_flags(&file, &mut sums, size, flags) {
+                    Ok(true) => {}
+                    Ok(false) => return Ok(RangeRead::WouldBlock),
+                    Err(e) => return Err(Error::io("read chunk", &path, e)),
+                }
+                let chunk = Arc::new(OpenChunk { file, sums });
+                (self.open_files.lock().unwrap_or_else(PoisonError::into_inner))
+                    .put(*id, chunk.clone());
+                chunk
             }
+        };
+        let first = range.start / CHECK_BLOCK;
+        let last = range.end.div_ceil(CHECK_BLOCK);
+        let data_at = first * CHECK_BLOCK;
+        let data_len = (last * CHECK_BLOCK).min(size) - data_at;
+        let mut data = vec![0u8; data_len as usize];
+        match read_exact_flags(&chunk.file, &mut data, data_at, flags) {
+            Ok(true) => {}
+            Ok(false) => return Ok(RangeRead::WouldBlock),
+            Err(e) => return Err(Error::io("read chunk", &path, e)),
         }
+        let sums = &chunk.sums[4 * first as usize..4 * last as usize];
         for (block, sum) in data.chunks(CHECK_BLOCK as usize).zip(sums.chunks_exact(4)) {
             if crc32c::crc32c(block).to_le_bytes() != sum {
                 return Ok(RangeRead::Corrupt);
@@ -742,6 +774,12 @@ impl DiskCache {
                 return Err(e);
             }
         };
+        {
+            let mut open = self.open_files.lock().unwrap_or_else(PoisonError::into_inner);
+            for (id, _) in &victims {
+                open.pop(id);
+            }
+        }
         for (id, _) in &victims {
             if let Err(e) = remove_file(&self.chunk_path(id)) {
                 tracing::warn!(error = %e, "chunk cache: evicted chunk file left for the next open");
