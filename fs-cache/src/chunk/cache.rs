@@ -738,12 +738,29 @@ impl Inner {
         let span = table.chunk_range(first).start..table.chunk_range(last).end;
         let results = match self.request(&table, span.clone(), run.len() as u64).await {
             Ok(body) => {
+                let pieces: Vec<(u64, Bytes)> = run
+                    .iter()
+                    .map(|(i, _)| {
+                        let r = table.chunk_range(*i);
+                        let piece = (r.start - span.start) as usize..(r.end - span.start) as usize;
+                        (*i, body.slice(piece))
+                    })
+                    .collect();
+                // Verify off the async workers, the chunks of one request in parallel.
+                let verdicts = {
+                    let (t, p) = (table.clone(), pieces.clone());
+                    tokio::task::spawn_blocking(move || {
+                        use rayon::prelude::*;
+                        p.par_iter()
+                            .map(|(i, d)| Self::verify(&t, *i, d))
+                            .collect::<Vec<bool>>()
+                    })
+                    .await
+                    .unwrap_or_else(|_| vec![false; run.len()])
+                };
                 let mut out = Vec::with_capacity(run.len());
-                for (i, _) in &run {
-                    let r = table.chunk_range(*i);
-                    let data =
-                        body.slice((r.start - span.start) as usize..(r.end - span.start) as usize);
-                    out.push(self.accept(&table, *i, data).await);
+                for ((i, data), ok) in pieces.into_iter().zip(verdicts) {
+                    out.push(self.accept(&table, i, data, ok).await);
                 }
                 out
             }
@@ -812,14 +829,15 @@ impl Inner {
             .await
     }
 
-    /// Verify a fetched chunk (refetching it alone once on a mismatch) and keep it.
+    /// Keep a fetched chunk that passed verification; refetch one that did not, alone, once.
     async fn accept(
         &self,
         table: &Arc<ChunkTable>,
         index: u64,
         data: Bytes,
+        verified: bool,
     ) -> std::result::Result<Bytes, Arc<Error>> {
-        let data = if Self::verify(table, index, &data) {
+        let data = if verified {
             data
         } else {
             add(&self.counters.verify_failures, 1);

@@ -555,9 +555,12 @@ impl DiskCache {
         } else {
             rustix::io::ReadWriteFlags::empty()
         };
-        let cached = (self.open_files.lock().unwrap_or_else(PoisonError::into_inner))
-            .get(id)
-            .cloned();
+        let cached = (self
+            .open_files
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner))
+        .get(id)
+        .cloned();
         let chunk = match cached {
             Some(c) => c,
             None => {
@@ -584,8 +587,11 @@ impl DiskCache {
                     Err(e) => return Err(Error::io("read chunk", &path, e)),
                 }
                 let chunk = Arc::new(OpenChunk { file, sums });
-                (self.open_files.lock().unwrap_or_else(PoisonError::into_inner))
-                    .put(*id, chunk.clone());
+                (self
+                    .open_files
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner))
+                .put(*id, chunk.clone());
                 chunk
             }
         };
@@ -775,7 +781,10 @@ impl DiskCache {
             }
         };
         {
-            let mut open = self.open_files.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut open = self
+                .open_files
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
             for (id, _) in &victims {
                 open.pop(id);
             }
