@@ -1,0 +1,107 @@
+//! Large files: a sparse file over 4 GiB (extended inode, 64-bit size) and peak memory that
+//! does not grow with the data size. Mounting needs root (SKIPPED otherwise).
+
+mod common;
+
+use std::fs::File;
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+
+use erofs_builder::{build_image, BuildOptions, Image};
+
+fn vm_hwm_kib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+#[test]
+fn sparse_5gib_file_and_64mib_of_data_with_bounded_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    std::fs::create_dir(&src).unwrap();
+    let big = 5u64 << 30;
+    let marks = [
+        (100u64 << 20, 1u64),
+        ((9u64 << 29) + 12_345, 2),
+        (big - 3, 3),
+    ];
+    {
+        let f = File::create(src.join("sparse5g")).unwrap();
+        f.set_len(big).unwrap();
+        for (off, seed) in marks {
+            let data = common::bytes(seed, 3);
+            f.write_all_at(&data, off).unwrap();
+        }
+    }
+    {
+        let mut f = File::create(src.join("dense64m")).unwrap();
+        for i in 0..64 {
+            f.write_all(&common::bytes(100 + i, 1 << 20)).unwrap();
+        }
+    }
+    let image = dir.path().join("large.erofs");
+    let before = vm_hwm_kib();
+    let stats = build_image(&src, &image, &BuildOptions::default()).unwrap();
+    let growth = vm_hwm_kib().saturating_sub(before);
+    eprintln!("{stats:?}; peak RSS growth {growth} KiB");
+    assert!(
+        growth < 32 * 1024,
+        "peak RSS grew by {growth} KiB while building"
+    );
+    // The image is sparse where the source was.
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(&image).unwrap();
+    assert!(
+        m.blocks() * 512 < 200 << 20,
+        "image allocates {} bytes",
+        m.blocks() * 512
+    );
+
+    let img = Image::open(&image).unwrap();
+    let ino = img.lookup("sparse5g").unwrap();
+    assert!(ino.extended);
+    assert_eq!(ino.size, big);
+    for (off, seed) in marks {
+        let mut buf = [0u8; 3];
+        assert_eq!(img.read_at_inode(&ino, off, &mut buf).unwrap(), 3);
+        assert_eq!(buf.to_vec(), common::bytes(seed, 3));
+    }
+    let dense = img.lookup("dense64m").unwrap();
+    let mut buf = vec![0u8; 1 << 20];
+    img.read_at_inode(&dense, 63 << 20, &mut buf).unwrap();
+    assert_eq!(buf, common::bytes(163, 1 << 20));
+
+    if !common::require_root("sparse_5gib_file (kernel mount part)") {
+        return;
+    }
+    let mnt = tempfile::tempdir().unwrap();
+    rustix::mount::mount(
+        &image,
+        mnt.path(),
+        "erofs",
+        rustix::mount::MountFlags::RDONLY,
+        None,
+    )
+    .unwrap();
+    struct Guard<'a>(&'a std::path::Path);
+    impl Drop for Guard<'_> {
+        fn drop(&mut self) {
+            let _ = rustix::mount::unmount(self.0, rustix::mount::UnmountFlags::DETACH);
+        }
+    }
+    let _g = Guard(mnt.path());
+    let f = File::open(mnt.path().join("sparse5g")).unwrap();
+    assert_eq!(f.metadata().unwrap().len(), big);
+    for (off, seed) in marks {
+        let mut buf = [0u8; 3];
+        f.read_exact_at(&mut buf, off).unwrap();
+        assert_eq!(buf.to_vec(), common::bytes(seed, 3));
+    }
+    let mut zero = [1u8; 4096];
+    f.read_exact_at(&mut zero, 4 << 30).unwrap();
+    assert!(zero.iter().all(|&b| b == 0));
+    let d = File::open(mnt.path().join("dense64m")).unwrap();
+    d.read_exact_at(&mut buf, 63 << 20).unwrap();
+    assert_eq!(buf, common::bytes(163, 1 << 20));
+}
