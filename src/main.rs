@@ -52,6 +52,10 @@ enum Command {
     Mkfs {
         image: PathBuf,
         source: PathBuf,
+        /// Build a lazy layer instead: IMAGE gets the metadata only, and file data goes to this
+        /// blob in 256 KiB chunks (chunk-based files; mount with `device=BLOB`).
+        #[arg(long)]
+        blobdev: Option<PathBuf>,
         /// Seconds since the epoch to use as the image's build time (default: the source
         /// root's mtime), for reproducible builds.
         #[arg(long)]
@@ -122,6 +126,22 @@ enum LayerCmd {
     Rm { layer: String },
     /// Push a manifest (JSON) whose blobs are already stored.
     Push { manifest: PathBuf },
+    /// Build a lazy layer from a directory (an EROFS meta image and a data blob of 256 KiB
+    /// chunks, with its chunk table) and push all of it under KIND/NAME:VERSION.
+    Build {
+        source: PathBuf,
+        #[arg(long)]
+        name: String,
+        /// Layers this one is meant to be stacked on (recorded in the manifest).
+        #[arg(long = "parent")]
+        parents: Vec<String>,
+        /// Build time (seconds since the epoch) for reproducible images.
+        #[arg(long)]
+        timestamp: Option<i64>,
+        /// Do not copy extended attributes.
+        #[arg(long)]
+        no_xattrs: bool,
+    },
 }
 
 fn strata_home() -> Result<PathBuf> {
@@ -336,6 +356,38 @@ async fn blob_get(store: &Store, digest: &str, output: Option<&Path>) -> Result<
     Ok(())
 }
 
+async fn build_layer(
+    source: &Path,
+    meta: &Path,
+    blob: &Path,
+    timestamp: Option<i64>,
+    no_xattrs: bool,
+) -> Result<erofs_builder::LayerStats> {
+    let mut opts = erofs_builder::LayerOptions::default();
+    opts.build.epoch = timestamp.map(|t| (t, 0));
+    opts.build.xattrs = !no_xattrs;
+    let (s, m, b) = (source.to_owned(), meta.to_owned(), blob.to_owned());
+    tokio::task::spawn_blocking(move || erofs_builder::build_layer(&s, &m, &b, &opts))
+        .await
+        .context("the layer builder stopped")?
+        .with_context(|| format!("build a layer from {}", source.display()))
+}
+
+fn layer_stats_json(meta: &Path, blob: &Path, s: &erofs_builder::LayerStats) -> serde_json::Value {
+    serde_json::json!({
+        "meta": meta.display().to_string(),
+        "meta_bytes": s.meta.image_bytes,
+        "blob": blob.display().to_string(),
+        "blob_bytes": s.blob_bytes,
+        "blob_digest": s.blob_blake3_hex(),
+        "chunks": s.chunks,
+        "unique_chunks": s.unique_chunks,
+        "hole_chunks": s.hole_chunks,
+        "files": s.meta.files,
+        "data_bytes": s.meta.data_bytes,
+    })
+}
+
 #[derive(Serialize)]
 struct LayerRow {
     layer: String,
@@ -479,6 +531,73 @@ async fn run(cli: Cli) -> Result<()> {
                 );
             }
         }
+        Command::Layer(LayerCmd::Build {
+            source,
+            name,
+            parents,
+            timestamp,
+            no_xattrs,
+        }) => {
+            let layer: LayerRef = name.parse()?;
+            let parents = parents
+                .iter()
+                .map(|p| p.parse::<LayerRef>())
+                .collect::<Result<Vec<_>, _>>()?;
+            let tmp_root = home.join("tmp");
+            std::fs::create_dir_all(&tmp_root)
+                .with_context(|| format!("create {}", tmp_root.display()))?;
+            let tmp = tempfile::tempdir_in(&tmp_root).context("create a build directory")?;
+            let (meta_path, blob_path) = (tmp.path().join("meta.erofs"), tmp.path().join("blob"));
+            let started = Instant::now();
+            let stats = build_layer(&source, &meta_path, &blob_path, timestamp, no_xattrs).await?;
+            let built = started.elapsed().as_secs_f64();
+            let meta = store
+                .put_blob_file(&meta_path)
+                .await
+                .context("store the meta image")?;
+            let blob = store
+                .put_blob_file(&blob_path)
+                .await
+                .context("store the data blob")?;
+            if blob.digest.0 != stats.blob_blake3 {
+                anyhow::bail!("the data blob changed between build and upload");
+            }
+            let source_abs = std::fs::canonicalize(&source).unwrap_or(source.clone());
+            let mut manifest = Manifest::new(
+                layer.clone(),
+                Some(fs_cache::BlobRef {
+                    digest: meta.digest,
+                    size: meta.size,
+                }),
+                vec![fs_cache::BlobRef {
+                    digest: blob.digest,
+                    size: blob.size,
+                }],
+                format!("dir:{}", source_abs.display()),
+            );
+            manifest.parents = parents;
+            let outcome = store.push_manifest(&manifest).await?;
+            let seconds = started.elapsed().as_secs_f64();
+            if cli.json {
+                let mut v = layer_stats_json(&meta_path, &blob_path, &stats);
+                v["layer"] = serde_json::json!(layer.to_string());
+                v["outcome"] = serde_json::json!(format!("{outcome:?}").to_lowercase());
+                v["meta_digest"] = serde_json::json!(meta.digest.to_hex());
+                v["build_seconds"] = serde_json::json!(built);
+                v["seconds"] = serde_json::json!(seconds);
+                print_json(&v)?;
+            } else {
+                println!(
+                    "{layer}: {outcome:?}; meta image {} + blob {} ({} of {} chunks stored) from {} files, in {:.2} s",
+                    human(meta.size),
+                    human(blob.size),
+                    stats.unique_chunks,
+                    stats.chunks,
+                    stats.meta.files,
+                    seconds
+                );
+            }
+        }
         Command::Layer(LayerCmd::Push { manifest }) => {
             let bytes =
                 std::fs::read(&manifest).with_context(|| format!("read {}", manifest.display()))?;
@@ -502,6 +621,31 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Mkfs {
             image,
             source,
+            blobdev: Some(blob),
+            timestamp,
+            no_xattrs,
+        } => {
+            let stats = build_layer(&source, &image, &blob, timestamp, no_xattrs).await?;
+            if cli.json {
+                print_json(&layer_stats_json(&image, &blob, &stats))?;
+            } else {
+                println!(
+                    "{}: meta image {}; {}: blob {} ({} chunks, {} stored, {} holes), digest {}",
+                    image.display(),
+                    human(stats.meta.image_bytes),
+                    blob.display(),
+                    human(stats.blob_bytes),
+                    stats.chunks,
+                    stats.unique_chunks,
+                    stats.hole_chunks,
+                    stats.blob_blake3_hex()
+                );
+            }
+        }
+        Command::Mkfs {
+            image,
+            source,
+            blobdev: None,
             timestamp,
             no_xattrs,
         } => {

@@ -26,6 +26,22 @@ pub const FEATURE_COMPAT_SB_CHKSUM: u32 = 0x1;
 /// `feature_incompat`: zero padding for compressed data (harmless without compression).
 pub const FEATURE_INCOMPAT_ZERO_PADDING: u32 = 0x1;
 
+/// `feature_incompat`: chunk-based files (datalayout 4).
+pub const FEATURE_INCOMPAT_CHUNKED_FILE: u32 = 0x4;
+/// `feature_incompat`: a device table (`extra_devices` slots at `devt_slotoff * 128`).
+pub const FEATURE_INCOMPAT_DEVICE_TABLE: u32 = 0x8;
+
+/// `i_u.c.format` bits 0..4: log2(chunk size / block size).
+pub const CHUNK_FORMAT_BLKBITS_MASK: u16 = 0x1f;
+/// `i_u.c.format` bit 5: 8-byte chunk indexes (else a 4-byte block address array).
+pub const CHUNK_FORMAT_INDEXES: u16 = 0x20;
+/// `i_u.c.format` bit 6 (6.15+): 48-bit block addresses (read: unsupported).
+pub const CHUNK_FORMAT_48BIT: u16 = 0x40;
+/// A chunk index / block map entry whose address is this is a hole (reads as zeros).
+pub const NULL_ADDR: u32 = u32::MAX;
+/// Size of one device table slot.
+pub const DEVT_SLOT_SIZE: u64 = 128;
+
 /// Inode layout bit (i_format bit 0): extended (64-byte) inode.
 pub const I_VERSION_EXTENDED: u16 = 1;
 /// Data layout: uncompressed, all data in blocks.
@@ -36,7 +52,7 @@ pub const DATALAYOUT_COMPRESSED_FULL: u16 = 1;
 pub const DATALAYOUT_FLAT_INLINE: u16 = 2;
 /// Data layout: compressed, compact indexes (read: unsupported).
 pub const DATALAYOUT_COMPRESSED_COMPACT: u16 = 3;
-/// Data layout: chunk based (read: unsupported for now).
+/// Data layout: chunk based (chunk indexes after the inode and its xattrs).
 pub const DATALAYOUT_CHUNK_BASED: u16 = 4;
 /// All i_format bits a reader may see (bit 4: NLINK_1 / DOT_OMITTED on 6.15+).
 pub const I_FORMAT_ALL: u16 = 0x1f;
@@ -190,6 +206,48 @@ pub struct Dirent {
     pub reserved: u8,
 }
 
+/// A chunk index (8 bytes) of a chunk-based inode with `CHUNK_FORMAT_INDEXES`.
+#[derive(Debug, Clone, Default, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
+#[repr(C)]
+pub struct ChunkIndex {
+    /// Bits 32..47 of the start block with `CHUNK_FORMAT_48BIT` (pre-6.15: `advise`); 0.
+    pub startblk_hi: U16,
+    /// 0: the primary device (the image); k: device table slot k - 1.
+    pub device_id: U16,
+    /// Start block of the chunk in its device, or [`NULL_ADDR`] for a hole.
+    pub startblk_lo: U32,
+}
+
+/// A device table slot (128 bytes at `devt_slotoff * 128 + 128 * k`).
+#[derive(Debug, Clone, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
+#[repr(C)]
+pub struct DeviceSlot {
+    /// Device tag (fscache/nydus: the blob id), NUL padded; may fill all 64 bytes.
+    pub tag: [u8; 64],
+    /// Blocks in the device (pre-6.15: `blocks`).
+    pub blocks_lo: U32,
+    /// Where the device starts in the unified (flat) block address space (6.15+: `uniaddr_lo`).
+    pub mapped_blkaddr_lo: U32,
+    /// Bits 32.. of the block count (48BIT only); 0.
+    pub blocks_hi: U32,
+    /// 6.15+: `uniaddr_hi` (u16) + 50 reserved bytes; all 0.
+    pub reserved: [u8; 52],
+}
+
+impl Default for DeviceSlot {
+    fn default() -> Self {
+        Self {
+            tag: [0; 64],
+            blocks_lo: 0.into(),
+            mapped_blkaddr_lo: 0.into(),
+            blocks_hi: 0.into(),
+            reserved: [0; 52],
+        }
+    }
+}
+
+const _: () = assert!(size_of::<ChunkIndex>() == 8);
+const _: () = assert!(size_of::<DeviceSlot>() == 128);
 const _: () = assert!(size_of::<SuperBlock>() == 128);
 const _: () = assert!(size_of::<InodeCompact>() == 32);
 const _: () = assert!(size_of::<InodeExtended>() == 64);

@@ -14,10 +14,10 @@ use std::path::Path;
 use zerocopy::FromBytes;
 
 use crate::ondisk::{
-    self, decode_dev, xattr_align, Dirent, InodeCompact, InodeExtended, SuperBlock, XattrEntry,
-    DATALAYOUT_FLAT_INLINE, DATALAYOUT_FLAT_PLAIN, EROFS_MAGIC, FEATURE_COMPAT_SB_CHKSUM,
-    FEATURE_INCOMPAT_ZERO_PADDING, ISLOT_BITS, I_FORMAT_ALL, NAME_LEN, SUPER_OFFSET,
-    XATTR_PREFIXES,
+    self, decode_dev, xattr_align, ChunkIndex, DeviceSlot, Dirent, InodeCompact, InodeExtended,
+    SuperBlock, XattrEntry, DATALAYOUT_CHUNK_BASED, DATALAYOUT_FLAT_INLINE, DATALAYOUT_FLAT_PLAIN,
+    DEVT_SLOT_SIZE, EROFS_MAGIC, FEATURE_COMPAT_SB_CHKSUM, FEATURE_INCOMPAT_ZERO_PADDING,
+    ISLOT_BITS, I_FORMAT_ALL, NAME_LEN, NULL_ADDR, SUPER_OFFSET, XATTR_PREFIXES,
 };
 use crate::{io_err, Error, Result};
 
@@ -31,6 +31,47 @@ enum Source {
     Bytes(Vec<u8>),
 }
 
+impl Source {
+    /// Reads `buf.len()` bytes at `off`, bounds-checked against `len`.
+    fn read_at(&self, len: u64, off: u64, buf: &mut [u8], what: &str) -> Result<()> {
+        let end = off
+            .checked_add(buf.len() as u64)
+            .filter(|&e| e <= len)
+            .ok_or_else(|| {
+                corrupt(format!(
+                    "read {}+{} beyond {what} end {len}",
+                    off,
+                    buf.len(),
+                ))
+            })?;
+        match self {
+            Source::File(f) => f
+                .read_exact_at(buf, off)
+                .map_err(io_err(format!("read {what}"))),
+            Source::Bytes(b) => {
+                // Both bounds checked above against len == b.len().
+                let src = b
+                    .get(off as usize..end as usize)
+                    .ok_or_else(|| corrupt("range"))?;
+                buf.copy_from_slice(src);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// An entry of the device table (an extra device, e.g. a layer's data blob).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeviceInfo {
+    /// The tag, up to its first NUL (at most 64 bytes).
+    pub tag: Vec<u8>,
+    /// Blocks in the device.
+    pub blocks: u32,
+    /// Start of the device in the flat block address space (used when no device is given).
+    pub mapped_blkaddr: u32,
+}
+
 /// An opened EROFS image.
 #[derive(Debug)]
 pub struct Image {
@@ -40,6 +81,10 @@ pub struct Image {
     blkszbits: u8,
     meta_base: u64,
     xattr_base: u64,
+    device_table: Vec<DeviceInfo>,
+    /// Opened extra devices (empty: flat addressing through `mapped_blkaddr`).
+    devices: Vec<(Source, u64)>,
+    device_id_mask: u16,
 }
 
 /// The type of an inode, from its mode.
@@ -133,6 +178,31 @@ impl Image {
         Self::from_source(Source::File(f), len)
     }
 
+    /// Opens the image at `path` with its extra devices (device table order: `devices[0]` is
+    /// device id 1). Their number must match the superblock's `extra_devices`, as the kernel
+    /// requires. Without devices ([`Image::open`]) chunks on device k are read from the image
+    /// itself at the device's `mapped_blkaddr` (flat addressing, e.g. meta image + blob
+    /// concatenated).
+    pub fn open_with_devices(path: &Path, devices: &[&Path]) -> Result<Self> {
+        let mut img = Self::open(path)?;
+        if devices.len() != img.device_table.len() {
+            return Err(Error::Unsupported(format!(
+                "image has {} extra devices, {} given",
+                img.device_table.len(),
+                devices.len()
+            )));
+        }
+        for d in devices {
+            let f = File::open(d).map_err(io_err(format!("open {}", d.display())))?;
+            let len = f
+                .metadata()
+                .map_err(io_err(format!("stat {}", d.display())))?
+                .len();
+            img.devices.push((Source::File(f), len));
+        }
+        Ok(img)
+    }
+
     /// Parses an image held in memory.
     pub fn from_bytes(bytes: Vec<u8>) -> Result<Self> {
         let len = bytes.len() as u64;
@@ -147,6 +217,9 @@ impl Image {
             blkszbits: 12,
             meta_base: 0,
             xattr_base: 0,
+            device_table: Vec::new(),
+            devices: Vec::new(),
+            device_id_mask: 0,
         };
         let raw = img.read_vec(SUPER_OFFSET, 128)?;
         let sb = SuperBlock::read_from_bytes(&raw).map_err(|_| corrupt("superblock"))?;
@@ -156,7 +229,10 @@ impl Image {
         if !(9..=16).contains(&sb.blkszbits) {
             return Err(Error::Unsupported(format!("block size 2^{}", sb.blkszbits)));
         }
-        let unknown = sb.feature_incompat.get() & !FEATURE_INCOMPAT_ZERO_PADDING;
+        let unknown = sb.feature_incompat.get()
+            & !(FEATURE_INCOMPAT_ZERO_PADDING
+                | ondisk::FEATURE_INCOMPAT_CHUNKED_FILE
+                | ondisk::FEATURE_INCOMPAT_DEVICE_TABLE);
         if unknown != 0 {
             return Err(Error::Unsupported(format!(
                 "incompat features {unknown:#x}"
@@ -181,6 +257,29 @@ impl Image {
         }
         img.meta_base = u64::from(sb.meta_blkaddr.get()) << img.blkszbits;
         img.xattr_base = u64::from(sb.xattr_blkaddr.get()) << img.blkszbits;
+        let extra = sb.extra_devices.get();
+        if extra > 0 {
+            if sb.feature_incompat.get() & ondisk::FEATURE_INCOMPAT_DEVICE_TABLE == 0 {
+                return Err(corrupt("extra devices without the DEVICE_TABLE feature"));
+            }
+            // Bounded: the table must lie inside the image.
+            let start = u64::from(sb.devt_slotoff.get()) * DEVT_SLOT_SIZE;
+            let table = img.read_vec(start, u64::from(extra) * DEVT_SLOT_SIZE)?;
+            for raw in table.chunks_exact(DEVT_SLOT_SIZE as usize) {
+                let d = DeviceSlot::read_from_bytes(raw).map_err(|_| corrupt("device slot"))?;
+                if d.blocks_hi.get() != 0 {
+                    return Err(Error::Unsupported("device of 2^32 blocks or more".into()));
+                }
+                let tag_len = d.tag.iter().position(|&b| b == 0).unwrap_or(d.tag.len());
+                img.device_table.push(DeviceInfo {
+                    tag: d.tag[..tag_len].to_vec(),
+                    blocks: d.blocks_lo.get(),
+                    mapped_blkaddr: d.mapped_blkaddr_lo.get(),
+                });
+            }
+            // The kernel's roundup_pow_of_two(extra + 1) - 1.
+            img.device_id_mask = ((u32::from(extra) + 1).next_power_of_two() - 1) as u16;
+        }
         img.sb = sb;
         Ok(img)
     }
@@ -195,6 +294,11 @@ impl Image {
         1u64 << self.blkszbits
     }
 
+    /// The device table (empty for single-device images).
+    pub fn device_table(&self) -> &[DeviceInfo] {
+        &self.device_table
+    }
+
     /// Image length in bytes.
     pub fn len(&self) -> u64 {
         self.len
@@ -206,28 +310,75 @@ impl Image {
     }
 
     fn read_at(&self, off: u64, buf: &mut [u8]) -> Result<()> {
-        let end = off
-            .checked_add(buf.len() as u64)
-            .filter(|&e| e <= self.len)
-            .ok_or_else(|| {
-                corrupt(format!(
-                    "read {}+{} beyond image end {}",
-                    off,
-                    buf.len(),
-                    self.len
-                ))
-            })?;
-        match &self.src {
-            Source::File(f) => f.read_exact_at(buf, off).map_err(io_err("read image")),
-            Source::Bytes(b) => {
-                // Both bounds checked above against len == b.len().
-                let src = b
-                    .get(off as usize..end as usize)
-                    .ok_or_else(|| corrupt("range"))?;
-                buf.copy_from_slice(src);
-                Ok(())
-            }
+        self.src.read_at(self.len, off, buf, "image")
+    }
+
+    /// Reads from device `dev` (0: the image) at byte `off` of that device.
+    fn read_dev(&self, dev: u16, off: u64, buf: &mut [u8]) -> Result<()> {
+        if dev == 0 {
+            return self.read_at(off, buf);
         }
+        let k = usize::from(dev - 1);
+        if let Some((src, len)) = self.devices.get(k) {
+            return src.read_at(*len, off, buf, &format!("device {dev}"));
+        }
+        let d = self
+            .device_table
+            .get(k)
+            .ok_or_else(|| corrupt(format!("device id {dev} not in the device table")))?;
+        // Flat addressing: the device's blocks follow at mapped_blkaddr in the image.
+        let base = u64::from(d.mapped_blkaddr) << self.blkszbits;
+        let off = base
+            .checked_add(off)
+            .ok_or_else(|| corrupt("device address overflow"))?;
+        self.read_at(off, buf)
+    }
+
+    /// Reads from a chunk-based inode: `buf` at `offset`, within `ino.size` (checked by the
+    /// caller); holes read as zeros.
+    fn read_chunked(&self, ino: &Inode, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let format = (ino.raw_blkaddr & 0xffff) as u16;
+        if format & !(ondisk::CHUNK_FORMAT_BLKBITS_MASK | ondisk::CHUNK_FORMAT_INDEXES) != 0 {
+            return Err(Error::Unsupported(format!(
+                "nid {}: chunk format {format:#x}",
+                ino.nid
+            )));
+        }
+        let chunkbits = u32::from(self.blkszbits) + u32::from(format & 0x1f);
+        if chunkbits > 48 {
+            return Err(corrupt(format!("nid {}: chunk bits {chunkbits}", ino.nid)));
+        }
+        let indexes = format & ondisk::CHUNK_FORMAT_INDEXES != 0;
+        let unit = if indexes { 8 } else { 4 };
+        let base = (ino.pos + ino.isize + self.xattr_size(ino)).next_multiple_of(unit);
+        let mut done = 0usize;
+        while done < buf.len() {
+            let pos = offset + done as u64;
+            let chunknr = pos >> chunkbits;
+            let in_chunk = pos - (chunknr << chunkbits);
+            let n = ((1u64 << chunkbits) - in_chunk).min((buf.len() - done) as u64) as usize;
+            let mut raw = [0u8; 8];
+            let at = chunknr
+                .checked_mul(unit)
+                .and_then(|o| o.checked_add(base))
+                .ok_or_else(|| corrupt("chunk index address overflow"))?;
+            self.read_at(at, &mut raw[..unit as usize])?;
+            let (dev, blk) = if indexes {
+                let e = ChunkIndex::read_from_bytes(&raw).map_err(|_| corrupt("chunk index"))?;
+                (e.device_id.get() & self.device_id_mask, e.startblk_lo.get())
+            } else {
+                (0, u32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]))
+            };
+            let out = &mut buf[done..done + n];
+            if blk == NULL_ADDR {
+                out.fill(0);
+            } else {
+                let off = (u64::from(blk) << self.blkszbits) + in_chunk;
+                self.read_dev(dev, off, out)?;
+            }
+            done += n;
+        }
+        Ok(())
     }
 
     fn read_vec(&self, off: u64, len: u64) -> Result<Vec<u8>> {
@@ -329,6 +480,10 @@ impl Image {
         let want = (ino.size - offset).min(buf.len() as u64);
         let buf = &mut buf[..want as usize];
         let blocks_bytes = match ino.datalayout {
+            DATALAYOUT_CHUNK_BASED => {
+                self.read_chunked(ino, offset, buf)?;
+                return Ok(buf.len());
+            }
             DATALAYOUT_FLAT_PLAIN => ino.size,
             DATALAYOUT_FLAT_INLINE => ino.size - ino.size % bs,
             other => {
@@ -379,9 +534,11 @@ impl Image {
         Ok(off)
     }
 
-    /// Reads all of `ino`'s data (bounded by the image length).
+    /// Reads all of `ino`'s data (bounded by the length of the image and its devices; use
+    /// [`Image::copy_data`] for large sparse files).
     pub fn read_data(&self, ino: &Inode) -> Result<Vec<u8>> {
-        if ino.size > self.len {
+        let limit = self.len + self.devices.iter().map(|d| d.1).sum::<u64>();
+        if ino.size > limit {
             return Err(corrupt(format!(
                 "nid {}: size {} exceeds the image",
                 ino.nid, ino.size

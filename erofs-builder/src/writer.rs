@@ -17,8 +17,9 @@ use zerocopy::IntoBytes;
 
 use crate::ondisk::{
     self, encode_dev, ft, xattr_align, Dirent, InodeCompact, InodeExtended, SuperBlock, XattrEntry,
-    XattrIbodyHeader, BLKSZ_BITS, BLOCK_SIZE, DATALAYOUT_FLAT_INLINE, DATALAYOUT_FLAT_PLAIN,
-    EROFS_MAGIC, ISLOT_SIZE, I_VERSION_EXTENDED, NAME_LEN, SUPER_OFFSET, XATTR_PREFIXES,
+    XattrIbodyHeader, BLKSZ_BITS, BLOCK_SIZE, DATALAYOUT_CHUNK_BASED, DATALAYOUT_FLAT_INLINE,
+    DATALAYOUT_FLAT_PLAIN, DEVT_SLOT_SIZE, EROFS_MAGIC, ISLOT_SIZE, I_VERSION_EXTENDED, NAME_LEN,
+    SUPER_OFFSET, XATTR_PREFIXES,
 };
 use crate::{io_err, Error, Result};
 
@@ -110,6 +111,8 @@ struct Node {
     // Layout results.
     extended: bool,
     inline: bool,
+    /// Layer mode: a regular file with data, written chunk-based into the blob.
+    chunked: bool,
     pos: u64,
     blkaddr: u32,
 }
@@ -154,6 +157,26 @@ impl Node {
 /// Regular files, directories, symlinks, hard links, devices, fifos and sockets are kept
 /// with their mode (incl. setuid/setgid/sticky), uid, gid, mtime (ns) and xattrs.
 pub fn build_image(src_dir: &Path, out: &Path, opts: &BuildOptions) -> Result<BuildStats> {
+    build(src_dir, out, opts, None)
+}
+
+/// The temporary name `out` is written under before the rename.
+pub(crate) fn tmp_path(out: &Path) -> PathBuf {
+    let file_name = out.file_name().unwrap_or(OsStr::new("image"));
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(file_name);
+    tmp_name.push(format!(".tmp-{}", std::process::id()));
+    out.with_file_name(tmp_name)
+}
+
+/// Builds the image at `out`; in layer mode (`blob` given) regular file data goes to the
+/// blob (chunk-based inodes, device 1) and the image holds metadata only.
+pub(crate) fn build(
+    src_dir: &Path,
+    out: &Path,
+    opts: &BuildOptions,
+    blob: Option<&mut crate::layer::BlobWriter>,
+) -> Result<BuildStats> {
     if opts.volume_name.len() > 16 {
         return Err(Error::UnsupportedInput {
             path: out.to_path_buf(),
@@ -162,14 +185,10 @@ pub fn build_image(src_dir: &Path, out: &Path, opts: &BuildOptions) -> Result<Bu
     }
     let mut nodes = scan(src_dir, opts)?;
     let (epoch, epoch_nsec) = opts.epoch.unwrap_or((nodes[0].mtime, nodes[0].mtime_nsec));
-    let total_blocks = layout(&mut nodes, epoch, epoch_nsec)?;
+    let total_blocks = layout(&mut nodes, epoch, epoch_nsec, blob.is_some())?;
 
-    let file_name = out.file_name().unwrap_or(OsStr::new("image"));
-    let mut tmp_name = std::ffi::OsString::from(".");
-    tmp_name.push(file_name);
-    tmp_name.push(format!(".tmp-{}", std::process::id()));
-    let tmp = out.with_file_name(tmp_name);
-    let result = write_image(&nodes, &tmp, opts, epoch, epoch_nsec, total_blocks);
+    let tmp = tmp_path(out);
+    let result = write_image(&nodes, &tmp, opts, epoch, epoch_nsec, total_blocks, blob);
     let stats = match result {
         Ok(s) => s,
         Err(e) => {
@@ -333,6 +352,7 @@ fn new_node(path: &Path, meta: &std::fs::Metadata, opts: &BuildOptions) -> Resul
         xattrs,
         extended: false,
         inline: false,
+        chunked: false,
         pos: 0,
         blkaddr: 0,
     })
@@ -558,13 +578,15 @@ impl MetaAllocator {
 }
 
 /// Assigns inode forms, inline tails, positions and block addresses; returns total blocks.
-fn layout(nodes: &mut [Node], epoch: i64, epoch_nsec: u32) -> Result<u32> {
+fn layout(nodes: &mut [Node], epoch: i64, epoch_nsec: u32, layer: bool) -> Result<u32> {
     for i in 0..nodes.len() {
         if matches!(nodes[i].kind, Kind::Dir { .. }) {
             nodes[i].size = dir_size(nodes, i);
         }
     }
-    let mut slots = MetaAllocator::new(SUPER_OFFSET + 128);
+    // Layer images keep the one-slot device table right after the superblock.
+    let meta_start = SUPER_OFFSET + 128 + if layer { DEVT_SLOT_SIZE } else { 0 };
+    let mut slots = MetaAllocator::new(meta_start);
     for n in nodes.iter_mut() {
         n.extended = n.uid > 0xffff
             || n.gid > 0xffff
@@ -580,6 +602,13 @@ fn layout(nodes: &mut [Node], epoch: i64, epoch_nsec: u32) -> Result<u32> {
             });
         }
         let head = n.inode_size() + xsize;
+        n.chunked = layer && matches!(n.kind, Kind::Reg) && n.size > 0;
+        if n.chunked {
+            // Chunk indexes follow the inode and xattrs, 8-byte aligned.
+            let chunks = n.size.div_ceil(crate::layer::CHUNK_SIZE);
+            n.pos = slots.place(head.next_multiple_of(8) + 8 * chunks);
+            continue;
+        }
         let tail = if n.has_data() { n.size % BLOCK_SIZE } else { 0 };
         n.inline = tail != 0 && head + tail <= BLOCK_SIZE;
         let rec = head + if n.inline { tail } else { 0 };
@@ -592,7 +621,7 @@ fn layout(nodes: &mut [Node], epoch: i64, epoch_nsec: u32) -> Result<u32> {
     }
     let mut next_block = slots.end().div_ceil(BLOCK_SIZE);
     for n in nodes.iter_mut() {
-        if !n.has_data() {
+        if !n.has_data() || n.chunked {
             continue;
         }
         let blocks = if n.inline {
@@ -620,6 +649,7 @@ fn write_image(
     epoch: i64,
     epoch_nsec: u32,
     total_blocks: u32,
+    mut blob: Option<&mut crate::layer::BlobWriter>,
 ) -> Result<BuildStats> {
     let ctx = || format!("write {}", tmp.display());
     let out = OpenOptions::new()
@@ -637,7 +667,9 @@ fn write_image(
     let mut copy_buf = vec![0u8; 1 << 20];
 
     for (i, n) in nodes.iter().enumerate() {
-        let layout_bits = if n.inline {
+        let layout_bits = if n.chunked {
+            DATALAYOUT_CHUNK_BASED
+        } else if n.inline {
             DATALAYOUT_FLAT_INLINE
         } else {
             DATALAYOUT_FLAT_PLAIN
@@ -650,6 +682,8 @@ fn write_image(
         };
         let i_u = if matches!(n.kind, Kind::Special(ft::CHR | ft::BLK)) {
             n.rdev
+        } else if n.chunked {
+            u32::from(crate::layer::CHUNK_FORMAT)
         } else {
             n.blkaddr
         };
@@ -716,6 +750,15 @@ fn write_image(
             stats.hardlinks += u64::from(n.nlink.saturating_sub(1));
         }
         match &n.kind {
+            Kind::Reg if n.chunked => {
+                stats.files += 1;
+                stats.data_bytes += n.size;
+                let blob = blob
+                    .as_deref_mut()
+                    .ok_or_else(|| Error::Corrupt("chunked inode without a blob".into()))?;
+                rec.resize(rec.len().next_multiple_of(8), 0);
+                blob.add_file(&n.path, n.size, &mut rec)?;
+            }
             Kind::Reg => {
                 stats.files += 1;
                 stats.data_bytes += n.size;
@@ -750,9 +793,8 @@ fn write_image(
                 stats.special += 1;
             }
         }
-        debug_assert_eq!(
-            rec.len() as u64,
-            n.inode_size() + n.xattr_size() + tail_len as u64
+        debug_assert!(
+            n.chunked || rec.len() as u64 == n.inode_size() + n.xattr_size() + tail_len as u64
         );
         out.write_all_at(&rec, n.pos).map_err(io_err(ctx()))?;
     }
@@ -780,6 +822,16 @@ fn write_image(
     };
     stats.image_bytes = u64::from(total_blocks) * BLOCK_SIZE;
     out.set_len(stats.image_bytes).map_err(io_err(ctx()))?;
+    if let Some(blob) = blob {
+        // The blob is complete: its size and digest (the default tag) are known now.
+        let slot = blob.finish(total_blocks)?;
+        sb.feature_incompat =
+            (ondisk::FEATURE_INCOMPAT_CHUNKED_FILE | ondisk::FEATURE_INCOMPAT_DEVICE_TABLE).into();
+        sb.extra_devices = 1.into();
+        sb.devt_slotoff = (((SUPER_OFFSET + 128) / DEVT_SLOT_SIZE) as u16).into();
+        out.write_all_at(slot.as_bytes(), SUPER_OFFSET + 128)
+            .map_err(io_err(ctx()))?;
+    }
     // The checksum covers the rest of block 0 (first inodes included): read it back.
     let mut block0 = vec![0u8; (BLOCK_SIZE - SUPER_OFFSET) as usize];
     out.read_exact_at(&mut block0, SUPER_OFFSET)
@@ -852,7 +904,7 @@ fn copy_file(
 
 /// The next data extent at or after `pos`: `(data_start, hole_start)`, or `None` when only
 /// a hole remains. Filesystems without `SEEK_DATA` report everything as data.
-fn data_extent(f: &File, pos: u64) -> std::io::Result<Option<(u64, u64)>> {
+pub(crate) fn data_extent(f: &File, pos: u64) -> std::io::Result<Option<(u64, u64)>> {
     use rustix::fs::{seek, SeekFrom};
     use rustix::io::Errno;
     let data = match seek(f, SeekFrom::Data(pos)) {
@@ -870,7 +922,7 @@ fn data_extent(f: &File, pos: u64) -> std::io::Result<Option<(u64, u64)>> {
 }
 
 /// Writes `buf` at `at`, skipping 4 KiB pieces that are all zero.
-fn write_nonzero(out: &File, buf: &[u8], at: u64) -> std::io::Result<()> {
+pub(crate) fn write_nonzero(out: &File, buf: &[u8], at: u64) -> std::io::Result<()> {
     let bs = BLOCK_SIZE as usize;
     let zero = |k: usize| buf[k..(k + bs).min(buf.len())].iter().all(|&x| x == 0);
     let mut b = 0;
@@ -889,7 +941,7 @@ fn write_nonzero(out: &File, buf: &[u8], at: u64) -> std::io::Result<()> {
     Ok(())
 }
 
-fn read_exact_at(f: &File, buf: &mut [u8], at: u64, path: &Path) -> Result<()> {
+pub(crate) fn read_exact_at(f: &File, buf: &mut [u8], at: u64, path: &Path) -> Result<()> {
     f.read_exact_at(buf, at).map_err(|e| {
         if e.kind() == ErrorKind::UnexpectedEof {
             Error::SourceChanged {

@@ -1,5 +1,6 @@
 //! Large files: a sparse file over 4 GiB (extended inode, 64-bit size) and peak memory that
-//! does not grow with the data size. Mounting needs root (SKIPPED otherwise).
+//! does not grow with the data size, for full images and for layers. Mounting needs root
+//! (SKIPPED otherwise).
 
 mod common;
 
@@ -9,6 +10,9 @@ use std::os::unix::fs::FileExt;
 
 use erofs_builder::{build_image, BuildOptions, Image};
 
+/// VmHWM is per process: the memory tests in this binary run one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn vm_hwm_kib() -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
     let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
@@ -17,6 +21,7 @@ fn vm_hwm_kib() -> u64 {
 
 #[test]
 fn sparse_5gib_file_and_64mib_of_data_with_bounded_memory() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
     let src = dir.path().join("src");
     std::fs::create_dir(&src).unwrap();
@@ -104,4 +109,35 @@ fn sparse_5gib_file_and_64mib_of_data_with_bounded_memory() {
     let d = File::open(mnt.path().join("dense64m")).unwrap();
     d.read_exact_at(&mut buf, 63 << 20).unwrap();
     assert_eq!(buf, common::bytes(163, 1 << 20));
+}
+
+#[test]
+fn layer_build_memory_does_not_grow_with_data() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    std::fs::create_dir(&src).unwrap();
+    {
+        let mut f = File::create(src.join("dense64m")).unwrap();
+        for i in 0..64 {
+            f.write_all(&common::bytes(100 + i, 1 << 20)).unwrap();
+        }
+        let s = File::create(src.join("sparse5g")).unwrap();
+        s.set_len(5u64 << 30).unwrap();
+        s.write_all_at(b"EROF", (3u64 << 30) + 5).unwrap();
+    }
+    let (meta, blob) = (dir.path().join("meta"), dir.path().join("blob"));
+    let before = vm_hwm_kib();
+    let s = erofs_builder::build_layer(&src, &meta, &blob, &erofs_builder::LayerOptions::default())
+        .unwrap();
+    let growth = vm_hwm_kib().saturating_sub(before);
+    eprintln!("{s:?}; peak RSS growth {growth} KiB");
+    assert!(growth < 32 * 1024, "peak RSS grew by {growth} KiB");
+    assert_eq!(s.blob_bytes, (64 << 20) + erofs_builder::layer::CHUNK_SIZE);
+    let img = Image::open_with_devices(&meta, &[&blob]).unwrap();
+    let ino = img.lookup("sparse5g").unwrap();
+    let mut mark = [0u8; 4];
+    img.read_at_inode(&ino, (3u64 << 30) + 5, &mut mark)
+        .unwrap();
+    assert_eq!(&mark, b"EROF");
 }

@@ -1,0 +1,364 @@
+//! Lazy layers: a **meta image** (superblock, device table, inodes, xattrs, directories,
+//! symlinks; no regular file data) plus one **data blob** holding the data of every regular
+//! file, addressed chunk by chunk (`docs/format.md`, "Layers").
+//!
+//! Every non-empty regular file is a chunk-based inode (256 KiB chunks, 8-byte chunk indexes
+//! on device 1 = the blob). In the blob:
+//!
+//! * a **full chunk** (256 KiB of file data) starts at a 256 KiB-aligned blob offset, so it is
+//!   exactly one cache chunk;
+//! * a **partial chunk** (a file smaller than 256 KiB, or the last piece of a larger file)
+//!   takes whole 4 KiB blocks and is packed: first into the first alignment gap left before
+//!   an earlier full chunk that fits it (the newest 64 gaps are kept), else at the end;
+//! * identical chunks (same blake3 of their block-padded bytes) are stored once and
+//!   referenced by several chunk indexes;
+//! * chunks that are all zero, or lie in a hole of the source file, are not stored: their
+//!   index is the hole marker (`NULL_ADDR`) and they read as zeros.
+//!
+//! File data is streamed through one 256 KiB buffer. The blob's blake3 digest is computed
+//! after it is complete (a second, sequential read) and becomes the device tag (unless the
+//! caller supplies one), patched into the meta image before its checksum is taken.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use zerocopy::IntoBytes;
+
+use crate::ondisk::{ChunkIndex, DeviceSlot, BLOCK_SIZE, CHUNK_FORMAT_INDEXES, NULL_ADDR};
+use crate::writer::{build, data_extent, read_exact_at, tmp_path, write_nonzero};
+use crate::{io_err, BuildOptions, BuildStats, Error, Result};
+
+/// log2 of the chunk size in blocks (256 KiB / 4 KiB = 2^6).
+pub const CHUNK_BLKBITS: u16 = 6;
+/// Chunk size of chunk-based files in layers: 256 KiB, the cache chunk.
+pub const CHUNK_SIZE: u64 = BLOCK_SIZE << CHUNK_BLKBITS;
+const CHUNK_BLOCKS: u64 = 1 << CHUNK_BLKBITS;
+/// `i_u.c.format` of our chunk-based inodes: 8-byte indexes, chunk = block << 6.
+pub const CHUNK_FORMAT: u16 = CHUNK_FORMAT_INDEXES | CHUNK_BLKBITS;
+/// The device id chunk indexes use for the blob.
+pub const BLOB_DEVICE_ID: u16 = 1;
+
+/// Options for [`build_layer`].
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub struct LayerOptions {
+    /// Options shared with full images (times, uuid, volume name, xattrs, checksum, fsync).
+    pub build: BuildOptions,
+    /// The blob's device tag (at most 64 bytes). `None`: the blob's blake3 digest as 64
+    /// lowercase hex characters (filling the tag, no NUL), which is what Strata names blobs by.
+    pub tag: Option<Vec<u8>>,
+}
+
+/// What [`build_layer`] wrote.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LayerStats {
+    /// Counts for the tree; `image_bytes` is the meta image's size.
+    pub meta: BuildStats,
+    /// Bytes in the blob file (a multiple of 4096).
+    pub blob_bytes: u64,
+    /// blake3 of the whole blob file.
+    pub blob_blake3: [u8; 32],
+    /// Chunk indexes that point into the blob.
+    pub chunks: u64,
+    /// Distinct chunks stored in the blob (`chunks - unique_chunks` were deduplicated).
+    pub unique_chunks: u64,
+    /// Chunk indexes that are holes (all-zero or unallocated source ranges).
+    pub hole_chunks: u64,
+    /// Blob bytes occupied by stored chunks (the rest is alignment padding).
+    pub stored_bytes: u64,
+}
+
+impl LayerStats {
+    /// The blob's blake3 digest in lowercase hex (the default device tag).
+    pub fn blob_blake3_hex(&self) -> String {
+        hex(&self.blob_blake3)
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Builds a lazy layer from the tree at `src_dir`: the meta image at `meta_out` and the data
+/// blob at `blob_out` (each replaced atomically by a rename: the meta image first, then the
+/// blob; on error neither temporary file is left behind).
+pub fn build_layer(
+    src_dir: &Path,
+    meta_out: &Path,
+    blob_out: &Path,
+    opts: &LayerOptions,
+) -> Result<LayerStats> {
+    if opts.tag.as_ref().is_some_and(|t| t.len() > 64) {
+        return Err(Error::UnsupportedInput {
+            path: blob_out.to_path_buf(),
+            reason: "device tag longer than 64 bytes".into(),
+        });
+    }
+    let blob_tmp = tmp_path(blob_out);
+    let mut blob = match BlobWriter::create(&blob_tmp, opts) {
+        Ok(b) => b,
+        Err(e) => {
+            let _ = std::fs::remove_file(&blob_tmp);
+            return Err(e);
+        }
+    };
+    let meta = build(src_dir, meta_out, &opts.build, Some(&mut blob));
+    let done = meta.and_then(|meta| {
+        std::fs::rename(&blob_tmp, blob_out).map_err(io_err(format!(
+            "rename {} to {}",
+            blob_tmp.display(),
+            blob_out.display()
+        )))?;
+        Ok(meta)
+    });
+    let meta = match done {
+        Ok(m) => m,
+        Err(e) => {
+            let _ = std::fs::remove_file(&blob_tmp);
+            return Err(e);
+        }
+    };
+    Ok(LayerStats {
+        meta,
+        blob_bytes: blob.blocks * BLOCK_SIZE,
+        blob_blake3: blob.digest,
+        chunks: blob.chunks,
+        unique_chunks: blob.unique_chunks,
+        hole_chunks: blob.hole_chunks,
+        stored_bytes: blob.stored_blocks * BLOCK_SIZE,
+    })
+}
+
+/// Writes the data blob: places, dedupes and writes chunks; emits chunk indexes.
+#[derive(Debug)]
+pub(crate) struct BlobWriter {
+    file: File,
+    path: PathBuf,
+    tag: Option<Vec<u8>>,
+    fsync: bool,
+    /// Blob length in blocks so far (the end of the last placed chunk).
+    blocks: u64,
+    /// Alignment gaps `[start, end)` (blocks) left before full chunks, oldest first.
+    gaps: Vec<(u64, u64)>,
+    /// (blocks, blake3 of the block-padded chunk) → start block.
+    stored: HashMap<(u64, [u8; 32]), u32>,
+    buf: Vec<u8>,
+    digest: [u8; 32],
+    chunks: u64,
+    unique_chunks: u64,
+    hole_chunks: u64,
+    stored_blocks: u64,
+}
+
+impl BlobWriter {
+    const MAX_GAPS: usize = 64;
+
+    fn create(path: &Path, opts: &LayerOptions) -> Result<Self> {
+        let file = OpenOptions::new()
+            .write(true)
+            .read(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o644)
+            .open(path)
+            .map_err(io_err(format!("create {}", path.display())))?;
+        Ok(Self {
+            file,
+            path: path.to_path_buf(),
+            tag: opts.tag.clone(),
+            fsync: opts.build.fsync,
+            blocks: 0,
+            gaps: Vec::new(),
+            stored: HashMap::new(),
+            buf: vec![0u8; CHUNK_SIZE as usize],
+            digest: [0; 32],
+            chunks: 0,
+            unique_chunks: 0,
+            hole_chunks: 0,
+            stored_blocks: 0,
+        })
+    }
+
+    /// Streams the regular file at `path` (`size` bytes, as scanned) into the blob and
+    /// appends its `ceil(size / CHUNK_SIZE)` chunk indexes to `idx`.
+    pub(crate) fn add_file(&mut self, path: &Path, size: u64, idx: &mut Vec<u8>) -> Result<()> {
+        let changed = || Error::SourceChanged {
+            path: path.to_path_buf(),
+        };
+        let read_ctx = || format!("read {}", path.display());
+        let f = OpenOptions::new()
+            .read(true)
+            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+            .open(path)
+            .map_err(io_err(format!("open {}", path.display())))?;
+        let meta = f.metadata().map_err(io_err(read_ctx()))?;
+        if !meta.is_file() || meta.len() != size {
+            return Err(changed());
+        }
+        let nchunks = size.div_ceil(CHUNK_SIZE);
+        let hole = ChunkIndex {
+            startblk_lo: NULL_ADDR.into(),
+            ..Default::default()
+        };
+        let mut c = 0u64;
+        while c < nchunks {
+            let start = c * CHUNK_SIZE;
+            let len = (size - start).min(CHUNK_SIZE);
+            // Skip whole chunks that lie in a source hole without reading them.
+            let next_data = match data_extent(&f, start) {
+                Ok(Some((d, _))) => d,
+                Ok(None) => size,
+                Err(e) => return Err(io_err(read_ctx())(e)),
+            };
+            if next_data >= start + len {
+                let next = (next_data / CHUNK_SIZE).clamp(c + 1, nchunks);
+                for _ in c..next {
+                    idx.extend_from_slice(hole.as_bytes());
+                }
+                self.hole_chunks += next - c;
+                c = next;
+                continue;
+            }
+            let mut buf = std::mem::take(&mut self.buf);
+            let r = read_exact_at(&f, &mut buf[..len as usize], start, path)
+                .and_then(|()| self.store(&buf[..len as usize]));
+            self.buf = buf;
+            match r? {
+                None => {
+                    idx.extend_from_slice(hole.as_bytes());
+                    self.hole_chunks += 1;
+                }
+                Some(blk) => {
+                    let e = ChunkIndex {
+                        startblk_hi: 0.into(),
+                        device_id: BLOB_DEVICE_ID.into(),
+                        startblk_lo: blk.into(),
+                    };
+                    idx.extend_from_slice(e.as_bytes());
+                    self.chunks += 1;
+                }
+            }
+            c += 1;
+        }
+        let mut probe = [0u8; 1];
+        match f.read_at(&mut probe, size) {
+            Ok(0) => Ok(()),
+            Ok(_) => Err(changed()),
+            Err(e) => Err(io_err(read_ctx())(e)),
+        }
+    }
+
+    /// Stores one chunk's bytes (unless all zero: `None`) and returns its start block.
+    fn store(&mut self, data: &[u8]) -> Result<Option<u32>> {
+        if data.iter().all(|&b| b == 0) {
+            return Ok(None);
+        }
+        let blocks = (data.len() as u64).div_ceil(BLOCK_SIZE);
+        let mut h = blake3::Hasher::new();
+        h.update(data);
+        let pad = (blocks * BLOCK_SIZE) as usize - data.len();
+        h.update(&[0u8; BLOCK_SIZE as usize][..pad]);
+        let key = (blocks, *h.finalize().as_bytes());
+        if let Some(&blk) = self.stored.get(&key) {
+            return Ok(Some(blk));
+        }
+        let start = self.place(blocks);
+        let blk = u32::try_from(start)
+            .ok()
+            .filter(|&b| b != NULL_ADDR && start + blocks <= u64::from(u32::MAX))
+            .ok_or_else(|| Error::TooLarge("blob of 2^32 blocks or more".into()))?;
+        write_nonzero(&self.file, data, start * BLOCK_SIZE)
+            .map_err(io_err(format!("write {}", self.path.display())))?;
+        self.stored.insert(key, blk);
+        self.unique_chunks += 1;
+        self.stored_blocks += blocks;
+        Ok(Some(blk))
+    }
+
+    /// Chooses the start block of a new chunk of `blocks` blocks (see the module docs).
+    fn place(&mut self, blocks: u64) -> u64 {
+        if blocks == CHUNK_BLOCKS {
+            let start = self.blocks.next_multiple_of(CHUNK_BLOCKS);
+            if start > self.blocks {
+                if self.gaps.len() == Self::MAX_GAPS {
+                    self.gaps.remove(0);
+                }
+                self.gaps.push((self.blocks, start));
+            }
+            self.blocks = start + blocks;
+            return start;
+        }
+        if let Some(i) = self.gaps.iter().position(|&(s, e)| e - s >= blocks) {
+            let start = self.gaps[i].0;
+            self.gaps[i].0 += blocks;
+            if self.gaps[i].0 == self.gaps[i].1 {
+                self.gaps.remove(i);
+            }
+            return start;
+        }
+        let start = self.blocks;
+        self.blocks += blocks;
+        start
+    }
+
+    /// Completes the blob (length, fsync, digest) and returns its device slot;
+    /// `meta_blocks` is the meta image's size (the blob's place in the flat address space).
+    pub(crate) fn finish(&mut self, meta_blocks: u32) -> Result<DeviceSlot> {
+        let ctx = || format!("write {}", self.path.display());
+        self.file
+            .set_len(self.blocks * BLOCK_SIZE)
+            .map_err(io_err(ctx()))?;
+        if self.fsync {
+            self.file.sync_all().map_err(io_err(ctx()))?;
+        }
+        // Read back in 1 MiB pieces (an mmap would count the whole blob as resident).
+        let mut h = blake3::Hasher::new();
+        let mut off = 0u64;
+        let len = self.blocks * BLOCK_SIZE;
+        let mut buf = vec![0u8; 1 << 20];
+        while off < len {
+            let n = (len - off).min(buf.len() as u64) as usize;
+            self.file
+                .read_exact_at(&mut buf[..n], off)
+                .map_err(io_err(format!("hash {}", self.path.display())))?;
+            h.update_rayon(&buf[..n]);
+            off += n as u64;
+        }
+        self.digest = *h.finalize().as_bytes();
+        let tag = self
+            .tag
+            .clone()
+            .unwrap_or_else(|| hex(&self.digest).into_bytes());
+        let mut slot = DeviceSlot::default();
+        slot.tag[..tag.len()].copy_from_slice(&tag);
+        slot.blocks_lo = u32::try_from(self.blocks)
+            .map_err(|_| Error::TooLarge("blob of 2^32 blocks or more".into()))?
+            .into();
+        // Where the blob would start if appended to the meta image (flat addressing).
+        slot.mapped_blkaddr_lo = meta_blocks.into();
+        Ok(slot)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn full_chunks_are_aligned_and_partial_ones_fill_gaps() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = BlobWriter::create(&dir.path().join("b"), &LayerOptions::default()).unwrap();
+        assert_eq!(w.place(3), 0);
+        assert_eq!(w.place(CHUNK_BLOCKS), CHUNK_BLOCKS);
+        assert_eq!(w.gaps, vec![(3, CHUNK_BLOCKS)]);
+        assert_eq!(w.place(60), 3);
+        assert_eq!(w.place(2), 2 * CHUNK_BLOCKS);
+        assert_eq!(w.place(1), 63);
+        assert!(w.gaps.is_empty());
+        assert_eq!(w.place(CHUNK_BLOCKS), 3 * CHUNK_BLOCKS);
+        assert_eq!(w.gaps, vec![(2 * CHUNK_BLOCKS + 2, 3 * CHUNK_BLOCKS)]);
+    }
+}

@@ -1,0 +1,414 @@
+//! Lazy layers (meta image + data blob, chunk-based files): build from a generated tree,
+//! then check with the kernel (file-backed mount(2) with `device=BLOB`), `fsck.erofs
+//! --device=BLOB`, and our reader; exact blob layout and dedupe on a small tree;
+//! determinism. Needs root for the tree (prints SKIPPED otherwise; fails under CI=true).
+
+mod common;
+
+use std::ffi::CString;
+use std::fs::File;
+use std::io::Write;
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use common::{compare_image, compare_trees, make_tree, require_root, Strictness};
+use erofs_builder::layer::CHUNK_SIZE;
+use erofs_builder::{build_layer, Image, LayerOptions, LayerStats};
+
+const MANY: usize = 500;
+const BIG: u64 = 5 << 30;
+const BIG_MARK: u64 = (3 << 30) + 5;
+
+struct Fixture {
+    dir: tempfile::TempDir,
+    src: PathBuf,
+    meta: PathBuf,
+    blob: PathBuf,
+    stats: LayerStats,
+}
+
+fn write(p: &Path, data: &[u8]) {
+    File::create(p).unwrap().write_all(data).unwrap();
+}
+
+/// Files that exercise chunks: several chunks with a tail, repeated chunks, a zero chunk
+/// written out, a 5 GiB sparse file with 4 bytes of data, an exact chunk, small files.
+fn add_layer_files(d: &Path) {
+    std::fs::create_dir(d).unwrap();
+    let a = common::bytes(10, CHUNK_SIZE as usize);
+    let b = common::bytes(11, CHUNK_SIZE as usize);
+    write(
+        &d.join("multi"),
+        &common::bytes(12, 4 * CHUNK_SIZE as usize + 1000),
+    );
+    write(&d.join("repeat"), &[&a[..], &b, &a, &a].concat());
+    write(&d.join("exact_chunk"), &a);
+    write(
+        &d.join("zero_middle"),
+        &[&b[..], &vec![0u8; CHUNK_SIZE as usize], b"tail"].concat(),
+    );
+    let f = File::create(d.join("sparse5g")).unwrap();
+    f.set_len(BIG).unwrap();
+    f.write_all_at(b"EROF", BIG_MARK).unwrap();
+    write(&d.join("empty"), b"");
+    write(&d.join("s1"), b"abc");
+    write(&d.join("s2"), &common::bytes(13, 5000));
+    write(&d.join("s3_same_as_s1"), b"abc");
+}
+
+fn fixture() -> &'static Fixture {
+    static F: OnceLock<Fixture> = OnceLock::new();
+    F.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        std::fs::create_dir(&src).unwrap();
+        make_tree(&src, true, MANY);
+        add_layer_files(&src.join("chunks"));
+        // Keep the build time make_tree set (adding "chunks" touched the root), and give some
+        // chunk files that time too, so chunk-based inodes come in both forms.
+        for name in ["multi", "repeat", "s1", "sparse5g"] {
+            common::set_mtime(&src.join("chunks").join(name), 1_700_000_000, 0);
+        }
+        common::set_mtime(&src, 1_700_000_000, 0);
+        let (meta, blob) = (dir.path().join("meta.erofs"), dir.path().join("blob"));
+        let stats = build_layer(&src, &meta, &blob, &LayerOptions::default()).unwrap();
+        eprintln!("built layer: {stats:?}");
+        Fixture {
+            dir,
+            src,
+            meta,
+            blob,
+            stats,
+        }
+    })
+}
+
+fn run(cmd: &mut Command) -> (bool, String) {
+    let out = cmd.output().expect("run command");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// Unmounts (lazily if busy) when dropped, even when the test panics.
+struct MountGuard(PathBuf);
+
+impl Drop for MountGuard {
+    fn drop(&mut self) {
+        if rustix::mount::unmount(&self.0, rustix::mount::UnmountFlags::empty()).is_err() {
+            let _ = rustix::mount::unmount(&self.0, rustix::mount::UnmountFlags::DETACH);
+        }
+    }
+}
+
+/// File-backed EROFS mount via mount(2) (no loop device), with `device=` blobs.
+fn mount_erofs(image: &Path, devices: &[&Path], target: &Path) -> MountGuard {
+    let data: String = devices
+        .iter()
+        .map(|d| format!("device={}", d.canonicalize().unwrap().display()))
+        .collect::<Vec<_>>()
+        .join(",");
+    let data = CString::new(data).unwrap();
+    rustix::mount::mount(
+        image,
+        target,
+        "erofs",
+        rustix::mount::MountFlags::RDONLY,
+        Some(data.as_c_str()),
+    )
+    .unwrap_or_else(|e| panic!("mount -t erofs {} (data {data:?}): {e}", image.display()));
+    MountGuard(target.to_path_buf())
+}
+
+fn blake3_of(p: &Path) -> [u8; 32] {
+    let mut h = blake3::Hasher::new();
+    h.update_reader(File::open(p).unwrap()).unwrap();
+    *h.finalize().as_bytes()
+}
+
+#[test]
+fn layer_meta_and_blob_are_consistent() {
+    if !require_root("layer_meta_and_blob_are_consistent") {
+        return;
+    }
+    let f = fixture();
+    let s = &f.stats;
+    assert_eq!(s.blob_bytes, std::fs::metadata(&f.blob).unwrap().len());
+    assert_eq!(
+        s.meta.image_bytes,
+        std::fs::metadata(&f.meta).unwrap().len()
+    );
+    assert_eq!(s.blob_blake3, blake3_of(&f.blob));
+    let img = Image::open(&f.meta).unwrap();
+    let dt = img.device_table();
+    assert_eq!(dt.len(), 1);
+    assert_eq!(dt[0].tag, s.blob_blake3_hex().into_bytes());
+    assert_eq!(u64::from(dt[0].blocks) * 4096, s.blob_bytes);
+    assert_eq!(u64::from(dt[0].mapped_blkaddr) * 4096, s.meta.image_bytes);
+    // No file data in the meta image: it is far smaller than the data.
+    assert!(s.meta.image_bytes < 4 << 20, "meta {}", s.meta.image_bytes);
+    // The 5 GiB sparse file costs one chunk in the blob, not 5 GiB.
+    assert!(s.blob_bytes < 16 << 20, "blob {}", s.blob_bytes);
+    let alloc = std::fs::metadata(&f.blob).unwrap().blocks() * 512;
+    assert!(alloc <= s.blob_bytes, "blob allocates {alloc}");
+    // Chunk-based inodes in both forms (compact: i_u holds the chunk format).
+    for (path, extended) in [
+        ("chunks/multi", false),
+        ("chunks/s2", true),
+        ("chunks/sparse5g", true),
+    ] {
+        let ino = img.lookup(path).unwrap();
+        assert_eq!(
+            ino.datalayout,
+            erofs_builder::ondisk::DATALAYOUT_CHUNK_BASED
+        );
+        assert_eq!(ino.extended, extended, "{path}");
+    }
+    assert_eq!(img.lookup("chunks/empty").unwrap().datalayout, 0);
+}
+
+#[test]
+fn kernel_mounts_layer_with_blob_device_and_it_matches_the_source() {
+    if !require_root("kernel_mounts_layer_with_blob_device_and_it_matches_the_source") {
+        return;
+    }
+    let f = fixture();
+    let mnt = tempfile::tempdir().unwrap();
+    let _guard = mount_erofs(&f.meta, &[&f.blob], mnt.path());
+    let strict = Strictness {
+        perm_mask: 0o7777,
+        owners_times_xattrs: true,
+        nlink: true,
+    };
+    let n = compare_trees(&f.src, mnt.path(), strict);
+    assert!(n > MANY, "compared {n} entries");
+    let big = File::open(mnt.path().join("chunks/sparse5g")).unwrap();
+    assert_eq!(big.metadata().unwrap().len(), BIG);
+    let mut mark = [0u8; 4];
+    big.read_exact_at(&mut mark, BIG_MARK).unwrap();
+    assert_eq!(&mark, b"EROF");
+}
+
+#[test]
+fn kernel_mounts_meta_and_blob_concatenated_without_device() {
+    if !require_root("kernel_mounts_meta_and_blob_concatenated_without_device") {
+        return;
+    }
+    // mapped_blkaddr = meta blocks: meta ‖ blob is a valid single-file image (flat
+    // addressing), for the kernel and for our reader.
+    let f = fixture();
+    let flat = f.dir.path().join("flat.erofs");
+    {
+        let mut out = File::create(&flat).unwrap();
+        std::io::copy(&mut File::open(&f.meta).unwrap(), &mut out).unwrap();
+        std::io::copy(&mut File::open(&f.blob).unwrap(), &mut out).unwrap();
+    }
+    let img = Image::open(&flat).unwrap();
+    let ino = img.lookup("chunks/repeat").unwrap();
+    assert!(common::image_file_equal(
+        &img,
+        &ino,
+        &f.src.join("chunks/repeat")
+    ));
+    let mnt = tempfile::tempdir().unwrap();
+    let _guard = mount_erofs(&flat, &[], mnt.path());
+    let n = compare_trees(
+        &f.src,
+        mnt.path(),
+        Strictness {
+            perm_mask: 0o7777,
+            owners_times_xattrs: true,
+            nlink: true,
+        },
+    );
+    assert!(n > MANY, "compared {n} entries");
+}
+
+#[test]
+fn fsck_erofs_accepts_layer_with_device() {
+    if !require_root("fsck_erofs_accepts_layer_with_device") {
+        return;
+    }
+    let f = fixture();
+    let (ok, text) = run(Command::new("fsck.erofs")
+        .arg(format!("--device={}", f.blob.display()))
+        .arg(&f.meta));
+    assert!(ok, "fsck.erofs --device failed:\n{text}");
+    // fsck.erofs 1.5 --extract drops hole chunks (NULL_ADDR) instead of seeking over them
+    // (mkfs.erofs 1.5 never writes them), so extraction is compared on a tree without holes.
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    std::fs::create_dir(&src).unwrap();
+    make_tree(&src, true, MANY);
+    std::fs::remove_file(src.join("sparse")).unwrap();
+    add_layer_files(&src.join("chunks"));
+    std::fs::remove_file(src.join("chunks/sparse5g")).unwrap();
+    std::fs::remove_file(src.join("chunks/zero_middle")).unwrap();
+    let (meta, blob) = (dir.path().join("meta"), dir.path().join("blob"));
+    let stats = build_layer(&src, &meta, &blob, &LayerOptions::default()).unwrap();
+    assert_eq!(stats.hole_chunks, 0);
+    let (ok, text) = run(Command::new("fsck.erofs")
+        .arg(format!("--device={}", blob.display()))
+        .arg(&meta));
+    assert!(ok, "fsck.erofs --device failed:\n{text}");
+    let dst = dir.path().join("x");
+    let (ok, text) = run(Command::new("fsck.erofs")
+        .arg(format!("--device={}", blob.display()))
+        .arg(format!("--extract={}", dst.display()))
+        .arg(&meta));
+    assert!(ok, "fsck.erofs --extract failed:\n{text}");
+    let n = compare_trees(
+        &src,
+        &dst,
+        Strictness {
+            perm_mask: 0o1777,
+            owners_times_xattrs: false,
+            nlink: false,
+        },
+    );
+    assert!(n > MANY, "compared {n} entries");
+}
+
+#[test]
+fn our_reader_reads_layer_with_blob() {
+    if !require_root("our_reader_reads_layer_with_blob") {
+        return;
+    }
+    let f = fixture();
+    let img = Image::open_with_devices(&f.meta, &[&f.blob]).unwrap();
+    let n = compare_image(&f.src, &img, true);
+    assert!(n > MANY, "compared {n} entries");
+    // The device count must match, as for the kernel.
+    assert!(Image::open_with_devices(&f.meta, &[]).is_err());
+    assert!(Image::open_with_devices(&f.meta, &[&f.blob, &f.blob]).is_err());
+}
+
+#[test]
+fn layer_build_is_deterministic() {
+    if !require_root("layer_build_is_deterministic") {
+        return;
+    }
+    let f = fixture();
+    let out = tempfile::tempdir().unwrap();
+    let (meta, blob) = (out.path().join("m"), out.path().join("b"));
+    let stats = build_layer(&f.src, &meta, &blob, &LayerOptions::default()).unwrap();
+    assert_eq!(stats, f.stats);
+    assert!(std::fs::read(&meta).unwrap() == std::fs::read(&f.meta).unwrap());
+    assert_eq!(blake3_of(&blob), blake3_of(&f.blob));
+}
+
+/// A small tree whose blob layout is known exactly.
+#[test]
+fn dedupe_holes_and_placement_give_the_expected_blob() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    std::fs::create_dir(&src).unwrap();
+    let cs = CHUNK_SIZE as usize;
+    let (a, b) = (common::bytes(1, cs), common::bytes(2, cs));
+    let t1 = common::bytes(3, 1000);
+    write(&src.join("a_multi"), &[&a[..], &b, &t1].concat());
+    write(&src.join("b_repeat"), &[&a[..], &b, &a, &a].concat());
+    write(&src.join("c_small"), b"abc");
+    write(&src.join("d_small_dup"), b"abc");
+    write(&src.join("e_zero"), &[&vec![0u8; cs][..], b"abc"].concat());
+    let sp = File::create(src.join("f_sparse")).unwrap();
+    sp.set_len(1 << 30).unwrap();
+    sp.write_all_at(b"data", (512 << 20) + 5).unwrap();
+    write(&src.join("g_empty"), b"");
+
+    let (meta, blob) = (dir.path().join("meta"), dir.path().join("blob"));
+    let mut opts = LayerOptions::default();
+    opts.tag = Some(b"my-tag".to_vec());
+    let s = build_layer(&src, &meta, &blob, &opts).unwrap();
+    // Blocks: A 0..64, B 64..128, tail of a_multi 128, "abc" 129, the sparse file's chunk
+    // aligned at 192..256 (gap 130..192 left for later partial chunks).
+    assert_eq!(s.unique_chunks, 5);
+    assert_eq!(s.chunks, 3 + 4 + 1 + 1 + 1 + 1);
+    assert_eq!(s.hole_chunks, 1 + 4095);
+    assert_eq!(s.stored_bytes, (3 * 64 + 2) * 4096);
+    assert_eq!(s.blob_bytes, 256 * 4096);
+    assert_eq!(s.meta.files, 7);
+    let bytes = std::fs::read(&blob).unwrap();
+    assert_eq!(&bytes[..cs], &a[..]);
+    assert_eq!(&bytes[cs..2 * cs], &b[..]);
+    assert_eq!(&bytes[128 * 4096..128 * 4096 + 1000], &t1[..]);
+    assert_eq!(&bytes[129 * 4096..129 * 4096 + 3], b"abc");
+    assert_eq!(&bytes[192 * 4096 + 5..192 * 4096 + 9], b"data");
+
+    let img = Image::open_with_devices(&meta, &[&blob]).unwrap();
+    assert_eq!(img.device_table()[0].tag, b"my-tag");
+    assert_eq!(compare_image(&src, &img, true), 7);
+    // Without the blob (and not concatenated) the data is unreachable: an error, no panic.
+    let alone = Image::open(&meta).unwrap();
+    let ino = alone.lookup("a_multi").unwrap();
+    assert!(alone.read_data(&ino).is_err());
+}
+
+#[test]
+fn our_reader_reads_a_mkfs_erofs_chunked_layer() {
+    if !require_root("our_reader_reads_a_mkfs_erofs_chunked_layer") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    std::fs::create_dir(&src).unwrap();
+    add_layer_files(&src.join("chunks"));
+    // Drop the 5 GiB file: mkfs.erofs 1.5 would read all of it.
+    std::fs::remove_file(src.join("chunks/sparse5g")).unwrap();
+    let (meta, blob) = (dir.path().join("meta"), dir.path().join("blob"));
+    let (ok, text) = run(Command::new("mkfs.erofs")
+        .arg(format!("--chunksize={CHUNK_SIZE}"))
+        .arg(format!("--blobdev={}", blob.display()))
+        .arg(&meta)
+        .arg(&src));
+    assert!(ok, "mkfs.erofs failed:\n{text}");
+    let img = Image::open_with_devices(&meta, &[&blob]).unwrap();
+    assert_eq!(compare_image(&src, &img, false), 9);
+}
+
+#[test]
+fn reader_never_panics_on_mutated_layers() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    std::fs::create_dir_all(src.join("d")).unwrap();
+    let cs = CHUNK_SIZE as usize;
+    write(&src.join("a"), &common::bytes(1, cs + 100));
+    write(&src.join("d/b"), b"bbbb");
+    let sp = File::create(src.join("d/sparse")).unwrap();
+    sp.set_len(4 * CHUNK_SIZE).unwrap();
+    sp.write_all_at(b"x", 2 * CHUNK_SIZE).unwrap();
+    let (meta, blob) = (dir.path().join("meta"), dir.path().join("blob"));
+    let mut opts = LayerOptions::default();
+    opts.build.checksum = false;
+    build_layer(&src, &meta, &blob, &opts).unwrap();
+    // meta ‖ blob: flat addressing makes the chunk data reachable from one buffer.
+    let mut base = std::fs::read(&meta).unwrap();
+    base.extend_from_slice(&std::fs::read(&blob).unwrap());
+    let img = Image::from_bytes(base.clone()).unwrap();
+    assert_eq!(compare_image(&src, &img, false), 4);
+    erofs_builder::reader::fuzz_read_all(&base);
+    let mut rng = 0x0bad_5eed_1234_5678u64;
+    let mut next = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let meta_len = std::fs::metadata(&meta).unwrap().len() as usize;
+    for _ in 0..3000 {
+        let mut m = base.clone();
+        for _ in 0..(1 + next() % 8) {
+            let at = (next() as usize) % meta_len;
+            m[at] = next() as u8;
+        }
+        erofs_builder::reader::fuzz_read_all(&m);
+    }
+    for cut in [1152, 1200, 1280, 4096, meta_len, base.len() - 1] {
+        erofs_builder::reader::fuzz_read_all(&base[..cut.min(base.len())]);
+    }
+}
