@@ -4,11 +4,11 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 
-use common::{compare_image, compare_trees, make_tree, require_root, Strictness};
+use common::{compare_image, compare_trees, make_tree, mount_erofs, require_root, run, Strictness};
 use erofs_builder::{build_image, reader::fuzz_read_all, BuildOptions, Image};
 
 const MANY: usize = 10_000;
@@ -36,16 +36,6 @@ fn fixture() -> &'static Fixture {
             image,
         }
     })
-}
-
-fn run(cmd: &mut Command) -> (bool, String) {
-    let out = cmd.output().expect("run command");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
 }
 
 #[test]
@@ -83,33 +73,6 @@ fn fsck_erofs_extract_reproduces_the_tree() {
 }
 
 /// Unmounts (lazily if busy) when dropped, even when the test panics.
-struct MountGuard(PathBuf);
-
-impl Drop for MountGuard {
-    fn drop(&mut self) {
-        if rustix::mount::unmount(&self.0, rustix::mount::UnmountFlags::empty()).is_err() {
-            let _ = rustix::mount::unmount(&self.0, rustix::mount::UnmountFlags::DETACH);
-        }
-    }
-}
-
-fn mount_erofs(image: &Path, target: &Path) -> MountGuard {
-    rustix::mount::mount(
-        image,
-        target,
-        "erofs",
-        rustix::mount::MountFlags::RDONLY,
-        None,
-    )
-    .unwrap_or_else(|e| {
-        panic!(
-            "mount -t erofs {} {}: {e}",
-            image.display(),
-            target.display()
-        )
-    });
-    MountGuard(target.to_path_buf())
-}
 
 #[test]
 fn kernel_mounts_our_image_and_it_matches_the_source() {
@@ -118,7 +81,7 @@ fn kernel_mounts_our_image_and_it_matches_the_source() {
     }
     let f = fixture();
     let mnt = tempfile::tempdir().unwrap();
-    let _guard = mount_erofs(&f.image, mnt.path());
+    let _guard = mount_erofs(&f.image, &[], mnt.path());
     let strict = Strictness {
         perm_mask: 0o7777,
         owners_times_xattrs: true,

@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::ffi::CString;
 use std::fs::File;
 use std::io::Write;
 use std::os::unix::fs::{FileExt, MetadataExt};
@@ -13,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use common::{compare_image, compare_trees, make_tree, require_root, Strictness};
+use common::{compare_image, compare_trees, make_tree, mount_erofs, require_root, run, Strictness};
 use erofs_builder::layer::CHUNK_SIZE;
 use erofs_builder::{build_layer, Image, LayerOptions, LayerStats};
 
@@ -83,46 +82,6 @@ fn fixture() -> &'static Fixture {
             stats,
         }
     })
-}
-
-fn run(cmd: &mut Command) -> (bool, String) {
-    let out = cmd.output().expect("run command");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
-}
-
-/// Unmounts (lazily if busy) when dropped, even when the test panics.
-struct MountGuard(PathBuf);
-
-impl Drop for MountGuard {
-    fn drop(&mut self) {
-        if rustix::mount::unmount(&self.0, rustix::mount::UnmountFlags::empty()).is_err() {
-            let _ = rustix::mount::unmount(&self.0, rustix::mount::UnmountFlags::DETACH);
-        }
-    }
-}
-
-/// File-backed EROFS mount via mount(2) (no loop device), with `device=` blobs.
-fn mount_erofs(image: &Path, devices: &[&Path], target: &Path) -> MountGuard {
-    let data: String = devices
-        .iter()
-        .map(|d| format!("device={}", d.canonicalize().unwrap().display()))
-        .collect::<Vec<_>>()
-        .join(",");
-    let data = CString::new(data).unwrap();
-    rustix::mount::mount(
-        image,
-        target,
-        "erofs",
-        rustix::mount::MountFlags::RDONLY,
-        Some(data.as_c_str()),
-    )
-    .unwrap_or_else(|e| panic!("mount -t erofs {} (data {data:?}): {e}", image.display()));
-    MountGuard(target.to_path_buf())
 }
 
 fn blake3_of(p: &Path) -> [u8; 32] {

@@ -513,3 +513,45 @@ pub fn image_file_equal(img: &Image, ino: &Inode, p: &Path) -> bool {
     }
     true
 }
+
+/// Run a command; its success and its stdout + stderr.
+pub fn run(cmd: &mut std::process::Command) -> (bool, String) {
+    let out = cmd.output().expect("run command");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// Unmounts (lazily if busy) when dropped, even when the test panics.
+pub struct MountGuard(PathBuf);
+
+impl Drop for MountGuard {
+    fn drop(&mut self) {
+        if rustix::mount::unmount(&self.0, rustix::mount::UnmountFlags::empty()).is_err() {
+            let _ = rustix::mount::unmount(&self.0, rustix::mount::UnmountFlags::DETACH);
+        }
+    }
+}
+
+/// File-backed EROFS mount via mount(2) (no loop device), with `device=` blobs if any.
+pub fn mount_erofs(image: &Path, devices: &[&Path], target: &Path) -> MountGuard {
+    let data: String = devices
+        .iter()
+        .map(|d| format!("device={}", d.canonicalize().unwrap().display()))
+        .collect::<Vec<_>>()
+        .join(",");
+    let data = std::ffi::CString::new(data).unwrap();
+    let data = (!devices.is_empty()).then_some(data.as_c_str());
+    rustix::mount::mount(
+        image,
+        target,
+        "erofs",
+        rustix::mount::MountFlags::RDONLY,
+        data,
+    )
+    .unwrap_or_else(|e| panic!("mount -t erofs {} (data {data:?}): {e}", image.display()));
+    MountGuard(target.to_path_buf())
+}
