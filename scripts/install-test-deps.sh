@@ -3,8 +3,9 @@
 # S3-compatible test server from PyPI. Idempotent and quick when everything is present.
 set -euo pipefail
 
+"$(dirname "$0")/install-build-deps.sh"
+
 debs=(
-    pkg-config clang libclang-dev librocksdb-dev   # RocksDB links Debian's library (DEVELOPERS.md)
     erofs-utils fuse3 libfuse3-dev attr            # standard tools that judge our images
 )
 missing=()
