@@ -666,6 +666,95 @@ fn write_image(
     let mut stats = BuildStats::default();
     let mut copy_buf = vec![0u8; 1 << 20];
 
+    // Small regular files are read ahead by a few threads (cold small-file reads are
+    // latency-bound); the writer consumes them in node order, so the image is unchanged.
+    let jobs: Vec<usize> = nodes
+        .iter()
+        .enumerate()
+        .filter(|(_, n)| matches!(n.kind, Kind::Reg) && !n.chunked && n.size <= PREFETCH_MAX)
+        .map(|(i, _)| i)
+        .collect();
+    let prefetch = Prefetch::new(nodes, &jobs);
+    std::thread::scope(|s| {
+        let _stop = prefetch.stop_guard();
+        for _ in 0..PREFETCH_THREADS.min(jobs.len()) {
+            s.spawn(|| prefetch.reader());
+        }
+        write_nodes(
+            nodes,
+            &out,
+            tmp,
+            &mut blob,
+            &mut stats,
+            &mut rec,
+            &mut copy_buf,
+            &prefetch,
+        )
+    })?;
+    stats.inodes = nodes.len() as u64;
+
+    let mut volume_name = [0u8; 16];
+    volume_name[..opts.volume_name.len()].copy_from_slice(&opts.volume_name);
+    let mut sb = SuperBlock {
+        magic: EROFS_MAGIC.into(),
+        feature_compat: if opts.checksum {
+            ondisk::FEATURE_COMPAT_SB_CHKSUM
+        } else {
+            0
+        }
+        .into(),
+        blkszbits: BLKSZ_BITS,
+        root_nid: (nid_of(0) as u16).into(),
+        inos: stats.inodes.into(),
+        build_time: (epoch as u64).into(),
+        build_time_nsec: epoch_nsec.into(),
+        blocks: total_blocks.into(),
+        uuid: opts.uuid,
+        volume_name,
+        ..Default::default()
+    };
+    stats.image_bytes = u64::from(total_blocks) * BLOCK_SIZE;
+    out.set_len(stats.image_bytes).map_err(io_err(ctx()))?;
+    if let Some(blob) = blob {
+        // The blob is complete: its size and digest (the default tag) are known now.
+        let slot = blob.finish(total_blocks)?;
+        sb.feature_incompat =
+            (ondisk::FEATURE_INCOMPAT_CHUNKED_FILE | ondisk::FEATURE_INCOMPAT_DEVICE_TABLE).into();
+        sb.extra_devices = 1.into();
+        sb.devt_slotoff = (((SUPER_OFFSET + 128) / DEVT_SLOT_SIZE) as u16).into();
+        out.write_all_at(slot.as_bytes(), SUPER_OFFSET + 128)
+            .map_err(io_err(ctx()))?;
+    }
+    // The checksum covers the rest of block 0 (first inodes included): read it back.
+    let mut block0 = vec![0u8; (BLOCK_SIZE - SUPER_OFFSET) as usize];
+    out.read_exact_at(&mut block0, SUPER_OFFSET)
+        .map_err(io_err(ctx()))?;
+    block0[..128].copy_from_slice(sb.as_bytes());
+    if opts.checksum {
+        sb.checksum = ondisk::sb_crc32c(&block0).into();
+    }
+    out.write_all_at(sb.as_bytes(), SUPER_OFFSET)
+        .map_err(io_err(ctx()))?;
+    if opts.fsync {
+        out.sync_all().map_err(io_err(ctx()))?;
+    }
+    Ok(stats)
+}
+
+/// The per-node loop of [`write_image`]: inodes, xattrs, inline tails and data.
+#[allow(clippy::too_many_arguments)]
+fn write_nodes(
+    nodes: &[Node],
+    out: &File,
+    tmp: &Path,
+    blob: &mut Option<&mut crate::layer::BlobWriter>,
+    stats: &mut BuildStats,
+    rec: &mut Vec<u8>,
+    copy_buf: &mut [u8],
+    prefetch: &Prefetch<'_>,
+) -> Result<()> {
+    let ctx = || format!("write {}", tmp.display());
+    let nid_of = |i: usize| nodes[i].pos / ISLOT_SIZE;
     for (i, n) in nodes.iter().enumerate() {
         let layout_bits = if n.chunked {
             DATALAYOUT_CHUNK_BASED
@@ -757,20 +846,27 @@ fn write_image(
                     .as_deref_mut()
                     .ok_or_else(|| Error::Corrupt("chunked inode without a blob".into()))?;
                 rec.resize(rec.len().next_multiple_of(8), 0);
-                blob.add_file(&n.path, n.size, &mut rec)?;
+                blob.add_file(&n.path, n.size, rec)?;
             }
             Kind::Reg => {
                 stats.files += 1;
                 stats.data_bytes += n.size;
-                copy_file(
-                    n,
-                    &out,
-                    data_off,
-                    in_blocks,
-                    &mut rec[tail_slot],
-                    &mut copy_buf,
-                    tmp,
-                )?;
+                if n.size <= PREFETCH_MAX {
+                    let data = prefetch.take(i)?;
+                    let split = in_blocks as usize;
+                    write_nonzero(out, &data[..split], data_off).map_err(io_err(ctx()))?;
+                    rec[tail_slot].copy_from_slice(&data[split..]);
+                } else {
+                    copy_file(
+                        n,
+                        out,
+                        data_off,
+                        in_blocks,
+                        &mut rec[tail_slot],
+                        copy_buf,
+                        tmp,
+                    )?;
+                }
             }
             Kind::Dir { .. } => {
                 stats.dirs += 1;
@@ -796,56 +892,159 @@ fn write_image(
         debug_assert!(
             n.chunked || rec.len() as u64 == n.inode_size() + n.xattr_size() + tail_len as u64
         );
-        out.write_all_at(&rec, n.pos).map_err(io_err(ctx()))?;
+        out.write_all_at(rec, n.pos).map_err(io_err(ctx()))?;
     }
-    stats.inodes = nodes.len() as u64;
+    Ok(())
+}
 
-    let mut volume_name = [0u8; 16];
-    volume_name[..opts.volume_name.len()].copy_from_slice(&opts.volume_name);
-    let mut sb = SuperBlock {
-        magic: EROFS_MAGIC.into(),
-        feature_compat: if opts.checksum {
-            ondisk::FEATURE_COMPAT_SB_CHKSUM
-        } else {
-            0
+/// Regular files up to this size are read ahead by [`Prefetch`] reader threads.
+const PREFETCH_MAX: u64 = 1 << 20;
+/// Reader threads of [`Prefetch`].
+const PREFETCH_THREADS: usize = 16;
+/// Upper bound on prefetched bytes not yet consumed by the writer.
+const PREFETCH_BUDGET: u64 = 32 << 20;
+
+/// Read-ahead of small regular files: reader threads claim jobs (node indexes, in node
+/// order), read each whole file and park the result; the writer takes them in the same
+/// order. Readers wait while more than [`PREFETCH_BUDGET`] bytes are parked, except for the
+/// job the writer needs next, so memory stays bounded and no deadlock is possible.
+struct Prefetch<'a> {
+    nodes: &'a [Node],
+    jobs: &'a [usize],
+    state: std::sync::Mutex<PrefetchState>,
+    /// Signalled when the writer consumes a result or on stop (readers wait on it).
+    readers: std::sync::Condvar,
+    /// Signalled when a result is parked or on stop (the writer waits on it).
+    writer: std::sync::Condvar,
+}
+
+#[derive(Default)]
+struct PrefetchState {
+    next_claim: usize,
+    next_take: usize,
+    in_flight: u64,
+    done: HashMap<usize, Result<Vec<u8>>>,
+    stop: bool,
+}
+
+/// Stops the readers when dropped (writer finished, failed or panicked, or a reader died).
+struct StopGuard<'p, 'a>(&'p Prefetch<'a>);
+
+impl Drop for StopGuard<'_, '_> {
+    fn drop(&mut self) {
+        let mut st = self.0.lock();
+        st.stop = true;
+        drop(st);
+        self.0.readers.notify_all();
+        self.0.writer.notify_all();
+    }
+}
+
+impl<'a> Prefetch<'a> {
+    fn new(nodes: &'a [Node], jobs: &'a [usize]) -> Self {
+        Prefetch {
+            nodes,
+            jobs,
+            state: std::sync::Mutex::default(),
+            readers: std::sync::Condvar::new(),
+            writer: std::sync::Condvar::new(),
         }
-        .into(),
-        blkszbits: BLKSZ_BITS,
-        root_nid: (nid_of(0) as u16).into(),
-        inos: stats.inodes.into(),
-        build_time: (epoch as u64).into(),
-        build_time_nsec: epoch_nsec.into(),
-        blocks: total_blocks.into(),
-        uuid: opts.uuid,
-        volume_name,
-        ..Default::default()
-    };
-    stats.image_bytes = u64::from(total_blocks) * BLOCK_SIZE;
-    out.set_len(stats.image_bytes).map_err(io_err(ctx()))?;
-    if let Some(blob) = blob {
-        // The blob is complete: its size and digest (the default tag) are known now.
-        let slot = blob.finish(total_blocks)?;
-        sb.feature_incompat =
-            (ondisk::FEATURE_INCOMPAT_CHUNKED_FILE | ondisk::FEATURE_INCOMPAT_DEVICE_TABLE).into();
-        sb.extra_devices = 1.into();
-        sb.devt_slotoff = (((SUPER_OFFSET + 128) / DEVT_SLOT_SIZE) as u16).into();
-        out.write_all_at(slot.as_bytes(), SUPER_OFFSET + 128)
-            .map_err(io_err(ctx()))?;
     }
-    // The checksum covers the rest of block 0 (first inodes included): read it back.
-    let mut block0 = vec![0u8; (BLOCK_SIZE - SUPER_OFFSET) as usize];
-    out.read_exact_at(&mut block0, SUPER_OFFSET)
-        .map_err(io_err(ctx()))?;
-    block0[..128].copy_from_slice(sb.as_bytes());
-    if opts.checksum {
-        sb.checksum = ondisk::sb_crc32c(&block0).into();
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, PrefetchState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
-    out.write_all_at(sb.as_bytes(), SUPER_OFFSET)
-        .map_err(io_err(ctx()))?;
-    if opts.fsync {
-        out.sync_all().map_err(io_err(ctx()))?;
+
+    fn stop_guard(&self) -> StopGuard<'_, 'a> {
+        StopGuard(self)
     }
-    Ok(stats)
+
+    /// A reader thread: claims and reads jobs until all are claimed or stop is set.
+    fn reader(&self) {
+        // If this thread unwinds, the writer must not wait for its job forever.
+        let _stop_on_panic = PanicStop(self);
+        loop {
+            let mut st = self.lock();
+            if st.stop || st.next_claim >= self.jobs.len() {
+                return;
+            }
+            let j = st.next_claim;
+            st.next_claim += 1;
+            let size = self.nodes[self.jobs[j]].size;
+            while !st.stop && j != st.next_take && st.in_flight + size > PREFETCH_BUDGET {
+                st = self.readers.wait(st).unwrap_or_else(|e| e.into_inner());
+            }
+            if st.stop {
+                return;
+            }
+            st.in_flight += size;
+            drop(st);
+            let result = read_small_file(&self.nodes[self.jobs[j]]);
+            self.lock().done.insert(j, result);
+            self.writer.notify_one();
+        }
+    }
+
+    /// The contents of node `i`, the next job in order (waits for its reader).
+    fn take(&self, i: usize) -> Result<Vec<u8>> {
+        let mut st = self.lock();
+        let j = st.next_take;
+        if self.jobs.get(j) != Some(&i) {
+            return Err(Error::Corrupt("prefetch out of order".into()));
+        }
+        let result = loop {
+            if let Some(r) = st.done.remove(&j) {
+                break r;
+            }
+            if st.stop {
+                return Err(Error::Corrupt("prefetch reader stopped".into()));
+            }
+            st = self.writer.wait(st).unwrap_or_else(|e| e.into_inner());
+        };
+        st.next_take += 1;
+        st.in_flight -= self.nodes[i].size;
+        drop(st);
+        self.readers.notify_all();
+        result
+    }
+}
+
+/// Sets stop only when the reader thread is unwinding.
+struct PanicStop<'p, 'a>(&'p Prefetch<'a>);
+
+impl Drop for PanicStop<'_, '_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            drop(StopGuard(self.0));
+        }
+    }
+}
+
+/// Reads a whole small regular file with the same checks as [`copy_file`]: it must still
+/// be a regular file of the scanned size. Holes read as zeros (and are skipped on write).
+fn read_small_file(n: &Node) -> Result<Vec<u8>> {
+    let read_ctx = || format!("read {}", n.path.display());
+    let f = OpenOptions::new()
+        .read(true)
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        .open(&n.path)
+        .map_err(io_err(format!("open {}", n.path.display())))?;
+    let meta = f.metadata().map_err(io_err(read_ctx()))?;
+    if !meta.is_file() || meta.len() != n.size {
+        return Err(Error::SourceChanged {
+            path: n.path.clone(),
+        });
+    }
+    let mut data = vec![0u8; n.size as usize];
+    read_exact_at(&f, &mut data, 0, &n.path)?;
+    let mut probe = [0u8; 1];
+    match f.read_at(&mut probe, n.size) {
+        Ok(0) => Ok(data),
+        Ok(_) => Err(Error::SourceChanged {
+            path: n.path.clone(),
+        }),
+        Err(e) => Err(io_err(read_ctx())(e)),
+    }
 }
 
 /// Streams one regular file: `in_blocks` bytes to the data area at `data_off`, then the tail
