@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bench::{aligned_offsets, bench_dir, fill_pseudo_random, fs_type, size_label, S3Server};
+use bench::{aligned_offsets, bench_tempdir, fill_pseudo_random, fs_type, size_label, S3Server};
 use bytes::Bytes;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use fs_cache::{Backend, PosixBackend};
@@ -50,12 +50,11 @@ struct Local {
 
 impl Local {
     fn new(rt: &Runtime) -> Local {
-        let parent = bench_dir(Path::new(env!("CARGO_TARGET_TMPDIR")));
-        std::fs::create_dir_all(&parent).expect("create the bench directory");
-        let dir = tempfile::Builder::new()
-            .prefix("strata-bench.")
-            .tempdir_in(&parent)
-            .expect("create a temporary directory for the test file");
+        let dir = bench_tempdir(
+            Path::new(env!("CARGO_TARGET_TMPDIR")),
+            "strata-bench.",
+            "a temporary directory for the test file",
+        );
         let backend = PosixBackend::open(dir.path().join("store")).expect("open PosixBackend");
         let started = Instant::now();
         let mut data = vec![0u8; FILE_SIZE as usize];

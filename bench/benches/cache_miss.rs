@@ -30,7 +30,9 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bench::{bench_dir, fill_pseudo_random, fs_type, median, random_regions, size_label};
+use bench::{
+    bench_dir, bench_tempdir, fill_pseudo_random, fs_type, median, random_regions, size_label,
+};
 use bytes::Bytes;
 use fs_cache::chunk::disk::DiskCacheConfig;
 use fs_cache::chunk::{CacheConfig, CacheStats, ChunkCache, CHUNK_SIZE};
@@ -158,12 +160,11 @@ impl World {
         let disk_dir = match level {
             Level::Memory => None,
             Level::MemoryAndDisk => {
-                let parent = bench_dir(Path::new(env!("CARGO_TARGET_TMPDIR")));
-                std::fs::create_dir_all(&parent).expect("create the bench directory");
-                let dir = tempfile::Builder::new()
-                    .prefix("strata-bench-l2.")
-                    .tempdir_in(&parent)
-                    .expect("create a level-2 directory");
+                let dir = bench_tempdir(
+                    Path::new(env!("CARGO_TARGET_TMPDIR")),
+                    "strata-bench-l2.",
+                    "a level-2 directory",
+                );
                 cfg.disk = Some(DiskCacheConfig {
                     dir: dir.path().to_owned(),
                     capacity: DISK_CAPACITY,

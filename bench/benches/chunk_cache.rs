@@ -29,7 +29,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use bench::{bench_dir, fill_pseudo_random, fs_type, random_offsets, size_label};
+use bench::{bench_tempdir, fill_pseudo_random, fs_type, random_offsets, size_label};
 use bytes::Bytes;
 use criterion::{Criterion, Throughput};
 use fs_cache::chunk::disk::DiskCacheConfig;
@@ -62,12 +62,11 @@ struct Blob {
 
 impl Blob {
     fn new(rt: &Runtime) -> Blob {
-        let parent = bench_dir(Path::new(env!("CARGO_TARGET_TMPDIR")));
-        std::fs::create_dir_all(&parent).expect("create the bench directory");
-        let dir = tempfile::Builder::new()
-            .prefix("strata-bench.")
-            .tempdir_in(&parent)
-            .expect("create a temporary directory for the test blob");
+        let dir = bench_tempdir(
+            Path::new(env!("CARGO_TARGET_TMPDIR")),
+            "strata-bench.",
+            "a temporary directory for the test blob",
+        );
         let backend = PosixBackend::open(dir.path().join("store")).expect("open PosixBackend");
         let root = backend.root().to_owned();
         let store = Store::new(Arc::new(backend));

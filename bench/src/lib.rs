@@ -258,6 +258,18 @@ pub fn bench_dir(target_tmp: &Path) -> PathBuf {
     }
 }
 
+/// A fresh temporary directory named `prefix*` under [`bench_dir`] (created if missing),
+/// removed when dropped. Panics with `what` in the message: benchmarks have no caller to
+/// report to.
+pub fn bench_tempdir(target_tmp: &Path, prefix: &str, what: &str) -> tempfile::TempDir {
+    let parent = bench_dir(target_tmp);
+    std::fs::create_dir_all(&parent).expect("create the bench directory");
+    tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in(&parent)
+        .unwrap_or_else(|e| panic!("create {what}: {e}"))
+}
+
 /// The name of the filesystem `path` lives on (`ext4`, `xfs`, `tmpfs`, ...), or its magic
 /// number in hex if it is not one this function knows; `None` if `statfs` fails.
 pub fn fs_type(path: &Path) -> Option<String> {

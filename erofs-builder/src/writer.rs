@@ -1020,21 +1020,30 @@ impl Drop for PanicStop<'_, '_> {
     }
 }
 
-/// Reads a whole small regular file with the same checks as [`copy_file`]: it must still
-/// be a regular file of the scanned size. Holes read as zeros (and are skipped on write).
-fn read_small_file(n: &Node) -> Result<Vec<u8>> {
-    let read_ctx = || format!("read {}", n.path.display());
+/// Opens a source file without following symlinks and checks that it is still a regular file
+/// of the size the scan saw.
+fn open_source(n: &Node) -> Result<File> {
     let f = OpenOptions::new()
         .read(true)
         .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
         .open(&n.path)
         .map_err(io_err(format!("open {}", n.path.display())))?;
-    let meta = f.metadata().map_err(io_err(read_ctx()))?;
+    let meta = f
+        .metadata()
+        .map_err(io_err(format!("read {}", n.path.display())))?;
     if !meta.is_file() || meta.len() != n.size {
         return Err(Error::SourceChanged {
             path: n.path.clone(),
         });
     }
+    Ok(f)
+}
+
+/// Reads a whole small regular file with the same checks as [`copy_file`]: it must still
+/// be a regular file of the scanned size. Holes read as zeros (and are skipped on write).
+fn read_small_file(n: &Node) -> Result<Vec<u8>> {
+    let read_ctx = || format!("read {}", n.path.display());
+    let f = open_source(n)?;
     let mut data = vec![0u8; n.size as usize];
     read_exact_at(&f, &mut data, 0, &n.path)?;
     let mut probe = [0u8; 1];
@@ -1063,15 +1072,7 @@ fn copy_file(
         path: n.path.clone(),
     };
     let read_ctx = || format!("read {}", n.path.display());
-    let f = OpenOptions::new()
-        .read(true)
-        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-        .open(&n.path)
-        .map_err(io_err(format!("open {}", n.path.display())))?;
-    let meta = f.metadata().map_err(io_err(read_ctx()))?;
-    if !meta.is_file() || meta.len() != n.size {
-        return Err(changed());
-    }
+    let f = open_source(n)?;
     let mut pos = 0u64;
     while pos < in_blocks {
         let (data, hole) = match data_extent(&f, pos) {

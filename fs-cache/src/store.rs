@@ -18,7 +18,6 @@
 //!   the chunk cache, which owns the chunk tables.
 
 use std::fmt;
-use std::ops::Range;
 use std::path::Path;
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
@@ -183,9 +182,10 @@ impl Store {
                 existed: true,
             });
         }
-        let table = ChunkTable::for_bytes(digest, &data);
+        // A single-chunk blob needs no table: its one chunk digest is the blob digest.
+        let table = (size > CHUNK_SIZE).then(|| ChunkTable::for_bytes(digest, &data));
         self.backend.put(&blob_key(&digest), data).await?;
-        if size > CHUNK_SIZE {
+        if let Some(table) = table {
             self.put_chunk_table(&table).await?;
         }
         Ok(PutBlob {
@@ -365,12 +365,6 @@ impl Store {
             });
         }
         Ok(size)
-    }
-
-    /// Read a range of a blob *without* verifying it: for the chunk cache, which verifies
-    /// every chunk against the blob's chunk table.
-    pub async fn get_blob_range_unverified(&self, d: &Digest, range: Range<u64>) -> Result<Bytes> {
-        self.backend.get_range(&blob_key(d), range).await
     }
 
     /// Every stored blob (sidecars excluded).
