@@ -385,3 +385,29 @@ async fn a_demand_read_joining_a_waiting_prefetch_does_not_wait_behind_it() {
     assert!(waited < Duration::from_millis(2600), "waited {waited:?}");
     assert_eq!(f.faulty.stats().gets, 2, "chunk 5 was fetched once");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unregister_drops_the_table_but_keeps_cached_chunks() {
+    let f = fixture((2 * CHUNK_SIZE) as usize).await;
+    let cache = ChunkCache::open(f.store.clone(), memory_only(64 * MIB))
+        .await
+        .unwrap();
+    assert_eq!(cache.registered(), 0);
+    let got = cache.read(&f.blob, 0, 2 * CHUNK_SIZE).await.unwrap();
+    assert_eq!(&got[..], &f.bytes[..]);
+    assert_eq!(cache.registered(), 1);
+    let gets = f.faulty.stats().gets;
+    cache.unregister(&f.blob);
+    assert_eq!(cache.registered(), 0);
+    // Reading again loads the table (one request for the chunk-table sidecar at most) but no
+    // chunk: both are still in level 1.
+    let again = cache.read(&f.blob, CHUNK_SIZE, 10).await.unwrap();
+    assert_eq!(
+        &again[..],
+        &f.bytes[CHUNK_SIZE as usize..CHUNK_SIZE as usize + 10]
+    );
+    assert_eq!(cache.registered(), 1);
+    let s = cache.stats();
+    assert_eq!(s.misses, 2, "{s:?}");
+    assert!(f.faulty.stats().gets <= gets + 2);
+}

@@ -270,6 +270,19 @@ impl ChunkCache {
         Ok(table)
     }
 
+    /// Forget `blob`'s chunk table and sequential-read state (a long-running owner calls this
+    /// when it releases the blob, so that memory does not grow with every blob ever read).
+    /// Cached chunks stay; a later [`Self::register`] or read loads the table again.
+    pub fn unregister(&self, blob: &Digest) {
+        lock(&self.inner.tables).remove(blob);
+        lock(&self.inner.sequential).remove(blob);
+    }
+
+    /// Blobs whose chunk tables are loaded.
+    pub fn registered(&self) -> usize {
+        lock(&self.inner.tables).len()
+    }
+
     /// The uncompressed size of `blob`.
     pub async fn blob_size(&self, blob: &Digest) -> Result<u64> {
         Ok(self.register(blob).await?.blob_size)
