@@ -312,18 +312,22 @@ async fn level_two_survives_a_restart_and_drops_damaged_chunks() {
     assert_eq!(s.misses, 0);
     drop(cache);
 
-    // Damage one chunk file on disk: it is detected, dropped and refetched, never served.
-    let mut damaged = 0;
-    for entry in walk(&dir.path().join("cache")) {
-        let name = entry.file_name().unwrap().to_string_lossy().into_owned();
-        if name.starts_with(&f.blob.to_hex()) && name.ends_with(".3") {
-            let mut bytes = std::fs::read(&entry).unwrap();
-            bytes[100] ^= 0x40;
-            std::fs::write(&entry, bytes).unwrap();
-            damaged += 1;
-        }
+    // Damage chunk 3 in the blob's file on disk: it is detected, dropped and refetched, never
+    // served.
+    let hex = f.blob.to_hex();
+    let blob_file = dir.path().join("cache/blobs").join(&hex[..2]).join(&hex);
+    {
+        use std::os::unix::fs::FileExt;
+        let file = std::fs::File::options()
+            .read(true)
+            .write(true)
+            .open(&blob_file)
+            .unwrap();
+        let at = 3 * CHUNK_SIZE + 100;
+        let mut b = [0u8];
+        file.read_exact_at(&mut b, at).unwrap();
+        file.write_all_at(&[b[0] ^ 0x40], at).unwrap();
     }
-    assert_eq!(damaged, 1, "found the file of chunk 3");
     f.faulty.set(FaultConfig::default());
     let cache = ChunkCache::open(f.store.clone(), config()).await.unwrap();
     let got = cache.read(&f.blob, 0, 4 * MIB).await.unwrap();
@@ -334,21 +338,6 @@ async fn level_two_survives_a_restart_and_drops_damaged_chunks() {
         (1, 1, 15),
         "{s:?}"
     );
-}
-
-fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
-    let mut out = Vec::new();
-    if let Ok(rd) = std::fs::read_dir(dir) {
-        for e in rd.flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                out.extend(walk(&p));
-            } else {
-                out.push(p);
-            }
-        }
-    }
-    out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -410,4 +399,42 @@ async fn unregister_drops_the_table_but_keeps_cached_chunks() {
     let s = cache.stats();
     assert_eq!(s.misses, 2, "{s:?}");
     assert!(f.faulty.stats().gets <= gets + 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_fully_cached_blob_can_be_pinned_as_one_local_file() {
+    use std::os::unix::fs::FileExt;
+    let f = fixture((3 * CHUNK_SIZE + 777) as usize).await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = CacheConfig {
+        disk: Some(DiskCacheConfig {
+            dir: dir.path().join("cache"),
+            capacity: 64 * MIB,
+        }),
+        ..memory_only(MIB)
+    };
+    let cache = ChunkCache::open(f.store.clone(), config).await.unwrap();
+    assert!(
+        cache.pin_local(&f.blob).await.unwrap().is_none(),
+        "nothing cached yet"
+    );
+    let size = f.bytes.len() as u64;
+    cache.read(&f.blob, 0, 2 * CHUNK_SIZE).await.unwrap();
+    cache.flush().await.unwrap();
+    assert!(
+        cache.pin_local(&f.blob).await.unwrap().is_none(),
+        "two chunks missing"
+    );
+    cache.read(&f.blob, 2 * CHUNK_SIZE, size).await.unwrap();
+    cache.flush().await.unwrap();
+    let pin = cache
+        .pin_local(&f.blob)
+        .await
+        .unwrap()
+        .expect("all chunks cached");
+    assert_eq!(pin.len(), size);
+    assert!(pin.verify().unwrap());
+    let mut whole = vec![0u8; size as usize];
+    pin.file().read_exact_at(&mut whole, 0).unwrap();
+    assert_eq!(whole, f.bytes);
 }

@@ -42,30 +42,43 @@ fn open(dir: &Path, capacity: u64) -> DiskCache {
     }
 }
 
-fn chunk_file(dir: &Path, id: &ChunkId) -> PathBuf {
+fn blob_file(dir: &Path, id: &ChunkId) -> PathBuf {
     let hex = id.blob.to_hex();
-    dir.join("chunks")
-        .join(&hex[..2])
-        .join(format!("{hex}.{}", id.index))
+    dir.join("blobs").join(&hex[..2]).join(hex)
+}
+
+/// Whether the chunk's range of its blob file holds any data (not a hole).
+fn chunk_has_data(dir: &Path, id: &ChunkId) -> bool {
+    let Ok(f) = fs::File::open(blob_file(dir, id)) else {
+        return false;
+    };
+    let at = id.index * CHUNK_SIZE;
+    match rustix::fs::seek(&f, rustix::fs::SeekFrom::Data(at)) {
+        Ok(d) => d < at + CHUNK_SIZE,
+        Err(_) => false,
+    }
 }
 
 #[derive(Debug, Default)]
 struct Usage {
+    /// Bytes of blocks allocated to blob files.
     bytes: u64,
     files: u64,
-    tmp_files: u64,
 }
 
-/// Bytes a chunk of `len` bytes takes on disk: its data and its crc32c trailer (4 bytes per
-/// 4 KiB block).
+/// Bytes a chunk of `len` bytes takes on disk: its blocks.
 fn on_disk(len: u64) -> u64 {
-    len + 4 * len.div_ceil(4096)
+    len.next_multiple_of(4096)
 }
 
-/// Walk `dir/chunks` (tolerating files that vanish during the walk).
+/// Blocks a filesystem may add for a sparse file's extent tree, per blob file.
+const EXTENT_SLACK: u64 = 64 * KIB;
+
+/// Walk `dir/blobs` (tolerating files that vanish during the walk).
 fn usage(dir: &Path) -> Usage {
+    use std::os::unix::fs::MetadataExt;
     let mut u = Usage::default();
-    let Ok(shards) = fs::read_dir(dir.join("chunks")) else {
+    let Ok(shards) = fs::read_dir(dir.join("blobs")) else {
         return u;
     };
     for shard in shards.flatten() {
@@ -74,14 +87,21 @@ fn usage(dir: &Path) -> Usage {
         };
         for f in files.flatten() {
             let Ok(meta) = f.metadata() else { continue };
-            u.bytes += meta.len();
+            u.bytes += meta.blocks() * 512;
             u.files += 1;
-            if f.file_name().to_string_lossy().starts_with(".tmp.") {
-                u.tmp_files += 1;
-            }
         }
     }
     u
+}
+
+/// On-disk usage matches the index: at least the indexed bytes, at most those plus extent
+/// tree blocks.
+fn assert_usage_matches(u: &Usage, bytes: u64, files: u64, what: &str) {
+    assert_eq!(u.files, files, "{what}: {u:?}");
+    assert!(
+        u.bytes >= bytes && u.bytes <= bytes + files * EXTENT_SLACK,
+        "{what}: {u:?} vs {bytes} indexed bytes"
+    );
 }
 
 #[test]
@@ -133,7 +153,8 @@ fn round_trip_and_restart_keep_entries_and_lru_order() {
         "the least recently used goes first"
     );
     assert!(cache.contains(&ids[2]) && cache.contains(&ids[0]) && cache.contains(&ids[4]));
-    assert!(!chunk_file(&dir, &ids[3]).exists());
+    assert!(!chunk_has_data(&dir, &ids[3]));
+    assert!(chunk_has_data(&dir, &ids[2]));
     assert_eq!(cache.stats().evictions, 1);
     // Capacity shrunk between runs: evicted at open, LRU first (2, then 1).
     drop(cache);
@@ -141,7 +162,7 @@ fn round_trip_and_restart_keep_entries_and_lru_order() {
     let s = cache.stats();
     assert_eq!((s.bytes, s.chunks, s.evictions), (2 * on_disk(len), 2, 3));
     assert!(cache.contains(&ids[0]) && cache.contains(&ids[4]));
-    assert_eq!(usage(&dir).files, 2);
+    assert_usage_matches(&usage(&dir), 2 * on_disk(len), 1, "after shrinking");
     // A second owner of the directory is refused while the first is open.
     let second = DiskCache::open(DiskCacheConfig {
         dir: dir.clone(),
@@ -178,13 +199,19 @@ fn usage_stays_under_capacity_while_reading_three_times_capacity() {
         let s = cache.stats();
         assert!(s.bytes <= capacity, "stats {s:?}");
         let u = usage(&dir);
-        assert!(u.bytes <= capacity, "on disk {u:?} after put {i}");
+        assert!(
+            u.bytes <= capacity + EXTENT_SLACK,
+            "on disk {u:?} after put {i}"
+        );
     }
     let elapsed = started.elapsed();
     stop.store(true, Ordering::Relaxed);
     watcher.join().unwrap();
     let seen = max_seen.load(Ordering::Relaxed);
-    assert!(seen <= capacity + CHUNK_SIZE, "watcher saw {seen} bytes");
+    assert!(
+        seen <= capacity + CHUNK_SIZE + EXTENT_SLACK,
+        "watcher saw {seen} bytes"
+    );
     let s = cache.stats();
     let per = on_disk(CHUNK_SIZE);
     assert_eq!(s.chunks, capacity / per);
@@ -235,8 +262,8 @@ fn many_threads_share_one_cache() {
     }
     let elapsed = started.elapsed();
     let s = cache.stats();
-    let u = usage(&dir);
-    assert_eq!((u.files, u.bytes, u.tmp_files), (s.chunks, s.bytes, 0));
+    let blobs = u64::from(s.chunks > 0);
+    assert_usage_matches(&usage(&dir), s.bytes, blobs, "after the threads");
 
     // Hit cost: one 256 KiB chunk read back many times.
     let hot = id("threads-hot", 0);
@@ -352,7 +379,7 @@ fn kill_9_mid_fill_never_leaves_a_bad_entry() {
             for i in 0..FILLER_INDEXES {
                 let c = id(seed, i);
                 if !cache.contains(&c) {
-                    assert!(!chunk_file(&dir, &c).exists(), "unindexed file kept: {c:?}");
+                    assert!(!chunk_has_data(&dir, &c), "unindexed bytes kept: {c:?}");
                     continue;
                 }
                 let got = cache.get(&c).unwrap();
@@ -365,19 +392,36 @@ fn kill_9_mid_fill_never_leaves_a_bad_entry() {
         }
         let after = usage(&dir);
         assert_eq!((s.chunks, s.bytes), (found, bytes), "round {round}");
-        assert_eq!((after.files, after.bytes), (found, bytes), "round {round}");
-        assert_eq!(after.tmp_files, 0);
+        let files = FILLER_SEEDS
+            .iter()
+            .filter(|seed| (0..FILLER_INDEXES).any(|i| cache.contains(&id(seed, i))))
+            .count() as u64;
+        assert_usage_matches(&after, bytes, files, &format!("round {round}"));
         assert!(bytes <= FILLER_CAPACITY);
         let s = cache.stats();
         assert_eq!(s.dropped_corrupt, 0, "round {round}: {s:?}");
         println!(
             "kill -9 round {round} after {delay:?}: {found} chunks / {bytes} bytes intact; \
-             before reopen {} files ({} temporary); {s:?}",
-            before.files, before.tmp_files
+             before reopen {} bytes allocated; {s:?}",
+            before.bytes
         );
         seen_chunks += found;
     }
     assert!(seen_chunks > 0, "the filler never got to write anything");
+}
+
+/// Flip bits of the byte at `at` of `path`, in place (a sparse file stays sparse).
+fn flip(path: &Path, at: u64, bits: u8) {
+    use std::os::unix::fs::FileExt;
+    let f = fs::File::options()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut b = [0u8];
+    f.read_exact_at(&mut b, at).unwrap();
+    b[0] ^= bits;
+    f.write_all_at(&b, at).unwrap();
 }
 
 #[test]
@@ -385,35 +429,31 @@ fn corrupt_truncated_and_stray_files() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("cache");
     let len = 32 * KIB;
-    let [a, b, c, d] = [0, 1, 2, 3].map(|i| id("corrupt", i));
+    let [a, b, c] = [0, 1, 2].map(|i| id("corrupt", i));
+    let d = id("corrupt-d", 0);
     let cache = open(&dir, MIB);
     for x in [&a, &b, &c, &d] {
         cache.put(x, &content(x, len)).unwrap();
     }
 
-    // Bytes flipped behind the cache's back: served as is (the caller verifies), then dropped.
-    let path = chunk_file(&dir, &a);
-    let mut bytes = fs::read(&path).unwrap();
-    bytes[100] ^= 0xff;
-    fs::write(&path, &bytes).unwrap();
-    let got = cache.get(&a).unwrap().unwrap();
-    assert_ne!(got, content(&a, len));
-    assert_eq!(got.len() as u64, len);
-    cache.drop_corrupt(&a).unwrap();
-    assert!(!cache.contains(&a) && !path.exists());
+    // Bytes flipped behind the cache's back: never served; dropped and punched out.
+    let path = blob_file(&dir, &a);
+    flip(&path, a.index * CHUNK_SIZE + 100, 0xff);
     assert_eq!(cache.get(&a).unwrap(), None);
+    assert!(!cache.contains(&a) && !chunk_has_data(&dir, &a));
     assert_eq!(cache.stats().dropped_corrupt, 1);
     cache.drop_corrupt(&a).unwrap(); // not cached any more: counts nothing
     cache.remove(&b).unwrap(); // plain remove counts nothing
-    assert!(!cache.contains(&b) && !chunk_file(&dir, &b).exists());
+    assert!(!cache.contains(&b) && !chunk_has_data(&dir, &b));
     assert_eq!(cache.stats().dropped_corrupt, 1);
+    assert!(chunk_has_data(&dir, &c) && path.exists());
 
-    // Truncated while open: dropped on get.
+    // Truncated while open (into chunk c): c is dropped on get.
     fs::File::options()
         .write(true)
-        .open(chunk_file(&dir, &c))
+        .open(&path)
         .unwrap()
-        .set_len(len / 2)
+        .set_len(c.index * CHUNK_SIZE + len / 2)
         .unwrap();
     assert_eq!(cache.get(&c).unwrap(), None);
     assert!(!cache.contains(&c));
@@ -424,48 +464,60 @@ fn corrupt_truncated_and_stray_files() {
     let before = cache.stats();
     drop(cache);
 
-    // Truncated while closed: dropped at open. Plus stray files: a temporary file and an
-    // unindexed chunk file, as a crash leaves them.
+    // Truncated while closed: dropped at open, and its then empty file removed. Plus what a
+    // crash (or a stranger) leaves: a file of an unindexed blob, unindexed bytes in an indexed
+    // blob's file, and files the cache does not name that way.
     fs::File::options()
         .write(true)
-        .open(chunk_file(&dir, &d))
+        .open(blob_file(&dir, &d))
         .unwrap()
         .set_len(1)
         .unwrap();
     let stray = id("stray", 9);
-    let stray_path = chunk_file(&dir, &stray);
+    let stray_path = blob_file(&dir, &stray);
     fs::write(&stray_path, content(&stray, 10)).unwrap();
-    let tmp_file = stray_path.with_file_name(format!(".tmp.{}.9.1.1", stray.blob));
-    fs::write(&tmp_file, b"partial").unwrap();
-    // Not the cache's spelling of chunk `a` (index 0): a stray too.
-    let odd_name = chunk_file(&dir, &a).with_extension("00");
+    let unindexed = id("corrupt", 5);
+    {
+        use std::os::unix::fs::FileExt;
+        let f = fs::File::options().write(true).open(&path).unwrap();
+        f.write_all_at(&content(&unindexed, len), unindexed.index * CHUNK_SIZE)
+            .unwrap();
+    }
+    let odd_name = path.with_extension("00");
     fs::write(&odd_name, content(&a, len)).unwrap();
+    let tmp_name = path.with_file_name(".tmp.partial");
+    fs::write(&tmp_name, b"partial").unwrap();
     let cache = open(&dir, MIB);
-    assert!(!cache.contains(&d) && !chunk_file(&dir, &d).exists());
-    assert!(!cache.contains(&stray) && !stray_path.exists() && !tmp_file.exists());
-    assert!(!odd_name.exists() && chunk_file(&dir, &a).exists());
+    assert!(!cache.contains(&d) && !blob_file(&dir, &d).exists());
+    assert!(!cache.contains(&stray) && !stray_path.exists());
+    assert!(!cache.contains(&unindexed) && !chunk_has_data(&dir, &unindexed));
+    assert!(!odd_name.exists() && !tmp_name.exists() && chunk_has_data(&dir, &a));
     let s = cache.stats();
     assert_eq!(s.dropped_corrupt, before.dropped_corrupt + 1);
-    assert_eq!(s.recovered_orphans, before.recovered_orphans + 3);
+    // d's file, the stray file, the unindexed range, the odd name and the temporary name.
+    assert_eq!(s.recovered_orphans, before.recovered_orphans + 5);
     assert_eq!((s.chunks, s.bytes), (1, on_disk(len)));
+    assert_eq!(cache.get(&a).unwrap().unwrap(), content(&a, len));
     drop(cache);
 
-    // Garbage in the index (a bad value, a bad key) and an entry whose file is gone: treated
-    // as absent and cleaned at open, never a panic.
+    // Garbage in the index (a bad value, a bad key, crc32c values of no chunk) and an entry
+    // whose file is gone: treated as absent and cleaned at open, never a panic.
     {
         let db = rocksdb::DB::open_default(dir.join("index")).unwrap();
-        let mut key = vec![b'c'];
-        key.extend_from_slice(&c.blob.0);
-        key.extend_from_slice(&c.index.to_be_bytes());
-        db.put(&key, b"\x07garbage").unwrap();
+        let key = |tag: u8, x: &ChunkId| {
+            let mut k = vec![tag];
+            k.extend_from_slice(&x.blob.0);
+            k.extend_from_slice(&x.index.to_be_bytes());
+            k
+        };
+        db.put(key(b'c', &c), b"\x07garbage").unwrap();
         db.put(b"c-short-key", [1u8; 13]).unwrap();
-        let mut gone = vec![b'c'];
-        gone.extend_from_slice(&d.blob.0);
-        gone.extend_from_slice(&d.index.to_be_bytes());
-        let mut value = vec![1u8];
+        db.put(key(b's', &b), [0u8; 32]).unwrap();
+        let mut value = vec![2u8];
         value.extend_from_slice(&(len as u32).to_le_bytes());
         value.extend_from_slice(&1u64.to_le_bytes());
-        db.put(&gone, &value).unwrap();
+        db.put(key(b'c', &d), &value).unwrap();
+        db.put(key(b's', &d), [0u8; 32]).unwrap();
     }
     let cache = open(&dir, MIB);
     let s2 = cache.stats();
@@ -555,8 +607,12 @@ fn disk_full_turns_into_eviction_or_a_clear_error() {
                 n += 1;
             }
         }
-        let u = usage(&dir);
-        assert_eq!((u.files, u.tmp_files), (n, 0));
+        assert_usage_matches(
+            &usage(&dir),
+            n * on_disk(len),
+            u64::from(n > 0),
+            "after a full disk",
+        );
         assert_eq!(cache.stats().chunks, n);
         n
     };
@@ -619,8 +675,7 @@ fn disk_full_turns_into_eviction_or_a_clear_error() {
     }
     check_no_space(&cache.flush().unwrap_err());
     assert!(cache.stats().enospc > before);
-    let u = usage(&dir);
-    assert_eq!((u.files, u.tmp_files), (0, 0));
+    assert_usage_matches(&usage(&dir), 0, 0, "nothing left");
     drop(cache); // its flush fails (no space): logged, nothing breaks
     fs::remove_file(&ballast).unwrap();
 
@@ -666,10 +721,8 @@ fn ranged_reads_check_only_their_blocks_and_catch_damage() {
     );
 
     // Damage block 10: ranges over it are refused, others still served.
-    let path = chunk_file(&dir, &c);
-    let mut bytes = fs::read(&path).unwrap();
-    bytes[10 * 4096 + 7] ^= 1;
-    fs::write(&path, &bytes).unwrap();
+    let path = blob_file(&dir, &c);
+    flip(&path, 10 * 4096 + 7, 1);
     assert_eq!(
         cache.read_range(&c, 40_000..41_000, false).unwrap(),
         RangeRead::Corrupt
@@ -678,13 +731,19 @@ fn ranged_reads_check_only_their_blocks_and_catch_damage() {
         cache.read_range(&c, 0..4096, false).unwrap(),
         RangeRead::Hit(_)
     ));
-    // Damage the trailer instead (read by a fresh cache, which has not kept the trailer in
+    // Damage the crc32c of block 3 instead (read by a fresh cache, which has not kept it in
     // memory yet): the block it covers is refused.
-    bytes[10 * 4096 + 7] ^= 1;
-    let trailer_of_block_3 = CHUNK_SIZE as usize + 4 * 3;
-    bytes[trailer_of_block_3] ^= 0x80;
-    fs::write(&path, &bytes).unwrap();
+    flip(&path, 10 * 4096 + 7, 1);
     drop(cache);
+    {
+        let db = rocksdb::DB::open_default(dir.join("index")).unwrap();
+        let mut k = vec![b's'];
+        k.extend_from_slice(&c.blob.0);
+        k.extend_from_slice(&c.index.to_be_bytes());
+        let mut sums = db.get(&k).unwrap().unwrap();
+        sums[4 * 3] ^= 0x80;
+        db.put(&k, &sums).unwrap();
+    }
     let cache = open(&dir, MIB);
     assert_eq!(
         cache.read_range(&c, 3 * 4096..3 * 4096 + 1, false).unwrap(),
@@ -699,5 +758,65 @@ fn ranged_reads_check_only_their_blocks_and_catch_damage() {
         cache.read_range(&c, 0..1, false).unwrap(),
         RangeRead::Absent
     );
-    assert!(!path.exists());
+    assert!(!path.exists(), "the blob's last chunk went: its file too");
+}
+
+#[test]
+fn a_pinned_blob_is_the_blob_and_is_not_evicted() {
+    use std::os::unix::fs::FileExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cache");
+    let capacity = 4 * CHUNK_SIZE;
+    let cache = Arc::new(open(&dir, capacity));
+    // A blob of 2 chunks and a 1000-byte tail.
+    let chunks: Vec<(ChunkId, u64)> = (0..3)
+        .map(|i| (id("pinned", i), if i < 2 { CHUNK_SIZE } else { 1000 }))
+        .collect();
+    let blob = chunks[0].0.blob;
+    for (c, len) in &chunks[..2] {
+        cache.put(c, &content(c, *len)).unwrap();
+    }
+    assert!(
+        cache.pin_blob(&blob, 3, 1000).unwrap().is_none(),
+        "a chunk is missing"
+    );
+    cache
+        .put(&chunks[2].0, &content(&chunks[2].0, 1000))
+        .unwrap();
+    assert!(
+        cache.pin_blob(&blob, 3, 999).unwrap().is_none(),
+        "wrong tail size"
+    );
+    let pin = cache.pin_blob(&blob, 3, 1000).unwrap().unwrap();
+    assert_eq!(pin.len(), 2 * CHUNK_SIZE + 1000);
+    assert!(pin.verify().unwrap());
+    let mut whole = vec![0u8; pin.len() as usize];
+    pin.file().read_exact_at(&mut whole, 0).unwrap();
+    for (c, len) in &chunks {
+        let at = (c.index * CHUNK_SIZE) as usize;
+        assert_eq!(&whole[at..at + *len as usize], &content(c, *len)[..]);
+    }
+    // Fill past the capacity: the pinned chunks stay, others go.
+    for i in 0..8 {
+        let c = id("pinned-other", i);
+        cache.put(&c, &content(&c, CHUNK_SIZE)).unwrap();
+        assert!(cache.stats().bytes <= capacity);
+    }
+    assert!(chunks.iter().all(|(c, _)| cache.contains(c)));
+    // A chunk dropped while pinned keeps its bytes until the pin goes.
+    cache.drop_corrupt(&chunks[0].0).unwrap();
+    assert!(!cache.contains(&chunks[0].0));
+    assert!(chunk_has_data(&dir, &chunks[0].0));
+    drop(pin);
+    assert!(!chunk_has_data(&dir, &chunks[0].0));
+    // Damage found by verify: false, and the chunk dropped.
+    cache
+        .put(&chunks[0].0, &content(&chunks[0].0, CHUNK_SIZE))
+        .unwrap();
+    let pin = cache.pin_blob(&blob, 3, 1000).unwrap().unwrap();
+    flip(&blob_file(&dir, &chunks[1].0), CHUNK_SIZE + 5, 4);
+    assert!(!pin.verify().unwrap());
+    drop(pin);
+    assert!(!cache.contains(&chunks[1].0));
+    assert!(!chunk_has_data(&dir, &chunks[1].0));
 }

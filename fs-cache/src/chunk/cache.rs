@@ -34,7 +34,7 @@ use bytes::{Bytes, BytesMut};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{watch, Notify, Semaphore};
 
-use super::disk::{DiskCache, DiskCacheConfig, DiskStats, RangeRead};
+use super::disk::{BlobPin, DiskCache, DiskCacheConfig, DiskStats, RangeRead};
 use super::table::ChunkTable;
 use super::ChunkId;
 use crate::backend::retry::RetryContext;
@@ -281,6 +281,28 @@ impl ChunkCache {
     /// Blobs whose chunk tables are loaded.
     pub fn registered(&self) -> usize {
         lock(&self.inner.tables).len()
+    }
+
+    /// If every chunk of `blob` is in level 2, pin them there and return the pin, whose file
+    /// holds exactly the blob's bytes for as long as it lives (for FUSE passthrough: the
+    /// kernel then reads a local file). `None` when a chunk is missing, when there is no level
+    /// 2, or when the blob's chunks are not [`CHUNK_SIZE`](super::CHUNK_SIZE) (its file would
+    /// not be the blob). Reads of the pinned file are not checked block by block; call
+    /// [`BlobPin::verify`] once to check all of it.
+    pub async fn pin_local(&self, blob: &Digest) -> Result<Option<BlobPin>> {
+        let table = self.register(blob).await?;
+        let Some(disk) = self.inner.disk.clone() else {
+            return Ok(None);
+        };
+        if table.chunk_size != super::CHUNK_SIZE || table.blob_size == 0 {
+            return Ok(None);
+        }
+        let chunks = table.chunk_count();
+        let last = table.chunk_range(chunks - 1);
+        let blob = *blob;
+        tokio::task::spawn_blocking(move || disk.pin_blob(&blob, chunks, last.end - last.start))
+            .await
+            .map_err(|e| Error::io("pin", "disk cache", std::io::Error::other(e)))?
     }
 
     /// The uncompressed size of `blob`.

@@ -1,73 +1,80 @@
-//! Level 2 of the chunk cache: whole chunks as files on local disk, bounded in bytes, evicted
-//! least recently used first, indexed in RocksDB so that the cache survives a restart.
+//! Level 2 of the chunk cache: chunks on local disk, bounded in bytes, evicted least recently
+//! used first, indexed in RocksDB so that the cache survives a restart.
 //!
-//! A chunk enters this level only after the cache verified it against its blake3 digest. On
-//! disk, every 4 KiB block of it is covered by a crc32c computed from those verified bytes
-//! (the file's trailer), so that a hit can read and check just the blocks it needs
-//! ([`DiskCache::read_range`]) instead of reading and re-hashing the whole chunk. A block whose
-//! bytes no longer match is reported as [`RangeRead::Corrupt`]; the caller drops the chunk
-//! ([`DiskCache::drop_corrupt`]) and refetches it: bad bytes are never served. [`DiskCache::get`]
-//! returns a whole chunk unchecked, for callers that verify it themselves.
+//! A chunk enters this level only after the cache verified it against its blake3 digest. Every
+//! 4 KiB block of it is covered by a crc32c computed from those verified bytes (kept in the
+//! index), so that a hit reads and checks just the blocks it needs ([`DiskCache::read_range`])
+//! instead of reading and re-hashing the whole chunk. A block whose bytes no longer match is
+//! reported as [`RangeRead::Corrupt`]; the caller drops the chunk ([`DiskCache::drop_corrupt`])
+//! and refetches it: bad bytes are never served.
 //!
 //! # On-disk layout
 //! ```text
-//! <dir>/chunks/<hh>/<blob hex>.<index>                  one chunk: its bytes, then the trailer
-//! <dir>/chunks/<hh>/.tmp.<blob hex>.<index>.<pid>.<n>    a chunk being written; never indexed
-//! <dir>/index/                                          RocksDB (its own files only)
+//! <dir>/blobs/<hh>/<blob hex>    one sparse file per blob: chunk i at offset i × CHUNK_SIZE
+//! <dir>/index/                   RocksDB (its own files only)
 //! ```
 //! `<hh>` is the first two hex digits of the blob digest (256 shard directories, created at
-//! open); `<index>` is the chunk index in decimal. A final name is only ever created by
-//! `rename` of a temporary file that was completely written and `fdatasync`ed, so a final name
-//! always holds a whole chunk. Files are never modified in place.
-//!
-//! The trailer holds one crc32c (Castagnoli, u32 LE) per 4 KiB block of the chunk, the last
-//! block possibly short: a chunk of `size` bytes has a file of `size + 4 × ceil(size / 4096)`
-//! bytes (a 256 KiB chunk: 256 bytes of trailer).
+//! open). A blob file has the blob's own offsets: where every chunk of a blob is cached, the
+//! file *is* the blob, and a reader that may skip the per-block checks (FUSE passthrough) can
+//! be handed it ([`DiskCache::pin_blob`]). Ranges of chunks that are not indexed are holes: a
+//! chunk's bytes are written in place, and an evicted chunk's range is punched out
+//! (`FALLOC_FL_PUNCH_HOLE`). A blob file with no chunk left is unlinked.
 //!
 //! # Index encoding (RocksDB keys and values)
 //! | key | value |
 //! | --- | --- |
-//! | `b'c'` + blob digest (32 bytes) + chunk index (u64 BE): 41 bytes | `[1][size: u32 LE][seq: u64 LE]`: 13 bytes |
-//! | `b"m/format"` | `b"strata-chunk-index v2"` (v2: chunk files carry a crc32c trailer); any other value refuses to open |
+//! | `b'c'` + blob digest (32 bytes) + chunk index (u64 BE): 41 bytes | `[2][size: u32 LE][seq: u64 LE]`: 13 bytes |
+//! | `b's'` + blob digest + chunk index: 41 bytes | crc32c (u32 LE) of each 4 KiB block of the chunk, the last one possibly short: `4 × ceil(size / 4096)` bytes |
+//! | `b"m/format"` | `b"strata-chunk-index v3"` (v3: one sparse file per blob); v2 (a file per chunk) is wiped and started afresh, any other value refuses to open |
 //! | `b"m/counters"` | `[1]` + evictions, dropped_corrupt, enospc, recovered_orphans (u64 LE each): 33 bytes |
 //!
 //! `size` is the chunk's length (at most [`CHUNK_SIZE`]); `seq` its recency: a counter taken on
-//! every put and hit, so that sorting by `seq` gives the LRU order. A key or value that does not
-//! decode is treated as absent and deleted at open, never a panic.
+//! every put and hit, so that sorting by `seq` gives the LRU order. The `c` and `s` keys of a
+//! chunk are written and deleted in one batch. A key or value that does not decode is treated
+//! as absent and deleted at open, never a panic.
 //!
 //! # Ordering, and why a crash cannot make the index lie
-//! - **put**: evict LRU chunks until `bytes + in flight + size <= capacity` → write `.tmp.*` →
-//!   `fdatasync` → `rename` to the final name → put the index entry. The entry is written only
-//!   once the file is durable under its final name, so a `kill -9` at any point leaves no entry
-//!   (the file, if any, is an orphan removed at the next open) or an entry for a whole file.
-//! - **evict / remove**: delete the index entry, then unlink the file; a crash in between leaves
-//!   an orphan file, removed at the next open. (When the index may not be written for lack of
-//!   space, see below, the file goes first and the entry is deleted with the next index write
-//!   or dropped at the next open because its file is missing.)
+//! - **put**: evict LRU chunks until `bytes + in flight + size <= capacity` → `pwrite` the chunk
+//!   at its offset in the blob file → `fdatasync` → put the index entries. The entries are
+//!   written only once the bytes are durable, so a `kill -9` at any point leaves either no
+//!   entry (the bytes, if any, are unindexed and punched out at the next open) or an entry for
+//!   a whole chunk.
+//! - **evict / remove**: delete the index entries, then punch the range; a crash in between
+//!   leaves unindexed bytes, punched out at the next open. (When the index may not be written
+//!   for lack of space, see below, the range goes first and the entries are deleted with the
+//!   next index write or dropped at the next open, where a read of a hole fails its crc32c.)
+//! - A chunk is *pinned* while a reader reads it (and, for [`DiskCache::pin_blob`], while its
+//!   holder keeps the blob file): eviction skips pinned chunks, and a pinned chunk that must
+//!   go (a corrupt one) keeps its bytes until the last pin is released, so that no reader ever
+//!   reads a range that is being punched out under it.
 //! - Index writes are not synced one by one: RocksDB's WAL reaches the OS on every write, so a
 //!   killed process loses nothing. After a power loss the index may be older or newer than the
-//!   directories; [`DiskCache::open`] checks every entry against its file's size, so neither
-//!   case makes it serve a missing or torn chunk. [`DiskCache::flush`] (also run on drop)
-//!   writes recency and counters, `fsync`s the shard directories touched since the last flush,
-//!   then syncs the WAL.
+//!   files; [`DiskCache::open`] checks every entry against its blob file's size, and a chunk
+//!   whose bytes did not survive fails its crc32c on the first read and is refetched.
+//!   [`DiskCache::flush`] (also run on drop) writes recency and counters, `fsync`s the shard
+//!   directories touched since the last flush, then syncs the WAL.
 //!
 //! # Recovery on open
-//! RocksDB's lock makes a directory single-owner. Every entry is decoded and its file
-//! `stat`ed; entries that do not decode or whose file is missing (`recovered_orphans`) or has
-//! another size (`dropped_corrupt`, file unlinked) are deleted. The rest are loaded into the
-//! in-memory LRU in `seq` order. Every file in the shard directories that is not an indexed
-//! chunk (temporary files, orphans of a crash) is deleted (`recovered_orphans`). If the
-//! capacity shrank, LRU chunks are evicted until usage fits.
+//! RocksDB's lock makes a directory single-owner. Every entry is decoded and its blob file
+//! `stat`ed; entries that do not decode, lack their crc32c value, or whose file is missing
+//! (`recovered_orphans`) or too short (`dropped_corrupt`) are deleted. The rest are loaded into the in-memory LRU in
+//! `seq` order. In every blob file, data outside indexed chunks (left by a crash) is punched
+//! out (walking `SEEK_DATA`/`SEEK_HOLE`), and blob files without an indexed chunk and any
+//! other file are deleted (`recovered_orphans`). If the capacity shrank, LRU chunks are
+//! evicted until usage fits.
 //!
 //! # Concurrency and cost
-//! One mutex guards the in-memory state (an `LruCache` plus the chunks in flight) and is never
-//! held across I/O; a second one serializes index writes, so that a batch of recency updates
-//! cannot re-create an entry evicted meanwhile. A hit is a lookup and list move under the mutex,
-//! then `open` + `fstat` + `pread`. Recency is written to the index in batches of
-//! [`RECENCY_BATCH`] hits (and on flush); losing it in a crash only makes the LRU order stale.
-//! A chunk being put or removed is in flight: a second put of it returns at once, and it is not
-//! evicted meanwhile. Indexed bytes plus bytes reserved by puts in flight never exceed the
-//! capacity; files on disk exceed it at most by the chunks being written at that moment.
+//! One mutex guards the in-memory state (an `LruCache`, the chunks in flight, pins and
+//! per-blob counts) and is never held across I/O, except for the `unlink` of a blob file whose
+//! last chunk went (so that no put can reopen it meanwhile); a second one serializes index
+//! writes, so that a batch of recency updates cannot re-create an entry evicted meanwhile. A
+//! hit is a lookup and list move under the mutex, then a `pread` on a blob file kept open
+//! ([`OPEN_FILES`] of them) and a crc32c per 4 KiB block; the crc32c values come from a memory
+//! LRU ([`SUMS_CACHED`] chunks) in front of the index. Recency is written to the index in
+//! batches of [`RECENCY_BATCH`] hits (and on flush); losing it in a crash only makes the LRU
+//! order stale. A chunk being put or removed is in flight: a second put of it returns at once,
+//! and it is not evicted meanwhile. Indexed bytes (each chunk rounded up to 4 KiB) plus bytes
+//! reserved by puts in flight never exceed the capacity.
 //!
 //! # A full disk
 //! Debian's librocksdb (7.8) is built with assertions: once RocksDB meets `ENOSPC` (seen with
@@ -78,23 +85,23 @@
 //!   reserve fit. The cache gives way when others fill the disk.
 //! - every index write first checks that half the reserve is free; if not, the write is refused
 //!   with [`Error::Cache`] ("no space left on device …") and counted in `enospc`. An eviction
-//!   that cannot write the index unlinks the files anyway (see the ordering above).
-//! - a chunk write that fails with `ENOSPC`/`EDQUOT` removes its temporary file, evicts a batch
+//!   that cannot write the index punches the ranges anyway (see the ordering above).
+//! - a chunk write that fails with `ENOSPC`/`EDQUOT` punches out what it wrote, evicts a batch
 //!   of LRU chunks and retries once; a second failure is an [`Error::Cache`] saying "no space
-//!   left on device". No partial file and no entry remain.
+//!   left on device". No partial chunk and no entry remain.
 //!
 //! [`DiskCache::open`] refuses (the same error) when less than half the reserve is free. What is
 //! left is a race with another process that fills the disk between the check and RocksDB's
 //! write; the space RocksDB preallocates for its files (`fallocate`) narrows it.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
 use std::io;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
 
 use bytes::Bytes;
@@ -108,39 +115,50 @@ use crate::store::Digest;
 
 /// Hits whose recency is written to the index in one batch.
 pub const RECENCY_BATCH: usize = 1024;
+/// Blob files kept open for reads and writes.
+pub const OPEN_FILES: usize = 256;
+/// Chunks whose crc32c values are kept in memory (at most 256 bytes each).
+pub const SUMS_CACHED: usize = 16384;
 
 const CHUNK_KEY_TAG: u8 = b'c';
+const SUMS_KEY_TAG: u8 = b's';
 const CHUNK_KEY_LEN: usize = 1 + 32 + 8;
-const ENTRY_VERSION: u8 = 1;
+const ENTRY_VERSION: u8 = 2;
 const ENTRY_LEN: usize = 1 + 4 + 8;
 const META_PREFIX: &[u8] = b"m/";
 const META_FORMAT: &[u8] = b"m/format";
-const FORMAT: &[u8] = b"strata-chunk-index v2";
+const FORMAT: &[u8] = b"strata-chunk-index v3";
+/// The previous format (a file per chunk under `chunks/`): a cache, so wiped, not migrated.
+const FORMAT_V2: &[u8] = b"strata-chunk-index v2";
 const META_COUNTERS: &[u8] = b"m/counters";
 const COUNTERS_VERSION: u8 = 1;
 const COUNTERS_LEN: usize = 1 + 4 * 8;
-const TMP_PREFIX: &str = ".tmp.";
 /// Bytes evicted before the one retry of a chunk write that failed with `ENOSPC`.
 const ENOSPC_EVICT: u64 = 4 * CHUNK_SIZE;
 const MIB: u64 = 1 << 20;
-/// The unit of the crc32c trailer.
+/// The unit of the crc32c checks.
 pub const CHECK_BLOCK: u64 = 4096;
 
-/// Bytes of the crc32c trailer of a chunk of `size` bytes.
-fn trailer_len(size: u64) -> u64 {
+/// Bytes of the crc32c values of a chunk of `size` bytes.
+fn sums_len(size: u64) -> u64 {
     4 * size.div_ceil(CHECK_BLOCK)
 }
 
-/// Bytes of the file of a chunk of `size` bytes.
-fn file_len(size: u64) -> u64 {
-    size + trailer_len(size)
+/// Bytes a chunk of `size` bytes is charged: its blocks.
+fn cost(size: u64) -> u64 {
+    size.next_multiple_of(CHECK_BLOCK)
 }
 
-/// The crc32c trailer of `data`.
-fn trailer(data: &[u8]) -> Vec<u8> {
+/// The crc32c values of `data`, one per 4 KiB block.
+fn block_sums(data: &[u8]) -> Vec<u8> {
     data.chunks(CHECK_BLOCK as usize)
         .flat_map(|b| crc32c::crc32c(b).to_le_bytes())
         .collect()
+}
+
+/// Where chunk `index` starts in its blob file.
+fn chunk_offset(index: u64) -> Option<u64> {
+    index.checked_mul(CHUNK_SIZE)
 }
 
 /// The outcome of [`DiskCache::read_range`].
@@ -148,7 +166,7 @@ fn trailer(data: &[u8]) -> Vec<u8> {
 pub enum RangeRead {
     /// The bytes asked for, each block checked against its crc32c.
     Hit(Bytes),
-    /// Not cached (or its file vanished or had the wrong size: dropped).
+    /// Not cached (or its file vanished: dropped).
     Absent,
     /// A block does not match its crc32c: the caller must drop the chunk and refetch it.
     Corrupt,
@@ -160,20 +178,22 @@ const _: () = assert!(CHUNK_KEY_LEN == 41);
 const _: () = assert!(ENTRY_LEN == 13);
 const _: () = assert!(COUNTERS_LEN == 33);
 const _: () = assert!(CHUNK_SIZE <= u32::MAX as u64);
+const _: () = assert!(CHUNK_SIZE % CHECK_BLOCK == 0);
 
 /// Where level 2 lives and how large it may grow.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DiskCacheConfig {
-    /// The cache directory (created if missing); it holds `chunks/` and `index/`.
+    /// The cache directory (created if missing); it holds `blobs/` and `index/`.
     pub dir: PathBuf,
-    /// The most bytes of chunk data kept (chunk files; the index is not counted).
+    /// The most bytes of chunk data kept (each chunk rounded up to 4 KiB; the index is not
+    /// counted).
     pub capacity: u64,
 }
 
 /// Counters of a [`DiskCache`]; the event counters are cumulative across restarts.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct DiskStats {
-    /// Bytes of indexed chunks.
+    /// Bytes charged for indexed chunks (each rounded up to 4 KiB).
     pub bytes: u64,
     /// Indexed chunks.
     pub chunks: u64,
@@ -181,13 +201,13 @@ pub struct DiskStats {
     pub capacity: u64,
     /// Chunks evicted to stay under the capacity or to free disk space.
     pub evictions: u64,
-    /// Chunks dropped because their file was bad: reported by the caller (digest mismatch),
-    /// missing or of the wrong size on `get`, or of the wrong size at open.
+    /// Chunks dropped because their bytes were bad: reported by the caller (crc32c or digest
+    /// mismatch), or their blob file missing or too short.
     pub dropped_corrupt: u64,
     /// Times the disk was full: `ENOSPC`/`EDQUOT` on a chunk write, or an index write refused
     /// because less than the index's share of the reserve was free.
     pub enospc: u64,
-    /// Cleaned up at open: temporary and unindexed chunk files, and index entries that do not
+    /// Cleaned up at open: unindexed chunk bytes and files, and index entries that do not
     /// decode or whose file is missing.
     pub recovered_orphans: u64,
 }
@@ -214,16 +234,22 @@ struct State {
     lru: LruCache<ChunkId, Entry>,
     /// Chunks being put or removed.
     inflight: HashSet<ChunkId>,
-    /// Bytes of the chunks in `lru`.
+    /// Readers (and blob pins) of each chunk; pinned chunks are not evicted.
+    pins: HashMap<ChunkId, u32>,
+    /// Removed chunks whose range is punched out when their last pin goes (still in flight).
+    deferred: HashSet<ChunkId>,
+    /// Per blob: indexed chunks plus chunks in flight; its file is unlinked at zero.
+    per_blob: HashMap<Digest, u32>,
+    /// Bytes charged for the chunks in `lru`.
     present: u64,
     /// Bytes reserved by puts in flight.
     pending: u64,
     next_seq: u64,
     /// Chunks whose recency changed since it was last written to the index.
     dirty: HashSet<ChunkId>,
-    /// Entries whose file was unlinked while the index could not be written.
+    /// Entries whose bytes were punched out while the index could not be written.
     stale: Vec<ChunkId>,
-    /// Shard directories with renames or unlinks not yet `fsync`ed.
+    /// Shard directories with creations or unlinks not yet `fsync`ed.
     dirty_dirs: [bool; 256],
     counters: [u64; 4],
 }
@@ -239,33 +265,62 @@ impl State {
         Some(entry)
     }
 
-    /// Take LRU chunks out until `bytes` are freed (or none is left); the caller removes them
-    /// with [`DiskCache::discard`].
+    /// Take unpinned LRU chunks out until `bytes` are freed (or none is left); the caller
+    /// removes them with [`DiskCache::discard`]. Pinned chunks are skipped (and become most
+    /// recently used: someone is reading them).
     fn doom_lru(&mut self, bytes: u64) -> Vec<(ChunkId, Entry)> {
         let mut freed = 0;
         let mut victims = Vec::new();
+        let mut skipped = Vec::new();
         while freed < bytes {
             let Some((id, entry)) = self.lru.pop_lru() else {
                 break;
             };
-            freed += file_len(u64::from(entry.size));
+            if self.pins.contains_key(&id) {
+                skipped.push((id, entry));
+                continue;
+            }
+            freed += cost(u64::from(entry.size));
             victims.push(self.doom(id, entry));
+        }
+        for (id, entry) in skipped {
+            self.lru.push(id, entry);
         }
         victims
     }
 
     fn doom(&mut self, id: ChunkId, entry: Entry) -> (ChunkId, Entry) {
-        self.present -= file_len(u64::from(entry.size));
+        self.present -= cost(u64::from(entry.size));
         self.dirty.remove(&id);
         self.inflight.insert(id);
         (id, entry)
+    }
+
+    fn pin(&mut self, id: &ChunkId) {
+        *self.pins.entry(*id).or_insert(0) += 1;
+    }
+
+    /// Release a pin; `true` if the chunk was removed meanwhile and its range must now be
+    /// punched out (it stays in flight until [`DiskCache::finish_removal`]).
+    fn unpin(&mut self, id: &ChunkId) -> bool {
+        match self.pins.get_mut(id) {
+            Some(n) if *n > 1 => {
+                *n -= 1;
+                false
+            }
+            Some(_) => {
+                self.pins.remove(id);
+                self.deferred.remove(id)
+            }
+            None => false,
+        }
     }
 }
 
 /// Level 2 of the chunk cache. Blocking; `Send + Sync`; see the module docs.
 pub struct DiskCache {
     dir: PathBuf,
-    chunks: PathBuf,
+    blobs: PathBuf,
     index_dir: PathBuf,
     capacity: u64,
     /// Free space kept on the filesystem (module docs, "A full disk").
@@ -274,21 +329,11 @@ pub struct DiskCache {
     state: Mutex<State>,
     /// Held around every index write.
     index_lock: Mutex<()>,
-    tmp_seq: AtomicU64,
-    /// Chunk files kept open for ranged reads, with their crc32c trailers (see `read_range`).
-    open_files: Mutex<LruCache<ChunkId, Arc<OpenChunk>>>,
+    /// Blob files kept open (read-write).
+    open_files: Mutex<LruCache<Digest, Arc<File>>>,
+    /// crc32c values of recently read chunks.
+    sums: Mutex<LruCache<ChunkId, Arc<[u8]>>>,
 }
-
-/// An open chunk file and its trailer. A chunk's bytes never change (its blob is named by its
-/// digest), so a descriptor that outlives an eviction still reads the right bytes; evictions
-/// close it anyway so that no unlinked file keeps its space.
-struct OpenChunk {
-    file: File,
-    sums: Vec<u8>,
-}
-
-/// Chunk files kept open at most.
-const OPEN_FILES: usize = 256;
 
 impl fmt::Debug for DiskCache {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -299,19 +344,97 @@ impl fmt::Debug for DiskCache {
     }
 }
 
+/// Every chunk of one blob, pinned in level 2: see [`DiskCache::pin_blob`].
+pub struct BlobPin {
+    cache: Arc<DiskCache>,
+    blob: Digest,
+    chunks: Vec<(ChunkId, u64)>,
+    file: Arc<File>,
+}
+
+impl fmt::Debug for BlobPin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BlobPin")
+            .field("blob", &self.blob)
+            .field("chunks", &self.chunks.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl BlobPin {
+    /// The blob file: byte `i` of it is byte `i` of the blob, and stays so while `self` lives.
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// The blob's size in bytes.
+    pub fn len(&self) -> u64 {
+        self.chunks.last().map_or(0, |(id, size)| {
+            chunk_offset(id.index)
+                .unwrap_or(u64::MAX)
+                .saturating_add(*size)
+        })
+    }
+
+    /// Whether the blob is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Read every chunk and check each block against its crc32c; `false` (and the bad chunk
+    /// dropped once the pin goes) if one does not match.
+    pub fn verify(&self) -> Result<bool> {
+        let mut buf = vec![0u8; CHUNK_SIZE as usize];
+        for (id, size) in &self.chunks {
+            let sums = self.cache.sums_of(id, *size)?;
+            let data = &mut buf[..*size as usize];
+            let at = chunk_offset(id.index).unwrap_or(u64::MAX);
+            match read_exact_flags(&self.file, data, at, rustix::io::ReadWriteFlags::empty()) {
+                Ok(_) => {}
+                Err(e) => return Err(Error::io("read chunk", self.cache.blob_path(&self.blob), e)),
+            }
+            if block_sums(data)[..] != sums[..] {
+                self.cache.drop_corrupt(id)?;
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+}
+
+impl Drop for BlobPin {
+    fn drop(&mut self) {
+        for (id, _) in &self.chunks {
+            self.cache.release(id);
+        }
+    }
+}
+
+/// A pin held for the duration of one read.
+struct ReadPin<'a> {
+    cache: &'a DiskCache,
+    id: ChunkId,
+}
+
+impl Drop for ReadPin<'_> {
+    fn drop(&mut self) {
+        self.cache.release(&self.id);
+    }
+}
+
 impl DiskCache {
     /// Open (or create) the cache in `config.dir`, recovering from any crash (module docs).
     pub fn open(config: DiskCacheConfig) -> Result<Self> {
         let DiskCacheConfig { dir, capacity } = config;
-        let chunks = dir.join("chunks");
+        let blobs = dir.join("blobs");
         let index_dir = dir.join("index");
-        for d in [&dir, &chunks, &index_dir] {
+        for d in [&dir, &blobs, &index_dir] {
             fs::create_dir_all(d).map_err(|e| Error::io("create directory", d, e))?;
         }
-        for d in (0..=255u8).map(|shard| chunks.join(hex::encode([shard]))) {
+        for d in (0..=255u8).map(|shard| blobs.join(hex::encode([shard]))) {
             fs::create_dir_all(&d).map_err(|e| Error::io("create directory", d, e))?;
         }
-        sync_dir(&chunks)?;
+        sync_dir(&blobs)?;
 
         let reserve = (16 * MIB + capacity / 512).min((capacity / 8).max(MIB));
         if let Some(free) = free_bytes(&index_dir).filter(|f| *f < reserve / 2) {
@@ -343,9 +466,11 @@ impl DiskCache {
             Ok(v) => v.as_deref().and_then(decode_counters).unwrap_or_default(),
             Err(e) => return Err(rocks_error(&index_dir, "cannot read the index", e)),
         };
+        let nonzero =
+            |n: usize| std::num::NonZeroUsize::new(n).unwrap_or(std::num::NonZeroUsize::MIN);
         let cache = DiskCache {
             dir,
-            chunks,
+            blobs,
             index_dir,
             capacity,
             reserve,
@@ -353,6 +478,9 @@ impl DiskCache {
             state: Mutex::new(State {
                 lru: LruCache::unbounded(),
                 inflight: HashSet::new(),
+                pins: HashMap::new(),
+                deferred: HashSet::new(),
+                per_blob: HashMap::new(),
                 present: 0,
                 pending: 0,
                 next_seq: 0,
@@ -362,20 +490,19 @@ impl DiskCache {
                 counters,
             }),
             index_lock: Mutex::new(()),
-            tmp_seq: AtomicU64::new(0),
-            open_files: Mutex::new(LruCache::new(
-                std::num::NonZeroUsize::new(OPEN_FILES).unwrap_or(std::num::NonZeroUsize::MIN),
-            )),
+            open_files: Mutex::new(LruCache::new(nonzero(OPEN_FILES))),
+            sums: Mutex::new(LruCache::new(nonzero(SUMS_CACHED))),
         };
         cache.recover()?;
         Ok(cache)
     }
 
-    /// Check the format, load the index, drop entries without a whole file, delete files
-    /// without an entry, and evict down to the capacity.
+    /// Check the format, load the index, drop entries without their bytes' file, punch out
+    /// unindexed bytes, delete files without an entry, and evict down to the capacity.
     fn recover(&self) -> Result<()> {
         match self.db.get(META_FORMAT) {
             Ok(Some(v)) if v == FORMAT => {}
+            Ok(Some(v)) if v == FORMAT_V2 => self.wipe_v2()?,
             Ok(Some(v)) => {
                 return Err(self.error(format!(
                     "index format {:?} is not {:?}; move the directory away to start afresh",
@@ -388,138 +515,168 @@ impl DiskCache {
             Err(e) => return Err(self.rocks_error("cannot read the index", e)),
         }
         let mut entries = Vec::new();
+        let mut with_sums = HashSet::new();
         let mut bad_keys = Vec::new();
-        let mut bad_files = Vec::new();
         let (mut orphans, mut corrupt) = (0u64, 0u64);
         for item in self.db.full_iterator(IteratorMode::Start) {
             let (key, value) = item.map_err(|e| self.rocks_error("cannot read the index", e))?;
             if key.starts_with(META_PREFIX) {
                 continue;
             }
-            let (Some(id), Some(entry)) = (decode_key(&key), decode_entry(&value)) else {
-                bad_keys.push(key);
-                orphans += 1;
-                continue;
-            };
-            let path = self.chunk_path(&id);
-            match fs::symlink_metadata(&path) {
-                Ok(m) if m.is_file() && m.len() == file_len(u64::from(entry.size)) => {
-                    entries.push((id, entry))
-                }
-                Ok(m) => {
-                    bad_keys.push(key);
-                    corrupt += 1;
-                    if m.is_file() {
-                        bad_files.push(path);
+            match decode_key(&key) {
+                Some((CHUNK_KEY_TAG, id)) => match decode_entry(&value) {
+                    Some(entry) => entries.push((id, entry, key)),
+                    None => {
+                        bad_keys.push(key);
+                        orphans += 1;
                     }
+                },
+                Some((_, id)) => {
+                    with_sums.insert((id, value.len() as u64));
                 }
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                None => {
                     bad_keys.push(key);
                     orphans += 1;
                 }
-                Err(e) => return Err(Error::io("stat chunk", path, e)),
             }
+        }
+        // Keep entries whose crc32c values are there and whose blob file is long enough.
+        let mut lengths: HashMap<Digest, Option<u64>> = HashMap::new();
+        let mut kept = Vec::new();
+        for (id, entry, key) in entries {
+            let size = u64::from(entry.size);
+            let len = match lengths.get(&id.blob) {
+                Some(len) => *len,
+                None => {
+                    let path = self.blob_path(&id.blob);
+                    let len = match fs::symlink_metadata(&path) {
+                        Ok(m) if m.is_file() => Some(m.len()),
+                        Ok(_) => None,
+                        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
+                        Err(e) => return Err(Error::io("stat blob file", path, e)),
+                    };
+                    lengths.insert(id.blob, len);
+                    len
+                }
+            };
+            let end = chunk_offset(id.index).and_then(|o| o.checked_add(size));
+            let whole = matches!((len, end), (Some(len), Some(end)) if end <= len);
+            if whole && with_sums.remove(&(id, sums_len(size))) {
+                kept.push((id, entry));
+                continue;
+            }
+            with_sums.retain(|(sid, _)| *sid != id);
+            bad_keys.push(key);
+            bad_keys.push(sums_key(&id).to_vec().into_boxed_slice());
+            if whole || len.is_none() {
+                orphans += 1; // no crc32c values, or no file
+            } else {
+                corrupt += 1; // a file too short for the chunk
+            }
+        }
+        // crc32c values without their entry.
+        for (id, _) in with_sums {
+            bad_keys.push(sums_key(&id).to_vec().into_boxed_slice());
         }
         if !bad_keys.is_empty() {
             let delete_all = |b: &mut WriteBatch| bad_keys.iter().for_each(|k| b.delete(k));
             (self.write_index(delete_all, "cannot clean the index")).map_err(|(e, _)| e)?;
-            for path in &bad_files {
-                remove_file(path)?;
-            }
         }
 
-        entries.sort_unstable_by_key(|(_, e)| e.seq);
+        kept.sort_unstable_by_key(|(_, e)| e.seq);
+        let mut indexed: HashMap<Digest, HashSet<u64>> = HashMap::new();
         let victims = {
             let mut st = self.lock();
-            for (id, entry) in entries {
-                st.present += file_len(u64::from(entry.size));
+            for (id, entry) in kept {
+                st.present += cost(u64::from(entry.size));
                 st.next_seq = st.next_seq.max(entry.seq + 1);
                 st.lru.push(id, entry);
+                *st.per_blob.entry(id.blob).or_insert(0) += 1;
+                indexed.entry(id.blob).or_default().insert(id.index);
             }
             st.counters[RECOVERED_ORPHANS] += orphans;
             st.counters[DROPPED_CORRUPT] += corrupt;
             let over = st.present.saturating_sub(self.capacity);
             st.doom_lru(over)
         };
+        for (id, _) in &victims {
+            if let Some(set) = indexed.get_mut(&id.blob) {
+                set.remove(&id.index);
+            }
+        }
         self.discard(victims, Some(EVICTIONS))?;
 
-        // Files without an entry: temporary files and orphans of a crash.
+        // Files without an entry, and bytes outside indexed chunks: leftovers of a crash.
         let mut removed = 0;
         for shard in 0..=255u8 {
             let shard_hex = hex::encode([shard]);
-            let shard_dir = self.chunks.join(&shard_hex);
+            let shard_dir = self.blobs.join(&shard_hex);
             let listing = fs::read_dir(&shard_dir).map_err(|e| Error::io("list", &shard_dir, e))?;
             for dirent in listing {
                 let dirent = dirent.map_err(|e| Error::io("list", &shard_dir, e))?;
-                let indexed = (dirent.file_name().to_str())
-                    .and_then(|name| parse_chunk_name(&shard_hex, name))
-                    .is_some_and(|id| self.lock().lru.contains(&id));
                 let path = dirent.path();
-                if indexed {
-                    continue;
-                } else if dirent.file_type().is_ok_and(|t| t.is_dir()) {
-                    tracing::warn!(path = %path.display(), "unexpected directory in the chunk cache; left alone");
-                    continue;
+                let blob = (dirent.file_name().to_str())
+                    .and_then(|name| parse_blob_name(&shard_hex, name));
+                let chunks = blob.and_then(|b| indexed.get(&b)).filter(|c| !c.is_empty());
+                match chunks {
+                    Some(chunks) if dirent.file_type().is_ok_and(|t| t.is_file()) => {
+                        removed += punch_unindexed(&path, chunks)?;
+                    }
+                    _ if dirent.file_type().is_ok_and(|t| t.is_dir()) => {
+                        tracing::warn!(path = %path.display(), "unexpected directory in the chunk cache; left alone");
+                    }
+                    _ => {
+                        remove_file(&path)?;
+                        removed += 1;
+                    }
                 }
-                remove_file(&path)?;
-                removed += 1;
             }
         }
         self.lock().counters[RECOVERED_ORPHANS] += removed;
         if removed + orphans + corrupt > 0 {
-            tracing::info!(dir = %self.dir.display(), removed_files = removed, dropped_entries = orphans + corrupt, "chunk cache recovered");
+            tracing::info!(dir = %self.dir.display(), removed, dropped_entries = orphans + corrupt, "chunk cache recovered");
         }
         self.flush()
     }
 
-    /// The chunk's bytes, or `None` if it is not cached; marks it recently used. The bytes are
-    /// not verified here: the caller checks them and calls [`Self::drop_corrupt`] on a mismatch.
-    /// A file that vanished or has the wrong size is dropped (`dropped_corrupt`): `None`.
+    /// A v2 cache (a file per chunk): drop its chunk files and entries, keep the counters.
+    fn wipe_v2(&self) -> Result<()> {
+        tracing::warn!(dir = %self.dir.display(), "chunk cache: old layout (v2) found; starting afresh");
+        let old = self.dir.join("chunks");
+        match fs::remove_dir_all(&old) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                return Err(Error::io("remove old chunk files", old, e))
+            }
+            _ => {}
+        }
+        let mut keys = Vec::new();
+        for item in self.db.full_iterator(IteratorMode::Start) {
+            let (key, _) = item.map_err(|e| self.rocks_error("cannot read the index", e))?;
+            if !key.starts_with(META_PREFIX) {
+                keys.push(key);
+            }
+        }
+        let rewrite = |b: &mut WriteBatch| {
+            keys.iter().for_each(|k| b.delete(k));
+            b.put(META_FORMAT, FORMAT);
+        };
+        (self.write_index(rewrite, "cannot rewrite the index")).map_err(|(e, _)| e)
+    }
+
+    /// The chunk's bytes, checked against their crc32c, or `None` if it is not cached (a
+    /// chunk that fails its check is dropped: `None`); marks it recently used.
     pub fn get(&self, id: &ChunkId) -> Result<Option<Bytes>> {
-        let (entry, persist) = {
-            let mut st = self.lock();
-            let Some(entry) = st.touch(id) else {
-                return Ok(None);
-            };
-            (entry, st.dirty.len() >= RECENCY_BATCH)
-        };
-        if persist {
-            if let Err(e) = self.persist_recency(false) {
-                tracing::debug!(error = %e, "chunk cache: recency not saved");
-            }
-        }
-        let path = self.chunk_path(id);
-        let file = match File::open(&path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                self.forget(id, Some(entry.seq), Some(DROPPED_CORRUPT))?;
-                return Ok(None);
-            }
-            Err(e) => return Err(Error::io("open chunk", path, e)),
-        };
-        let len = (file.metadata())
-            .map_err(|e| Error::io("stat chunk", &path, e))?
-            .len();
-        let size = entry.size as usize;
-        let len = if len == file_len(size as u64) {
-            size as u64
-        } else {
-            u64::MAX
-        };
-        let mut buf = Vec::with_capacity(size);
-        while len == size as u64 && buf.len() < size {
-            let offset = buf.len() as u64;
-            match rustix::io::pread(&file, rustix::buffer::spare_capacity(&mut buf), offset) {
-                Ok(0) => break,
-                Ok(_) | Err(rustix::io::Errno::INTR) => {}
-                Err(e) => return Err(Error::io("read chunk", path, e.into())),
-            }
-        }
-        if buf.len() != size || len != size as u64 {
-            self.forget(id, Some(entry.seq), Some(DROPPED_CORRUPT))?;
+        let Some(entry) = self.lock().lru.peek(id).copied() else {
             return Ok(None);
+        };
+        match self.read_range(id, 0..u64::from(entry.size), false)? {
+            RangeRead::Hit(b) => Ok(Some(b)),
+            RangeRead::Corrupt => {
+                self.drop_corrupt(id)?;
+                Ok(None)
+            }
+            RangeRead::Absent | RangeRead::WouldBlock => Ok(None),
         }
-        Ok(Some(Bytes::from(buf)))
     }
 
     /// Bytes `range` of a cached chunk, reading and checking (crc32c) only the 4 KiB blocks
@@ -532,13 +689,23 @@ impl DiskCache {
         range: std::ops::Range<u64>,
         nowait: bool,
     ) -> Result<RangeRead> {
-        let entry = {
+        let (entry, persist) = {
             let mut st = self.lock();
-            match st.touch(id) {
-                Some(e) => e,
-                None => return Ok(RangeRead::Absent),
-            }
+            let Some(entry) = st.touch(id) else {
+                return Ok(RangeRead::Absent);
+            };
+            st.pin(id);
+            (entry, st.dirty.len() >= RECENCY_BATCH)
         };
+        let _pin = ReadPin {
+            cache: self,
+            id: *id,
+        };
+        if persist {
+            if let Err(e) = self.persist_recency(false) {
+                tracing::debug!(error = %e, "chunk cache: recency not saved");
+            }
+        }
         let size = u64::from(entry.size);
         if range.start > range.end || range.end > size {
             return Err(self.error(format!(
@@ -549,63 +716,35 @@ impl DiskCache {
         if range.is_empty() {
             return Ok(RangeRead::Hit(Bytes::new()));
         }
-        let path = self.chunk_path(id);
+        let Some(file) = self.open_blob(&id.blob, false)? else {
+            drop(_pin);
+            self.forget(id, Some(entry.seq), Some(DROPPED_CORRUPT))?;
+            return Ok(RangeRead::Absent);
+        };
+        let Some(sums) = self.sums_of_opt(id, size)? else {
+            drop(_pin);
+            self.forget(id, Some(entry.seq), Some(DROPPED_CORRUPT))?;
+            return Ok(RangeRead::Absent);
+        };
         let flags = if nowait {
             rustix::io::ReadWriteFlags::NOWAIT
         } else {
             rustix::io::ReadWriteFlags::empty()
         };
-        let cached = (self
-            .open_files
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner))
-        .get(id)
-        .cloned();
-        let chunk = match cached {
-            Some(c) => c,
-            None => {
-                let file = match File::open(&path) {
-                    Ok(f) => f,
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                        self.forget(id, Some(entry.seq), Some(DROPPED_CORRUPT))?;
-                        return Ok(RangeRead::Absent);
-                    }
-                    Err(e) => return Err(Error::io("open chunk", path, e)),
-                };
-                let len = file
-                    .metadata()
-                    .map_err(|e| Error::io("stat chunk", &path, e))?
-                    .len();
-                if len != file_len(size) {
-                    self.forget(id, Some(entry.seq), Some(DROPPED_CORRUPT))?;
-                    return Ok(RangeRead::Absent);
-                }
-                let mut sums = vec![0u8; trailer_len(size) as usize];
-                match read_exact_flags(&file, &mut sums, size, flags) {
-                    Ok(true) => {}
-                    Ok(false) => return Ok(RangeRead::WouldBlock),
-                    Err(e) => return Err(Error::io("read chunk", &path, e)),
-                }
-                let chunk = Arc::new(OpenChunk { file, sums });
-                (self
-                    .open_files
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner))
-                .put(*id, chunk.clone());
-                chunk
-            }
-        };
         let first = range.start / CHECK_BLOCK;
         let last = range.end.div_ceil(CHECK_BLOCK);
         let data_at = first * CHECK_BLOCK;
         let data_len = (last * CHECK_BLOCK).min(size) - data_at;
-        let mut data = vec![0u8; data_len as usize];
-        match read_exact_flags(&chunk.file, &mut data, data_at, flags) {
-            Ok(true) => {}
-            Ok(false) => return Ok(RangeRead::WouldBlock),
-            Err(e) => return Err(Error::io("read chunk", &path, e)),
+        let base = chunk_offset(id.index).unwrap_or(u64::MAX);
+        let mut data = Vec::with_capacity(data_len as usize);
+        match read_uninit(&file, &mut data, data_len as usize, base + data_at, flags) {
+            Ok(ReadOutcome::Full) => {}
+            Ok(ReadOutcome::WouldBlock) => return Ok(RangeRead::WouldBlock),
+            // A blob file shorter than an indexed chunk: damaged behind our back.
+            Ok(ReadOutcome::Short) => return Ok(RangeRead::Corrupt),
+            Err(e) => return Err(Error::io("read chunk", self.blob_path(&id.blob), e)),
         }
-        let sums = &chunk.sums[4 * first as usize..4 * last as usize];
+        let sums = &sums[4 * first as usize..4 * last as usize];
         for (block, sum) in data.chunks(CHECK_BLOCK as usize).zip(sums.chunks_exact(4)) {
             if crc32c::crc32c(block).to_le_bytes() != sum {
                 return Ok(RangeRead::Corrupt);
@@ -617,20 +756,70 @@ impl DiskCache {
         )))
     }
 
+    /// Pin every chunk of `blob` (`chunks` chunks of [`CHUNK_SIZE`], the last `last_size`
+    /// bytes) if all of them are cached: the returned pin keeps them (no eviction) and hands
+    /// out the blob file, whose bytes are then exactly the blob's. `None` if any is missing.
+    /// Reads of that file bypass the per-block checks; [`BlobPin::verify`] checks all of it.
+    pub fn pin_blob(
+        self: &Arc<Self>,
+        blob: &Digest,
+        chunks: u64,
+        last_size: u64,
+    ) -> Result<Option<BlobPin>> {
+        let mut pinned = Vec::new();
+        {
+            let mut st = self.lock();
+            for index in 0..chunks {
+                let id = ChunkId { blob: *blob, index };
+                let want = if index + 1 == chunks {
+                    last_size
+                } else {
+                    CHUNK_SIZE
+                };
+                match st.touch(&id) {
+                    Some(e) if u64::from(e.size) == want => pinned.push((id, want)),
+                    _ => {
+                        for (id, _) in &pinned {
+                            st.unpin(id);
+                        }
+                        return Ok(None);
+                    }
+                }
+                st.pin(&id);
+            }
+        }
+        let pin_ids: Vec<ChunkId> = pinned.iter().map(|(id, _)| *id).collect();
+        match self.open_blob(blob, false) {
+            Ok(Some(file)) => Ok(Some(BlobPin {
+                cache: self.clone(),
+                blob: *blob,
+                chunks: pinned,
+                file,
+            })),
+            other => {
+                for id in &pin_ids {
+                    self.release(id);
+                }
+                other.map(|_| None)
+            }
+        }
+    }
+
     /// Cache a chunk: durable on disk before it is indexed; LRU chunks are evicted first so that
     /// usage stays within the capacity. A chunk already cached (or being put) is only marked
     /// used; one that cannot fit (more than the capacity left by puts in flight) is not cached.
     /// Chunks larger than [`CHUNK_SIZE`] are refused.
     pub fn put(&self, id: &ChunkId, data: &[u8]) -> Result<()> {
         let size = data.len() as u64;
-        if size > CHUNK_SIZE {
+        if size > CHUNK_SIZE || chunk_offset(id.index).is_none_or(|o| o.checked_add(size).is_none())
+        {
             return Err(self.error(format!(
-                "chunk {} of blob {} is {size} bytes, more than the chunk size {CHUNK_SIZE}",
+                "chunk {} of blob {} is {size} bytes, more than the chunk size {CHUNK_SIZE} \
+                 (or beyond any file offset)",
                 id.index, id.blob
             )));
         }
-        // What the chunk costs on disk: its bytes and its crc32c trailer.
-        let cost = file_len(size);
+        let cost = cost(size);
         let victims = {
             let mut st = self.lock();
             if st.touch(id).is_some() || st.inflight.contains(id) {
@@ -643,6 +832,7 @@ impl DiskCache {
             let victims = st.doom_lru(over);
             st.inflight.insert(*id);
             st.pending += cost;
+            *st.per_blob.entry(id.blob).or_insert(0) += 1;
             victims
         };
         let mut pending = PendingGuard {
@@ -653,7 +843,8 @@ impl DiskCache {
         };
         self.discard(victims, Some(EVICTIONS))?;
         self.make_room_on_disk(cost)?;
-        let path = self.store_file(id, data)?;
+        let sums = block_sums(data);
+        self.store_chunk(id, data)?;
 
         let entry = {
             let mut st = self.lock();
@@ -664,22 +855,25 @@ impl DiskCache {
             }
         };
         let indexed = self.write_index(
-            |b| b.put(chunk_key(id), encode_entry(entry)),
+            |b| {
+                b.put(chunk_key(id), encode_entry(entry));
+                b.put(sums_key(id), &sums);
+            },
             "cannot index a chunk; it was not cached",
         );
         if let Err(e) = indexed {
-            if let Err(e) = remove_file(&path) {
-                tracing::warn!(error = %e, "chunk cache: unindexed chunk file left for the next open");
+            if let Err(e) = self.punch(id, size) {
+                tracing::warn!(error = %e, "chunk cache: unindexed chunk bytes left for the next open");
             }
             return Err(e.0);
         }
+        (self.sums.lock().unwrap_or_else(PoisonError::into_inner)).put(*id, sums.into());
         pending.done = true;
         let mut st = self.lock();
         st.inflight.remove(id);
         st.pending -= cost;
         st.present += cost;
         st.lru.push(*id, entry);
-        st.dirty_dirs[usize::from(id.blob.0[0])] = true;
         Ok(())
     }
 
@@ -699,6 +893,12 @@ impl DiskCache {
         self.lock().lru.contains(id)
     }
 
+    /// The blob file of `blob` (for tests and tools: where its cached chunks are).
+    pub fn blob_path(&self, blob: &Digest) -> PathBuf {
+        let hex = blob.to_hex();
+        self.blobs.join(&hex[..2]).join(hex)
+    }
+
     pub fn stats(&self) -> DiskStats {
         let st = self.lock();
         DiskStats {
@@ -712,7 +912,8 @@ impl DiskCache {
         }
     }
 
-    /// Persist recency and counters, make renames and unlinks durable, and sync the index.
+    /// Persist recency and counters, make file creations and unlinks durable, and sync the
+    /// index.
     pub fn flush(&self) -> Result<()> {
         self.persist_recency(true)?;
         let (counters, dirs) = {
@@ -729,7 +930,7 @@ impl DiskCache {
         ))
         .map_err(|(e, _)| e)?;
         for (shard, _) in dirs.iter().enumerate().filter(|(_, dirty)| **dirty) {
-            sync_dir(&self.chunks.join(hex::encode([shard as u8])))?;
+            sync_dir(&self.blobs.join(hex::encode([shard as u8])))?;
         }
         let _index = self
             .index_lock
@@ -737,6 +938,73 @@ impl DiskCache {
             .unwrap_or_else(PoisonError::into_inner);
         self.index_room()?;
         (self.db.flush_wal(true)).map_err(|e| self.rocks_error("cannot sync the index", e))
+    }
+
+    /// Release a pin; punch out a chunk removed while it was pinned.
+    fn release(&self, id: &ChunkId) {
+        let punch = self.lock().unpin(id);
+        if punch {
+            self.finish_removal(*id);
+        }
+    }
+
+    /// The crc32c values of a chunk of `size` bytes (an error if the index lacks them).
+    fn sums_of(&self, id: &ChunkId, size: u64) -> Result<Arc<[u8]>> {
+        self.sums_of_opt(id, size)?.ok_or_else(|| {
+            self.error(format!(
+                "no crc32c values indexed for chunk {} of blob {}",
+                id.index, id.blob
+            ))
+        })
+    }
+
+    fn sums_of_opt(&self, id: &ChunkId, size: u64) -> Result<Option<Arc<[u8]>>> {
+        let cached = (self.sums.lock().unwrap_or_else(PoisonError::into_inner))
+            .get(id)
+            .cloned();
+        if let Some(s) = cached.filter(|s| s.len() as u64 == sums_len(size)) {
+            return Ok(Some(s));
+        }
+        let value = (self.db.get_pinned(sums_key(id)))
+            .map_err(|e| self.rocks_error("cannot read the index", e))?;
+        let Some(value) = value.filter(|v| v.len() as u64 == sums_len(size)) else {
+            return Ok(None);
+        };
+        let sums: Arc<[u8]> = Arc::from(&value[..]);
+        (self.sums.lock().unwrap_or_else(PoisonError::into_inner)).put(*id, sums.clone());
+        Ok(Some(sums))
+    }
+
+    /// The open blob file of `blob`; with `create`, created if missing; without, `None` if
+    /// missing.
+    fn open_blob(&self, blob: &Digest, create: bool) -> Result<Option<Arc<File>>> {
+        let cached = (self
+            .open_files
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner))
+        .get(blob)
+        .cloned();
+        if let Some(f) = cached {
+            return Ok(Some(f));
+        }
+        let path = self.blob_path(blob);
+        let file = match (OpenOptions::new().read(true).write(true).create(create))
+            .mode(0o644)
+            .open(&path)
+        {
+            Ok(f) => Arc::new(f),
+            Err(e) if e.kind() == io::ErrorKind::NotFound && !create => return Ok(None),
+            Err(e) => return Err(Error::io("open blob file", path, e)),
+        };
+        if create {
+            self.lock().dirty_dirs[usize::from(blob.0[0])] = true;
+        }
+        (self
+            .open_files
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner))
+        .put(*blob, file.clone());
+        Ok(Some(file))
     }
 
     /// Remove `id` if it is cached and, with `seq`, still the entry that was looked at.
@@ -755,17 +1023,21 @@ impl DiskCache {
         self.discard(vec![victim], counter)
     }
 
-    /// Remove doomed chunks: index entries first, then the files (module docs).
+    /// Remove doomed chunks: index entries first, then their bytes (module docs).
     fn discard(&self, victims: Vec<(ChunkId, Entry)>, counter: Option<usize>) -> Result<()> {
         if victims.is_empty() {
             return Ok(());
         }
-        let delete_all =
-            |b: &mut WriteBatch| victims.iter().for_each(|(id, _)| b.delete(chunk_key(id)));
+        let delete_all = |b: &mut WriteBatch| {
+            for (id, _) in &victims {
+                b.delete(chunk_key(id));
+                b.delete(sums_key(id));
+            }
+        };
         let stale = match self.write_index(delete_all, "cannot remove chunks from the index") {
             Ok(()) => false,
             Err((e, true)) => {
-                tracing::warn!(error = %e, "chunk cache: evicting files before their index entries");
+                tracing::warn!(error = %e, "chunk cache: evicting bytes before their index entries");
                 true
             }
             Err((e, false)) => {
@@ -773,7 +1045,7 @@ impl DiskCache {
                 let mut st = self.lock();
                 for (id, entry) in victims.iter().rev() {
                     st.inflight.remove(id);
-                    st.present += file_len(u64::from(entry.size));
+                    st.present += cost(u64::from(entry.size));
                     st.lru.push(*id, *entry);
                     st.lru.demote(id);
                 }
@@ -781,52 +1053,106 @@ impl DiskCache {
             }
         };
         {
-            let mut open = self
-                .open_files
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
+            let mut sums = self.sums.lock().unwrap_or_else(PoisonError::into_inner);
             for (id, _) in &victims {
-                open.pop(id);
-            }
-        }
-        for (id, _) in &victims {
-            if let Err(e) = remove_file(&self.chunk_path(id)) {
-                tracing::warn!(error = %e, "chunk cache: evicted chunk file left for the next open");
+                sums.pop(id);
             }
         }
         let n = victims.len() as u64;
-        let mut st = self.lock();
-        for (id, _) in &victims {
-            st.inflight.remove(id);
-            st.dirty_dirs[usize::from(id.blob.0[0])] = true;
-            if stale {
-                st.stale.push(*id);
+        let now = {
+            let mut st = self.lock();
+            if let Some(c) = counter {
+                st.counters[c] += n;
             }
-        }
-        if let Some(c) = counter {
-            st.counters[c] += n;
+            let mut now = Vec::new();
+            for (id, entry) in &victims {
+                if stale {
+                    st.stale.push(*id);
+                }
+                if st.pins.contains_key(id) {
+                    // Being read: punched out when the last reader is done.
+                    st.deferred.insert(*id);
+                } else {
+                    now.push((*id, u64::from(entry.size)));
+                }
+            }
+            now
+        };
+        for (id, _) in now {
+            self.finish_removal(id);
         }
         Ok(())
+    }
+
+    /// Punch out a removed chunk's range (it is in flight, so nothing else touches it), then
+    /// let it go; unlink its blob file if no chunk of the blob is left.
+    fn finish_removal(&self, id: ChunkId) {
+        if let Err(e) = self.punch(&id, CHUNK_SIZE) {
+            tracing::warn!(error = %e, "chunk cache: evicted chunk bytes left for the next open");
+        }
+        let mut st = self.lock();
+        st.inflight.remove(&id);
+        self.drop_blob_ref(&mut st, &id.blob);
+    }
+
+    /// One chunk of `blob` fewer (indexed or in flight); at zero, its file goes. Runs under
+    /// the state lock so that no put opens the file meanwhile (module docs).
+    fn drop_blob_ref(&self, st: &mut State, blob: &Digest) {
+        let Some(n) = st.per_blob.get_mut(blob) else {
+            return;
+        };
+        *n -= 1;
+        if *n > 0 {
+            return;
+        }
+        st.per_blob.remove(blob);
+        (self
+            .open_files
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner))
+        .pop(blob);
+        if let Err(e) = remove_file(&self.blob_path(blob)) {
+            tracing::warn!(error = %e, "chunk cache: empty blob file left for the next open");
+        }
+        st.dirty_dirs[usize::from(blob.0[0])] = true;
+    }
+
+    /// Punch out up to `len` bytes of chunk `id`'s range.
+    fn punch(&self, id: &ChunkId, len: u64) -> Result<()> {
+        let Some(file) = self.open_blob(&id.blob, false)? else {
+            return Ok(());
+        };
+        let at = chunk_offset(id.index).unwrap_or(u64::MAX);
+        punch_range(&file, at, len)
+            .map_err(|e| Error::io("punch chunk", self.blob_path(&id.blob), e))
     }
 
     /// Evict until the filesystem has room for `size` bytes plus the reserve.
     fn make_room_on_disk(&self, size: u64) -> Result<()> {
         let want = size + self.reserve;
-        let Some(free) = free_bytes(&self.chunks).filter(|f| *f < want) else {
+        let Some(free) = free_bytes(&self.blobs).filter(|f| *f < want) else {
             return Ok(());
         };
         let victims = self.lock().doom_lru(want - free);
         self.discard(victims, Some(EVICTIONS))
     }
 
-    /// Write the chunk file under its final name, evicting and retrying once on `ENOSPC`.
-    fn store_file(&self, id: &ChunkId, data: &[u8]) -> Result<PathBuf> {
+    /// Write the chunk's bytes in place and make them durable, evicting and retrying once on
+    /// `ENOSPC`; on failure what was written is punched out again.
+    fn store_chunk(&self, id: &ChunkId, data: &[u8]) -> Result<()> {
         let mut retried = false;
         loop {
-            let e = match self.write_file(id, data) {
-                Ok(path) => return Ok(path),
-                Err((path, e)) if !is_nospace(&e) => return Err(Error::io("write chunk", path, e)),
-                Err((_, e)) => e,
+            let e = match self.write_chunk(id, data) {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    if let Err(e) = self.punch(id, data.len() as u64) {
+                        tracing::warn!(error = %e, "chunk cache: partial chunk left for the next open");
+                    }
+                    if !is_nospace(&e) {
+                        return Err(Error::io("write chunk", self.blob_path(&id.blob), e));
+                    }
+                    e
+                }
             };
             let (victims, bytes) = {
                 let mut st = self.lock();
@@ -853,35 +1179,24 @@ impl DiskCache {
         }
     }
 
-    /// Temporary file → write → fdatasync → rename. On failure the temporary file is removed.
-    fn write_file(&self, id: &ChunkId, data: &[u8]) -> Result<PathBuf, (PathBuf, io::Error)> {
-        let path = self.chunk_path(id);
-        let tmp = path.with_file_name(format!(
-            "{TMP_PREFIX}{}.{}.{}.{}",
-            id.blob,
-            id.index,
-            std::process::id(),
-            self.tmp_seq.fetch_add(1, Ordering::Relaxed)
-        ));
-        let written = (OpenOptions::new().write(true).create_new(true).mode(0o644))
-            .open(&tmp)
-            .and_then(|file| {
-                file.write_all_at(data, 0)?;
-                file.write_all_at(&trailer(data), data.len() as u64)?;
-                file.sync_data()?;
-                // The pages are clean now; do not let them crowd out level 1 and hot files.
-                let _ = rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::DontNeed);
-                fs::rename(&tmp, &path)
-            });
-        match written {
-            Ok(()) => Ok(path),
-            Err(e) => {
-                if let Err(e) = remove_file(&tmp) {
-                    tracing::warn!(error = %e, "chunk cache: temporary file left for the next open");
-                }
-                Err((tmp, e))
-            }
-        }
+    fn write_chunk(&self, id: &ChunkId, data: &[u8]) -> io::Result<()> {
+        let file = match self.open_blob(&id.blob, true) {
+            Ok(Some(f)) => f,
+            Ok(None) => return Err(io::Error::from(io::ErrorKind::NotFound)),
+            Err(Error::Io { source, .. }) => return Err(source),
+            Err(e) => return Err(io::Error::other(e)),
+        };
+        let at = chunk_offset(id.index).unwrap_or(u64::MAX);
+        file.write_all_at(data, at)?;
+        file.sync_data()?;
+        // The pages are clean now; do not let them crowd out level 1 and hot files.
+        let _ = rustix::fs::fadvise(
+            &*file,
+            at,
+            std::num::NonZeroU64::new(data.len() as u64),
+            rustix::fs::Advice::DontNeed,
+        );
+        Ok(())
     }
 
     /// Write the recency of the chunks hit since last time. With `wait == false`, skip if
@@ -940,6 +1255,7 @@ impl DiskCache {
             for id in stale {
                 if !st.lru.contains(&id) && !st.inflight.contains(&id) {
                     batch.delete(chunk_key(&id));
+                    batch.delete(sums_key(&id));
                 }
             }
         }
@@ -966,15 +1282,8 @@ impl DiskCache {
         }
     }
 
-    fn chunk_path(&self, id: &ChunkId) -> PathBuf {
-        let hex = id.blob.to_hex();
-        self.chunks
-            .join(&hex[..2])
-            .join(format!("{hex}.{}", id.index))
-    }
-
     fn lock(&self) -> MutexGuard<'_, State> {
-        // No I/O and no panics happen under this lock, so a poisoned state is still consistent.
+        // No panics happen under this lock, so a poisoned state is still consistent.
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -1013,25 +1322,37 @@ impl Drop for PendingGuard<'_> {
             let mut st = self.cache.lock();
             st.inflight.remove(&self.id);
             st.pending -= self.size;
+            self.cache.drop_blob_ref(&mut st, &self.id.blob);
         }
     }
 }
 
-fn chunk_key(id: &ChunkId) -> [u8; CHUNK_KEY_LEN] {
+fn key_with(tag: u8, id: &ChunkId) -> [u8; CHUNK_KEY_LEN] {
     let mut key = [0u8; CHUNK_KEY_LEN];
-    key[0] = CHUNK_KEY_TAG;
+    key[0] = tag;
     key[1..33].copy_from_slice(&id.blob.0);
     key[33..].copy_from_slice(&id.index.to_be_bytes());
     key
 }
 
-fn decode_key(key: &[u8]) -> Option<ChunkId> {
+fn chunk_key(id: &ChunkId) -> [u8; CHUNK_KEY_LEN] {
+    key_with(CHUNK_KEY_TAG, id)
+}
+
+fn sums_key(id: &ChunkId) -> [u8; CHUNK_KEY_LEN] {
+    key_with(SUMS_KEY_TAG, id)
+}
+
+/// A chunk or crc32c key: its tag and chunk.
+fn decode_key(key: &[u8]) -> Option<(u8, ChunkId)> {
     let key: &[u8; CHUNK_KEY_LEN] = key.try_into().ok()?;
-    (key[0] == CHUNK_KEY_TAG).then_some(())?;
-    Some(ChunkId {
+    matches!(key[0], CHUNK_KEY_TAG | SUMS_KEY_TAG).then_some(())?;
+    let id = ChunkId {
         blob: Digest(key[1..33].try_into().ok()?),
         index: u64::from_be_bytes(key[33..].try_into().ok()?),
-    })
+    };
+    chunk_offset(id.index)?.checked_add(CHUNK_SIZE)?;
+    Some((key[0], id))
 }
 
 fn encode_entry(entry: Entry) -> [u8; ENTRY_LEN] {
@@ -1069,14 +1390,59 @@ fn decode_counters(v: &[u8]) -> Option<[u64; 4]> {
     (v[0] == COUNTERS_VERSION).then_some(c)
 }
 
-/// `<blob hex>.<index>` in shard directory `shard`, exactly as [`DiskCache`] names it.
-fn parse_chunk_name(shard: &str, name: &str) -> Option<ChunkId> {
-    let (hex, index) = name.split_once('.')?;
-    let id = ChunkId {
-        blob: Digest::from_str(hex).ok()?,
-        index: index.parse().ok()?,
-    };
-    (hex.starts_with(shard) && id.index.to_string() == index).then_some(id)
+/// `<blob hex>` in shard directory `shard`, exactly as [`DiskCache`] names it.
+fn parse_blob_name(shard: &str, name: &str) -> Option<Digest> {
+    let blob = Digest::from_str(name).ok()?;
+    (name.starts_with(shard) && blob.to_hex() == name).then_some(blob)
+}
+
+/// Punch out every data range of the blob file at `path` outside the chunks `indexed`;
+/// returns how many chunk ranges were punched.
+fn punch_unindexed(path: &Path, indexed: &HashSet<u64>) -> Result<u64> {
+    use rustix::fs::SeekFrom;
+    let file = (OpenOptions::new().read(true).write(true))
+        .open(path)
+        .map_err(|e| Error::io("open blob file", path, e))?;
+    let len = (file.metadata())
+        .map_err(|e| Error::io("stat blob file", path, e))?
+        .len();
+    let mut punched = 0;
+    let mut at = 0u64;
+    while at < len {
+        let data = match rustix::fs::seek(&file, SeekFrom::Data(at)) {
+            Ok(d) => d,
+            Err(rustix::io::Errno::NXIO) => break,
+            Err(e) => return Err(Error::io("seek blob file", path, e.into())),
+        };
+        let hole = match rustix::fs::seek(&file, SeekFrom::Hole(data)) {
+            Ok(h) => h,
+            Err(e) => return Err(Error::io("seek blob file", path, e.into())),
+        };
+        let mut index = data / CHUNK_SIZE;
+        while index * CHUNK_SIZE < hole {
+            if !indexed.contains(&index) {
+                punch_range(&file, index * CHUNK_SIZE, CHUNK_SIZE)
+                    .map_err(|e| Error::io("punch blob file", path, e))?;
+                punched += 1;
+            }
+            index += 1;
+        }
+        at = hole.max(at + 1);
+    }
+    Ok(punched)
+}
+
+fn punch_range(file: &File, at: u64, len: u64) -> io::Result<()> {
+    use rustix::fs::FallocateFlags;
+    match rustix::fs::fallocate(
+        file,
+        FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
+        at,
+        len,
+    ) {
+        Ok(()) => Ok(()),
+        Err(e) => Err(e.into()),
+    }
 }
 
 fn remove_file(path: &Path) -> Result<()> {
@@ -1094,6 +1460,12 @@ fn sync_dir(dir: &Path) -> Result<()> {
 fn free_bytes(path: &Path) -> Option<u64> {
     let vfs = rustix::fs::statvfs(path).ok()?;
     Some(vfs.f_bavail.saturating_mul(vfs.f_frsize))
+}
+
+/// Bytes of the blocks allocated to a file (not its apparent size): what a sparse blob file
+/// really takes.
+pub fn allocated_bytes(meta: &fs::Metadata) -> u64 {
+    meta.blocks().saturating_mul(512)
 }
 
 fn is_nospace(e: &io::Error) -> bool {
@@ -1115,49 +1487,85 @@ fn rocks_error(index_dir: &Path, what: &str, e: rocksdb::Error) -> Error {
     }
 }
 
-/// Fill `buf` from `file` at `at`. `Ok(false)`: with `RWF_NOWAIT`, not all of it was in the
-/// page cache (nothing is lost; read again without the flag).
+enum ReadOutcome {
+    Full,
+    /// End of file before the buffer was full.
+    Short,
+    /// With `RWF_NOWAIT`, not all of it was in the page cache (read again without the flag).
+    WouldBlock,
+}
+
+/// Read `len` bytes at `at` into `buf`'s spare capacity (no zeroing first).
+fn read_uninit(
+    file: &File,
+    buf: &mut Vec<u8>,
+    len: usize,
+    mut at: u64,
+    flags: rustix::io::ReadWriteFlags,
+) -> io::Result<ReadOutcome> {
+    buf.clear();
+    buf.reserve_exact(len);
+    while buf.len() < len {
+        let want = len - buf.len();
+        let spare = &mut buf.spare_capacity_mut()[..want];
+        let iov = libc::iovec {
+            iov_base: spare.as_mut_ptr().cast(),
+            iov_len: want,
+        };
+        let off = libc::off_t::try_from(at)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "offset out of range"))?;
+        // SAFETY: `iov` describes `want` bytes of `buf`'s spare capacity, which is writable
+        // and stays alive (and unaliased) for the call; the kernel writes at most that many.
+        let n = unsafe { libc::preadv2(file.as_raw_fd(), &iov, 1, off, flags.bits() as i32) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            match rustix::io::Errno::from_io_error(&e) {
+                Some(rustix::io::Errno::AGAIN | rustix::io::Errno::OPNOTSUPP)
+                    if flags.contains(rustix::io::ReadWriteFlags::NOWAIT) =>
+                {
+                    return Ok(ReadOutcome::WouldBlock)
+                }
+                Some(rustix::io::Errno::INTR) => continue,
+                _ => return Err(e),
+            }
+        }
+        if n == 0 {
+            return Ok(ReadOutcome::Short);
+        }
+        let n = n as usize;
+        // SAFETY: `preadv2` initialised the first `n` (<= `want`) bytes of the spare capacity.
+        unsafe { buf.set_len(buf.len() + n) };
+        at += n as u64;
+    }
+    Ok(ReadOutcome::Full)
+}
+
+/// Fill `buf` from `file` at `at` (an error at end of file).
 fn read_exact_flags(
     file: &File,
     buf: &mut [u8],
-    mut at: u64,
+    at: u64,
     flags: rustix::io::ReadWriteFlags,
-) -> io::Result<bool> {
-    let mut done = 0;
-    while done < buf.len() {
-        let mut slices = [io::IoSliceMut::new(&mut buf[done..])];
-        match rustix::io::preadv2(file, &mut slices, at, flags) {
-            Ok(0) => {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    "chunk file shorter than its index entry",
-                ))
-            }
-            Ok(n) => {
-                done += n;
-                at += n as u64;
-            }
-            Err(rustix::io::Errno::AGAIN) if flags.contains(rustix::io::ReadWriteFlags::NOWAIT) => {
-                return Ok(false)
-            }
-            Err(rustix::io::Errno::OPNOTSUPP)
-                if flags.contains(rustix::io::ReadWriteFlags::NOWAIT) =>
-            {
-                return Ok(false)
-            }
-            Err(rustix::io::Errno::INTR) => {}
-            Err(e) => return Err(e.into()),
+) -> io::Result<()> {
+    let mut v = Vec::new();
+    match read_uninit(file, &mut v, buf.len(), at, flags)? {
+        ReadOutcome::Full => {
+            buf.copy_from_slice(&v);
+            Ok(())
         }
+        _ => Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "blob file shorter than its indexed chunks",
+        )),
     }
-    Ok(true)
 }
 
 /// Decoders of the index's keys and values, exposed for the fuzz target (`fuzz/`): they must
 /// reject any malformed input without panicking.
 #[doc(hidden)]
 pub fn fuzz_decode_index(key: &[u8], value: &[u8]) {
-    if let Some(id) = decode_key(key) {
-        assert_eq!(chunk_key(&id)[..], key[..]);
+    if let Some((tag, id)) = decode_key(key) {
+        assert_eq!(key_with(tag, &id)[..], key[..]);
     }
     if let Some(entry) = decode_entry(value) {
         assert_eq!(encode_entry(entry)[..], value[..]);
