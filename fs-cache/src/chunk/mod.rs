@@ -2,7 +2,8 @@
 //!
 //! - [`table`]: the chunk table of a blob (per-chunk blake3 digests), its byte layout, and how
 //!   it is built while a blob is stored.
-//! - [`disk`]: level 2, chunk files on local disk with a RocksDB index that survives restarts.
+//! - [`disk`]: level 2, one sparse file per blob on local disk with a RocksDB index that
+//!   survives restarts.
 //! - [`cache`]: the cache itself: level 1 in memory, misses coalesced into ranged backend
 //!   requests, concurrent misses shared, every chunk verified before it is kept or served.
 
