@@ -27,8 +27,9 @@ use std::path::{Path, PathBuf};
 use zerocopy::IntoBytes;
 
 use crate::ondisk::{ChunkIndex, DeviceSlot, BLOCK_SIZE, CHUNK_FORMAT_INDEXES, NULL_ADDR};
-use crate::writer::{build, data_extent, read_exact_at, tmp_path, write_nonzero};
-use crate::{io_err, BuildOptions, BuildStats, Error, Result};
+use crate::source::ProgressGuard;
+use crate::writer::{build, tmp_path, write_nonzero, DataFile};
+use crate::{io_err, BuildOptions, BuildStats, Error, Result, Source};
 
 /// log2 of the chunk size in blocks (256 KiB / 4 KiB = 2^6).
 pub const CHUNK_BLKBITS: u16 = 6;
@@ -84,9 +85,22 @@ fn hex(b: &[u8]) -> String {
 
 /// Builds a lazy layer from the tree at `src_dir`: the meta image at `meta_out` and the data
 /// blob at `blob_out` (each replaced atomically by a rename: the meta image first, then the
-/// blob; on error neither temporary file is left behind).
+/// blob; on error neither temporary file is left behind). The same as [`build_layer_from`]
+/// with [`Source::Dir`].
 pub fn build_layer(
     src_dir: &Path,
+    meta_out: &Path,
+    blob_out: &Path,
+    opts: &LayerOptions,
+) -> Result<LayerStats> {
+    build_layer_from(Source::Dir(src_dir.to_path_buf()), meta_out, blob_out, opts)
+}
+
+/// Builds a lazy layer from `source` (a directory, an overlay upper or a layer tar stream,
+/// see [`Source`]); outputs and atomicity as in [`build_layer`]. A tar stream's spool goes
+/// to [`crate::TarOptions::temp_dir`] or the meta image's directory.
+pub fn build_layer_from(
+    source: Source,
     meta_out: &Path,
     blob_out: &Path,
     opts: &LayerOptions,
@@ -105,7 +119,7 @@ pub fn build_layer(
             return Err(e);
         }
     };
-    let meta = build(src_dir, meta_out, &opts.build, Some(&mut blob));
+    let meta = build(source, meta_out, &opts.build, Some(&mut blob));
     let done = meta.and_then(|meta| {
         std::fs::rename(&blob_tmp, blob_out).map_err(io_err(format!(
             "rename {} to {}",
@@ -182,22 +196,16 @@ impl BlobWriter {
         })
     }
 
-    /// Streams the regular file at `path` (`size` bytes, as scanned) into the blob and
-    /// appends its `ceil(size / CHUNK_SIZE)` chunk indexes to `idx`.
-    pub(crate) fn add_file(&mut self, path: &Path, size: u64, idx: &mut Vec<u8>) -> Result<()> {
-        let changed = || Error::SourceChanged {
-            path: path.to_path_buf(),
-        };
-        let read_ctx = || format!("read {}", path.display());
-        let f = OpenOptions::new()
-            .read(true)
-            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-            .open(path)
-            .map_err(io_err(format!("open {}", path.display())))?;
-        let meta = f.metadata().map_err(io_err(read_ctx()))?;
-        if !meta.is_file() || meta.len() != size {
-            return Err(changed());
-        }
+    /// Streams one regular file into the blob and appends its `ceil(size / CHUNK_SIZE)`
+    /// chunk indexes to `idx`.
+    pub(crate) fn add_file(
+        &mut self,
+        f: &DataFile<'_>,
+        idx: &mut Vec<u8>,
+        progress: &ProgressGuard<'_>,
+    ) -> Result<()> {
+        let size = f.size;
+        let read_ctx = || format!("read {}", f.path.display());
         let nchunks = size.div_ceil(CHUNK_SIZE);
         let hole = ChunkIndex {
             startblk_lo: NULL_ADDR.into(),
@@ -208,7 +216,7 @@ impl BlobWriter {
             let start = c * CHUNK_SIZE;
             let len = (size - start).min(CHUNK_SIZE);
             // Skip whole chunks that lie in a source hole without reading them.
-            let next_data = match data_extent(&f, start) {
+            let next_data = match f.extent(start) {
                 Ok(Some((d, _))) => d,
                 Ok(None) => size,
                 Err(e) => return Err(io_err(read_ctx())(e)),
@@ -219,11 +227,13 @@ impl BlobWriter {
                     idx.extend_from_slice(hole.as_bytes());
                 }
                 self.hole_chunks += next - c;
+                progress.wrote(0, (next * CHUNK_SIZE).min(size) - start);
                 c = next;
                 continue;
             }
             let mut buf = std::mem::take(&mut self.buf);
-            let r = read_exact_at(&f, &mut buf[..len as usize], start, path)
+            let r = f
+                .read_exact_at(&mut buf[..len as usize], start)
                 .and_then(|()| self.store(&buf[..len as usize]));
             self.buf = buf;
             match r? {
@@ -241,14 +251,10 @@ impl BlobWriter {
                     self.chunks += 1;
                 }
             }
+            progress.wrote(0, len);
             c += 1;
         }
-        let mut probe = [0u8; 1];
-        match f.read_at(&mut probe, size) {
-            Ok(0) => Ok(()),
-            Ok(_) => Err(changed()),
-            Err(e) => Err(io_err(read_ctx())(e)),
-        }
+        f.check_end()
     }
 
     /// Stores one chunk's bytes (unless all zero: `None`) and returns its start block.

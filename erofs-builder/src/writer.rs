@@ -21,7 +21,8 @@ use crate::ondisk::{
     DATALAYOUT_FLAT_PLAIN, DEVT_SLOT_SIZE, EROFS_MAGIC, ISLOT_SIZE, I_VERSION_EXTENDED, NAME_LEN,
     SUPER_OFFSET, XATTR_PREFIXES,
 };
-use crate::{io_err, Error, Result};
+use crate::source::{create_spool, overlay_xattr, OverlayXattr, Phase, ProgressGuard};
+use crate::{io_err, Error, Progress, Result, Source, TarOptions};
 
 /// Options for [`build_image`]. `Default` gives a deterministic, checksummed image.
 #[derive(Debug, Clone)]
@@ -41,6 +42,10 @@ pub struct BuildOptions {
     pub checksum: bool,
     /// fsync the image before renaming it into place (default true).
     pub fsync: bool,
+    /// Limits and the spool directory for [`Source::Tar`] input.
+    pub tar: TarOptions,
+    /// Counters updated while building (see [`Progress`]); `None`: no reporting.
+    pub progress: Option<Progress>,
 }
 
 impl Default for BuildOptions {
@@ -52,6 +57,8 @@ impl Default for BuildOptions {
             xattrs: true,
             checksum: true,
             fsync: true,
+            tar: TarOptions::default(),
+            progress: None,
         }
     }
 }
@@ -81,10 +88,10 @@ pub struct BuildStats {
 }
 
 /// One xattr as (EROFS name index, name suffix, value).
-type Xattr = (u8, Vec<u8>, Vec<u8>);
+pub(crate) type Xattr = (u8, Vec<u8>, Vec<u8>);
 
 #[derive(Debug)]
-enum Kind {
+pub(crate) enum Kind {
     Reg,
     Dir {
         children: Vec<(Vec<u8>, usize)>,
@@ -94,10 +101,12 @@ enum Kind {
     Special(u8),
 }
 
+/// One inode of the tree being written.
 #[derive(Debug)]
-struct Node {
-    path: PathBuf,
-    kind: Kind,
+pub(crate) struct Node {
+    /// The source path (directory input), or the archive path (tar input; for messages).
+    pub(crate) path: PathBuf,
+    pub(crate) kind: Kind,
     mode: u16,
     uid: u32,
     gid: u32,
@@ -105,9 +114,11 @@ struct Node {
     mtime_nsec: u32,
     size: u64,
     rdev: u32,
-    nlink: u32,
+    pub(crate) nlink: u32,
     /// (name index, suffix, value), sorted.
     xattrs: Vec<Xattr>,
+    /// Tar input: where the file's data starts in the spool (4 KiB aligned).
+    spool: Option<u64>,
     // Layout results.
     extended: bool,
     inline: bool,
@@ -118,6 +129,40 @@ struct Node {
 }
 
 impl Node {
+    /// A node for a tree that does not come from a directory walk (tar input).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        path: PathBuf,
+        kind: Kind,
+        mode: u16,
+        (uid, gid): (u32, u32),
+        (mtime, mtime_nsec): (i64, u32),
+        size: u64,
+        rdev: u32,
+        xattrs: Vec<Xattr>,
+        spool: Option<u64>,
+    ) -> Self {
+        Node {
+            path,
+            kind,
+            mode,
+            uid,
+            gid,
+            mtime,
+            mtime_nsec,
+            size,
+            rdev,
+            nlink: 1,
+            xattrs,
+            spool,
+            extended: false,
+            inline: false,
+            chunked: false,
+            pos: 0,
+            blkaddr: 0,
+        }
+    }
+
     fn file_type(&self) -> u8 {
         match &self.kind {
             Kind::Reg => ft::REG,
@@ -156,8 +201,23 @@ impl Node {
 ///
 /// Regular files, directories, symlinks, hard links, devices, fifos and sockets are kept
 /// with their mode (incl. setuid/setgid/sticky), uid, gid, mtime (ns) and xattrs.
+/// The same as [`build_image_from`] with [`Source::Dir`].
 pub fn build_image(src_dir: &Path, out: &Path, opts: &BuildOptions) -> Result<BuildStats> {
-    build(src_dir, out, opts, None)
+    build(Source::Dir(src_dir.to_path_buf()), out, opts, None)
+}
+
+/// Builds a full EROFS image of `source` (a directory, an overlay upper or a layer tar
+/// stream, see [`Source`]) into `out` (replaced atomically; on error nothing is left).
+pub fn build_image_from(source: Source, out: &Path, opts: &BuildOptions) -> Result<BuildStats> {
+    build(source, out, opts, None)
+}
+
+/// The directory temporary files for `out` go to.
+pub(crate) fn dir_of(out: &Path) -> PathBuf {
+    match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
 }
 
 /// The temporary name `out` is written under before the rename.
@@ -172,7 +232,7 @@ pub(crate) fn tmp_path(out: &Path) -> PathBuf {
 /// Builds the image at `out`; in layer mode (`blob` given) regular file data goes to the
 /// blob (chunk-based inodes, device 1) and the image holds metadata only.
 pub(crate) fn build(
-    src_dir: &Path,
+    source: Source,
     out: &Path,
     opts: &BuildOptions,
     blob: Option<&mut crate::layer::BlobWriter>,
@@ -183,12 +243,34 @@ pub(crate) fn build(
             reason: "volume name longer than 16 bytes".into(),
         });
     }
-    let mut nodes = scan(src_dir, opts)?;
+    let progress = ProgressGuard(opts.progress.as_ref());
+    progress.phase(Phase::Scan);
+    let (mut nodes, spool) = match source {
+        Source::Dir(p) => (scan(&p, opts, false, &progress)?, None),
+        Source::OverlayUpper(p) => (scan(&p, opts, true, &progress)?, None),
+        Source::Tar(r) => {
+            let dir = opts.tar.temp_dir.clone().unwrap_or_else(|| dir_of(out));
+            let spool = create_spool(&dir)?;
+            (
+                crate::tar::read_tar(r, &spool, opts, &progress)?,
+                Some(spool),
+            )
+        }
+    };
     let (epoch, epoch_nsec) = opts.epoch.unwrap_or((nodes[0].mtime, nodes[0].mtime_nsec));
     let total_blocks = layout(&mut nodes, epoch, epoch_nsec, blob.is_some())?;
+    let regular = nodes.iter().filter(|n| matches!(n.kind, Kind::Reg));
+    let (files, bytes) = regular.fold((0, 0), |(f, b), n| (f + 1, b + n.size));
+    progress.totals(files, bytes);
+    progress.phase(Phase::Write);
 
     let tmp = tmp_path(out);
-    let result = write_image(&nodes, &tmp, opts, epoch, epoch_nsec, total_blocks, blob);
+    let w = Writing {
+        nodes: &nodes,
+        spool: spool.as_ref(),
+        progress: &progress,
+    };
+    let result = write_image(&w, &tmp, opts, epoch, epoch_nsec, total_blocks, blob);
     let stats = match result {
         Ok(s) => s,
         Err(e) => {
@@ -211,7 +293,12 @@ pub(crate) fn build(
 // Scan
 // ---------------------------------------------------------------------------------------
 
-fn scan(root: &Path, opts: &BuildOptions) -> Result<Vec<Node>> {
+fn scan(
+    root: &Path,
+    opts: &BuildOptions,
+    upper: bool,
+    progress: &ProgressGuard<'_>,
+) -> Result<Vec<Node>> {
     let meta =
         std::fs::symlink_metadata(root).map_err(io_err(format!("lstat {}", root.display())))?;
     if !meta.is_dir() {
@@ -220,7 +307,7 @@ fn scan(root: &Path, opts: &BuildOptions) -> Result<Vec<Node>> {
             reason: "the source root is not a directory".into(),
         });
     }
-    let mut nodes = vec![new_node(root, &meta, opts)?];
+    let mut nodes = vec![new_node(root, &meta, opts, upper)?];
     nodes[0].kind = Kind::Dir {
         children: Vec::new(),
         parent: 0,
@@ -260,7 +347,8 @@ fn scan(root: &Path, opts: &BuildOptions) -> Result<Vec<Node>> {
                     continue;
                 }
             }
-            let mut node = new_node(&path, &meta, opts)?;
+            progress.scanned(1, if meta.is_file() { meta.len() } else { 0 });
+            let mut node = new_node(&path, &meta, opts, upper)?;
             let idx = nodes.len();
             if meta.is_dir() {
                 node.kind = Kind::Dir {
@@ -285,7 +373,12 @@ fn scan(root: &Path, opts: &BuildOptions) -> Result<Vec<Node>> {
     Ok(nodes)
 }
 
-fn new_node(path: &Path, meta: &std::fs::Metadata, opts: &BuildOptions) -> Result<Node> {
+fn new_node(
+    path: &Path,
+    meta: &std::fs::Metadata,
+    opts: &BuildOptions,
+    upper: bool,
+) -> Result<Node> {
     let ftype = meta.file_type();
     let unsupported = |reason: &str| Error::UnsupportedInput {
         path: path.to_path_buf(),
@@ -333,7 +426,7 @@ fn new_node(path: &Path, meta: &std::fs::Metadata, opts: &BuildOptions) -> Resul
     };
     let mode = u16::try_from(meta.mode()).map_err(|_| unsupported("mode does not fit 16 bits"))?;
     let xattrs = if opts.xattrs {
-        read_xattrs(path)?
+        read_xattrs(path, upper)?
     } else {
         Vec::new()
     };
@@ -350,6 +443,7 @@ fn new_node(path: &Path, meta: &std::fs::Metadata, opts: &BuildOptions) -> Resul
         rdev,
         nlink: 1,
         xattrs,
+        spool: None,
         extended: false,
         inline: false,
         chunked: false,
@@ -367,7 +461,7 @@ impl IntoVec for std::ffi::OsString {
     }
 }
 
-fn read_xattrs(path: &Path) -> Result<Vec<Xattr>> {
+fn read_xattrs(path: &Path, upper: bool) -> Result<Vec<Xattr>> {
     let ctx = || format!("list xattrs of {}", path.display());
     let names = loop {
         let n = match rustix::fs::llistxattr_query(path) {
@@ -390,26 +484,48 @@ fn read_xattrs(path: &Path) -> Result<Vec<Xattr>> {
     };
     let mut out = Vec::new();
     for name in names.split(|&b| b == 0).filter(|n| !n.is_empty()) {
-        let Some((index, suffix)) = split_xattr_name(name) else {
-            return Err(Error::UnsupportedInput {
-                path: path.to_path_buf(),
-                reason: format!(
-                    "xattr {:?} has no EROFS name index",
-                    String::from_utf8_lossy(name)
-                ),
-            });
-        };
-        let value = read_xattr_value(path, name)?;
-        if value.len() > usize::from(u16::MAX) || suffix.len() > NAME_LEN {
-            return Err(Error::UnsupportedInput {
-                path: path.to_path_buf(),
-                reason: format!("xattr {:?} too large", String::from_utf8_lossy(name)),
-            });
+        if upper {
+            match overlay_xattr(name) {
+                OverlayXattr::Keep => {}
+                OverlayXattr::Drop => continue,
+                OverlayXattr::Refuse => {
+                    return Err(Error::UnsupportedInput {
+                        path: path.to_path_buf(),
+                        reason: format!(
+                            "overlayfs xattr {:?}: the upper does not hold the data or \
+                             directory contents (mount the overlay with redirect_dir=off \
+                             and metacopy=off)",
+                            String::from_utf8_lossy(name)
+                        ),
+                    })
+                }
+            }
         }
-        out.push((index, suffix.to_vec(), value));
+        let value = read_xattr_value(path, name)?;
+        out.push(make_xattr(path, name, value)?);
     }
     out.sort();
     Ok(out)
+}
+
+/// Checks one xattr (full name) and splits it into the writer's form.
+pub(crate) fn make_xattr(path: &Path, name: &[u8], value: Vec<u8>) -> Result<Xattr> {
+    let Some((index, suffix)) = split_xattr_name(name) else {
+        return Err(Error::UnsupportedInput {
+            path: path.to_path_buf(),
+            reason: format!(
+                "xattr {:?} has no EROFS name index",
+                String::from_utf8_lossy(name)
+            ),
+        });
+    };
+    if value.len() > usize::from(u16::MAX) || suffix.len() > NAME_LEN {
+        return Err(Error::UnsupportedInput {
+            path: path.to_path_buf(),
+            reason: format!("xattr {:?} too large", String::from_utf8_lossy(name)),
+        });
+    }
+    Ok((index, suffix.to_vec(), value))
 }
 
 fn read_xattr_value(path: &Path, name: &[u8]) -> Result<Vec<u8>> {
@@ -642,8 +758,16 @@ fn layout(nodes: &mut [Node], epoch: i64, epoch_nsec: u32, layer: bool) -> Resul
 // Write
 // ---------------------------------------------------------------------------------------
 
+/// What the write pass reads from.
+pub(crate) struct Writing<'a> {
+    pub(crate) nodes: &'a [Node],
+    /// The tar spool, when the source was a tar stream.
+    pub(crate) spool: Option<&'a File>,
+    pub(crate) progress: &'a ProgressGuard<'a>,
+}
+
 fn write_image(
-    nodes: &[Node],
+    w: &Writing<'_>,
     tmp: &Path,
     opts: &BuildOptions,
     epoch: i64,
@@ -651,6 +775,7 @@ fn write_image(
     total_blocks: u32,
     mut blob: Option<&mut crate::layer::BlobWriter>,
 ) -> Result<BuildStats> {
+    let nodes = w.nodes;
     let ctx = || format!("write {}", tmp.display());
     let out = OpenOptions::new()
         .write(true)
@@ -671,17 +796,17 @@ fn write_image(
     let jobs: Vec<usize> = nodes
         .iter()
         .enumerate()
-        .filter(|(_, n)| matches!(n.kind, Kind::Reg) && !n.chunked && n.size <= PREFETCH_MAX)
+        .filter(|(_, n)| prefetched(n))
         .map(|(i, _)| i)
         .collect();
-    let prefetch = Prefetch::new(nodes, &jobs);
+    let prefetch = Prefetch::new(nodes, &jobs, w.spool);
     std::thread::scope(|s| {
         let _stop = prefetch.stop_guard();
         for _ in 0..PREFETCH_THREADS.min(jobs.len()) {
             s.spawn(|| prefetch.reader());
         }
         write_nodes(
-            nodes,
+            w,
             &out,
             tmp,
             &mut blob,
@@ -692,6 +817,7 @@ fn write_image(
         )
     })?;
     stats.inodes = nodes.len() as u64;
+    w.progress.phase(Phase::Finish);
 
     let mut volume_name = [0u8; 16];
     volume_name[..opts.volume_name.len()].copy_from_slice(&opts.volume_name);
@@ -744,7 +870,7 @@ fn write_image(
 /// The per-node loop of [`write_image`]: inodes, xattrs, inline tails and data.
 #[allow(clippy::too_many_arguments)]
 fn write_nodes(
-    nodes: &[Node],
+    w: &Writing<'_>,
     out: &File,
     tmp: &Path,
     blob: &mut Option<&mut crate::layer::BlobWriter>,
@@ -753,6 +879,7 @@ fn write_nodes(
     copy_buf: &mut [u8],
     prefetch: &Prefetch<'_>,
 ) -> Result<()> {
+    let nodes = w.nodes;
     let ctx = || format!("write {}", tmp.display());
     let nid_of = |i: usize| nodes[i].pos / ISLOT_SIZE;
     for (i, n) in nodes.iter().enumerate() {
@@ -846,19 +973,23 @@ fn write_nodes(
                     .as_deref_mut()
                     .ok_or_else(|| Error::Corrupt("chunked inode without a blob".into()))?;
                 rec.resize(rec.len().next_multiple_of(8), 0);
-                blob.add_file(&n.path, n.size, rec)?;
+                let data = DataFile::open(n, w.spool)?;
+                blob.add_file(&data, rec, w.progress)?;
+                w.progress.wrote(1, 0);
             }
             Kind::Reg => {
                 stats.files += 1;
                 stats.data_bytes += n.size;
-                if n.size <= PREFETCH_MAX {
+                if prefetched(n) {
                     let data = prefetch.take(i)?;
                     let split = in_blocks as usize;
                     write_nonzero(out, &data[..split], data_off).map_err(io_err(ctx()))?;
                     rec[tail_slot].copy_from_slice(&data[split..]);
+                    w.progress.wrote(1, n.size);
                 } else {
+                    let data = DataFile::open(n, w.spool)?;
                     copy_file(
-                        n,
+                        &data,
                         out,
                         data_off,
                         in_blocks,
@@ -866,6 +997,7 @@ fn write_nodes(
                         copy_buf,
                         tmp,
                     )?;
+                    w.progress.wrote(1, n.size);
                 }
             }
             Kind::Dir { .. } => {
@@ -899,6 +1031,13 @@ fn write_nodes(
 
 /// Regular files up to this size are read ahead by [`Prefetch`] reader threads.
 const PREFETCH_MAX: u64 = 1 << 20;
+
+/// Whether node `n`'s data is read ahead: small regular files of a source tree. A tar
+/// spool was just written and is in the page cache: reading it ahead gains nothing and
+/// only parks memory.
+fn prefetched(n: &Node) -> bool {
+    matches!(n.kind, Kind::Reg) && !n.chunked && n.size <= PREFETCH_MAX && n.spool.is_none()
+}
 /// Reader threads of [`Prefetch`].
 const PREFETCH_THREADS: usize = 16;
 /// Upper bound on prefetched bytes not yet consumed by the writer.
@@ -910,6 +1049,7 @@ const PREFETCH_BUDGET: u64 = 32 << 20;
 /// job the writer needs next, so memory stays bounded and no deadlock is possible.
 struct Prefetch<'a> {
     nodes: &'a [Node],
+    spool: Option<&'a File>,
     jobs: &'a [usize],
     state: std::sync::Mutex<PrefetchState>,
     /// Signalled when the writer consumes a result or on stop (readers wait on it).
@@ -941,9 +1081,10 @@ impl Drop for StopGuard<'_, '_> {
 }
 
 impl<'a> Prefetch<'a> {
-    fn new(nodes: &'a [Node], jobs: &'a [usize]) -> Self {
+    fn new(nodes: &'a [Node], jobs: &'a [usize], spool: Option<&'a File>) -> Self {
         Prefetch {
             nodes,
+            spool,
             jobs,
             state: std::sync::Mutex::default(),
             readers: std::sync::Condvar::new(),
@@ -979,7 +1120,7 @@ impl<'a> Prefetch<'a> {
             }
             st.in_flight += size;
             drop(st);
-            let result = read_small_file(&self.nodes[self.jobs[j]]);
+            let result = read_small_file(&self.nodes[self.jobs[j]], self.spool);
             self.lock().done.insert(j, result);
             self.writer.notify_one();
         }
@@ -1041,18 +1182,75 @@ fn open_source(n: &Node) -> Result<File> {
 
 /// Reads a whole small regular file with the same checks as [`copy_file`]: it must still
 /// be a regular file of the scanned size. Holes read as zeros (and are skipped on write).
-fn read_small_file(n: &Node) -> Result<Vec<u8>> {
-    let read_ctx = || format!("read {}", n.path.display());
-    let f = open_source(n)?;
+fn read_small_file(n: &Node, spool: Option<&File>) -> Result<Vec<u8>> {
+    let f = DataFile::open(n, spool)?;
     let mut data = vec![0u8; n.size as usize];
-    read_exact_at(&f, &mut data, 0, &n.path)?;
-    let mut probe = [0u8; 1];
-    match f.read_at(&mut probe, n.size) {
-        Ok(0) => Ok(data),
-        Ok(_) => Err(Error::SourceChanged {
-            path: n.path.clone(),
-        }),
-        Err(e) => Err(io_err(read_ctx())(e)),
+    f.read_exact_at(&mut data, 0)?;
+    f.check_end()?;
+    Ok(data)
+}
+
+/// A regular file's data: an open source file (checked against the scanned size), or the
+/// file's range of the tar spool.
+pub(crate) struct DataFile<'a> {
+    handle: Handle<'a>,
+    base: u64,
+    pub(crate) size: u64,
+    pub(crate) path: &'a Path,
+}
+
+enum Handle<'a> {
+    Own(File),
+    Spool(&'a File),
+}
+
+impl<'a> DataFile<'a> {
+    pub(crate) fn open(n: &'a Node, spool: Option<&'a File>) -> Result<Self> {
+        let (handle, base) = match (n.spool, spool) {
+            (Some(base), Some(f)) => (Handle::Spool(f), base),
+            (Some(_), None) => return Err(Error::Corrupt("spooled file without a spool".into())),
+            (None, _) => (Handle::Own(open_source(n)?), 0),
+        };
+        Ok(DataFile {
+            handle,
+            base,
+            size: n.size,
+            path: &n.path,
+        })
+    }
+
+    fn file(&self) -> &File {
+        match &self.handle {
+            Handle::Own(f) => f,
+            Handle::Spool(f) => f,
+        }
+    }
+
+    /// Reads `buf.len()` bytes at `pos` of the file; a short read is [`Error::SourceChanged`].
+    pub(crate) fn read_exact_at(&self, buf: &mut [u8], pos: u64) -> Result<()> {
+        read_exact_at(self.file(), buf, self.base + pos, self.path)
+    }
+
+    /// The next data extent at or after `pos` as in [`data_extent`], in file offsets (it
+    /// may reach past the file's end; callers clamp).
+    pub(crate) fn extent(&self, pos: u64) -> std::io::Result<Option<(u64, u64)>> {
+        Ok(data_extent(self.file(), self.base + pos)?
+            .map(|(d, h)| (d - self.base, h.saturating_sub(self.base))))
+    }
+
+    /// A source file must end where the scan said (the spool cannot change).
+    pub(crate) fn check_end(&self) -> Result<()> {
+        let Handle::Own(f) = &self.handle else {
+            return Ok(());
+        };
+        let mut probe = [0u8; 1];
+        match f.read_at(&mut probe, self.size) {
+            Ok(0) => Ok(()),
+            Ok(_) => Err(Error::SourceChanged {
+                path: self.path.to_path_buf(),
+            }),
+            Err(e) => Err(io_err(format!("read {}", self.path.display()))(e)),
+        }
     }
 }
 
@@ -1060,7 +1258,7 @@ fn read_small_file(n: &Node) -> Result<Vec<u8>> {
 /// into `tail`. Source holes (`SEEK_DATA`/`SEEK_HOLE`) are not read, and all-zero blocks
 /// are not written: both stay holes in the image, which read as zero.
 fn copy_file(
-    n: &Node,
+    f: &DataFile<'_>,
     out: &File,
     data_off: u64,
     in_blocks: u64,
@@ -1068,14 +1266,10 @@ fn copy_file(
     buf: &mut [u8],
     tmp: &Path,
 ) -> Result<()> {
-    let changed = || Error::SourceChanged {
-        path: n.path.clone(),
-    };
-    let read_ctx = || format!("read {}", n.path.display());
-    let f = open_source(n)?;
+    let read_ctx = || format!("read {}", f.path.display());
     let mut pos = 0u64;
     while pos < in_blocks {
-        let (data, hole) = match data_extent(&f, pos) {
+        let (data, hole) = match f.extent(pos) {
             Ok(Some((d, h))) => (d, h.min(in_blocks)),
             Ok(None) => break,
             Err(e) => return Err(io_err(read_ctx())(e)),
@@ -1086,20 +1280,15 @@ fn copy_file(
         let mut off = data;
         while off < hole {
             let want = (hole - off).min(buf.len() as u64) as usize;
-            read_exact_at(&f, &mut buf[..want], off, &n.path)?;
+            f.read_exact_at(&mut buf[..want], off)?;
             write_nonzero(out, &buf[..want], data_off + off)
                 .map_err(io_err(format!("write {}", tmp.display())))?;
             off += want as u64;
         }
         pos = hole;
     }
-    read_exact_at(&f, tail, in_blocks, &n.path)?;
-    let mut probe = [0u8; 1];
-    match f.read_at(&mut probe, n.size) {
-        Ok(0) => Ok(()),
-        Ok(_) => Err(changed()),
-        Err(e) => Err(io_err(read_ctx())(e)),
-    }
+    f.read_exact_at(tail, in_blocks)?;
+    f.check_end()
 }
 
 /// The next data extent at or after `pos`: `(data_start, hole_start)`, or `None` when only

@@ -555,3 +555,17 @@ pub fn mount_erofs(image: &Path, devices: &[&Path], target: &Path) -> MountGuard
     .unwrap_or_else(|e| panic!("mount -t erofs {} (data {data:?}): {e}", image.display()));
     MountGuard(target.to_path_buf())
 }
+
+/// An overlayfs mount via mount(2) with the given options (`lowerdir=…,upperdir=…`).
+pub fn mount_overlay(data: &str, target: &Path) -> MountGuard {
+    let c = std::ffi::CString::new(data).unwrap();
+    rustix::mount::mount(
+        "overlay",
+        target,
+        "overlay",
+        rustix::mount::MountFlags::empty(),
+        Some(c.as_c_str()),
+    )
+    .unwrap_or_else(|e| panic!("mount -t overlay ({data}): {e}"));
+    MountGuard(target.to_path_buf())
+}
