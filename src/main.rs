@@ -3,7 +3,10 @@
 //! Every command takes `--store URL` (default: `$STRATA_HOME/store`, with `STRATA_HOME`
 //! defaulting to `~/.local/share/strata`) and `--json` for machine-readable output.
 
+mod bd_cmd;
+mod build_cmd;
 mod cache_cmd;
+mod node_cmd;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -47,11 +50,14 @@ enum Command {
     /// The node's chunk cache.
     #[command(subcommand)]
     Cache(CacheCmd),
-    /// Build a full EROFS image (all data inside) from a directory; the argument order of
-    /// `mkfs.erofs`. The kernel mounts it directly (`mount -t erofs`, file-backed).
+    /// Build a full EROFS image (all data inside) from a directory, a layer tar (--tar) or an
+    /// overlay upper (--upper); the argument order of `mkfs.erofs`. The kernel mounts it
+    /// directly (file-backed).
     Mkfs {
         image: PathBuf,
         source: PathBuf,
+        #[command(flatten)]
+        input: build_cmd::InputArgs,
         /// Build a lazy layer instead: IMAGE gets the metadata only, and file data goes to this
         /// blob in 256 KiB chunks (chunk-based files; mount with `device=BLOB`).
         #[arg(long)]
@@ -64,6 +70,21 @@ enum Command {
         #[arg(long)]
         no_xattrs: bool,
     },
+    /// Run the node daemon (one per machine, as root): the chunk cache, the FUSE blob files
+    /// and the layer mounts, served on <run-dir>/strata.sock. `strata mount` starts it when
+    /// it is not running.
+    Daemon(node_cmd::DaemonArgs),
+    /// Mount layers lazily: `strata mount REF... MOUNTPOINT` (first REF lowest; several
+    /// layers or --upper make an overlay). Prints the mountpoint.
+    Mount(node_cmd::MountArgs),
+    /// Unmount a `strata mount` and release the layers it used.
+    Umount(node_cmd::UmountArgs),
+    /// The node daemon's layers, mounts and cache counters.
+    Status(node_cmd::StatusArgs),
+    /// Layered block devices (OverlayBD) for microVM disks: create, serve (FUSE image file
+    /// or ublk), commit.
+    #[command(subcommand)]
+    Bd(bd_cmd::BdCommand),
     /// Remove blobs that no layer references (never blobs younger than --grace).
     Gc {
         /// Keep unreferenced blobs uploaded or leased within this period (e.g. 1h, 30m).
@@ -126,10 +147,13 @@ enum LayerCmd {
     Rm { layer: String },
     /// Push a manifest (JSON) whose blobs are already stored.
     Push { manifest: PathBuf },
-    /// Build a lazy layer from a directory (an EROFS meta image and a data blob of 256 KiB
-    /// chunks, with its chunk table) and push all of it under KIND/NAME:VERSION.
+    /// Build a lazy layer from a directory, a layer tar (--tar) or an overlay upper (--upper):
+    /// an EROFS meta image and a data blob of 256 KiB chunks, with its chunk table, all
+    /// pushed under KIND/NAME:VERSION.
     Build {
         source: PathBuf,
+        #[command(flatten)]
+        input: build_cmd::InputArgs,
         #[arg(long)]
         name: String,
         /// Layers this one is meant to be stacked on (recorded in the manifest).
@@ -154,14 +178,14 @@ fn strata_home() -> Result<PathBuf> {
     })
 }
 
-fn print_json<T: Serialize>(v: &T) -> Result<()> {
+pub(crate) fn print_json<T: Serialize>(v: &T) -> Result<()> {
     let mut out = std::io::stdout().lock();
     serde_json::to_writer_pretty(&mut out, v)?;
     writeln!(out)?;
     Ok(())
 }
 
-fn human(bytes: u64) -> String {
+pub(crate) fn human(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = bytes as f64;
     let mut u = 0;
@@ -356,23 +380,6 @@ async fn blob_get(store: &Store, digest: &str, output: Option<&Path>) -> Result<
     Ok(())
 }
 
-async fn build_layer(
-    source: &Path,
-    meta: &Path,
-    blob: &Path,
-    timestamp: Option<i64>,
-    no_xattrs: bool,
-) -> Result<erofs_builder::LayerStats> {
-    let mut opts = erofs_builder::LayerOptions::default();
-    opts.build.epoch = timestamp.map(|t| (t, 0));
-    opts.build.xattrs = !no_xattrs;
-    let (s, m, b) = (source.to_owned(), meta.to_owned(), blob.to_owned());
-    tokio::task::spawn_blocking(move || erofs_builder::build_layer(&s, &m, &b, &opts))
-        .await
-        .context("the layer builder stopped")?
-        .with_context(|| format!("build a layer from {}", source.display()))
-}
-
 fn layer_stats_json(meta: &Path, blob: &Path, s: &erofs_builder::LayerStats) -> serde_json::Value {
     serde_json::json!({
         "meta": meta.display().to_string(),
@@ -403,9 +410,17 @@ async fn run(cli: Cli) -> Result<()> {
         Some(s) => s,
         None => home.join("store").to_string_lossy().into_owned(),
     };
+    // Commands served by the node daemon do not open the store here.
+    let command = match cli.command {
+        Command::Daemon(args) => return node_cmd::daemon(args, &url, &cli.cache, &home).await,
+        Command::Mount(args) => return node_cmd::mount(args, &url, &cli.cache, cli.json),
+        Command::Umount(args) => return node_cmd::umount(args, cli.json),
+        Command::Status(args) => return node_cmd::status(args, cli.json),
+        other => other,
+    };
     let backend = open_backend(&url).await?;
     let store = Store::new(backend);
-    match cli.command {
+    match command {
         Command::Blob(BlobCmd::Put {
             paths,
             verify,
@@ -436,8 +451,12 @@ async fn run(cli: Cli) -> Result<()> {
             result?;
         }
         Command::Cache(CacheCmd::Stats) => {
-            let cache = cache_cmd::open(store.clone(), &cli.cache, &home).await?;
-            let stats = cache.stats();
+            let stats = match node_cmd::running_daemon_cache_stats() {
+                Some(s) => s,
+                None => cache_cmd::open(store.clone(), &cli.cache, &home)
+                    .await?
+                    .stats(),
+            };
             if cli.json {
                 print_json(&stats)?;
             } else {
@@ -533,6 +552,7 @@ async fn run(cli: Cli) -> Result<()> {
         }
         Command::Layer(LayerCmd::Build {
             source,
+            input,
             name,
             parents,
             timestamp,
@@ -549,7 +569,10 @@ async fn run(cli: Cli) -> Result<()> {
             let tmp = tempfile::tempdir_in(&tmp_root).context("create a build directory")?;
             let (meta_path, blob_path) = (tmp.path().join("meta.erofs"), tmp.path().join("blob"));
             let started = Instant::now();
-            let stats = build_layer(&source, &meta_path, &blob_path, timestamp, no_xattrs).await?;
+            let stats = build_cmd::build_layer(
+                &input, &source, &meta_path, &blob_path, timestamp, no_xattrs, cli.json,
+            )
+            .await?;
             let built = started.elapsed().as_secs_f64();
             let meta = store
                 .put_blob_file(&meta_path)
@@ -562,7 +585,6 @@ async fn run(cli: Cli) -> Result<()> {
             if blob.digest.0 != stats.blob_blake3 {
                 anyhow::bail!("the data blob changed between build and upload");
             }
-            let source_abs = std::fs::canonicalize(&source).unwrap_or(source.clone());
             let mut manifest = Manifest::new(
                 layer.clone(),
                 Some(fs_cache::BlobRef {
@@ -573,7 +595,7 @@ async fn run(cli: Cli) -> Result<()> {
                     digest: blob.digest,
                     size: blob.size,
                 }],
-                format!("dir:{}", source_abs.display()),
+                input.describe(&source),
             );
             manifest.parents = parents;
             let outcome = store.push_manifest(&manifest).await?;
@@ -621,11 +643,15 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Mkfs {
             image,
             source,
+            input,
             blobdev: Some(blob),
             timestamp,
             no_xattrs,
         } => {
-            let stats = build_layer(&source, &image, &blob, timestamp, no_xattrs).await?;
+            let stats = build_cmd::build_layer(
+                &input, &source, &image, &blob, timestamp, no_xattrs, cli.json,
+            )
+            .await?;
             if cli.json {
                 print_json(&layer_stats_json(&image, &blob, &stats))?;
             } else {
@@ -645,21 +671,15 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Mkfs {
             image,
             source,
+            input,
             blobdev: None,
             timestamp,
             no_xattrs,
         } => {
-            let mut opts = erofs_builder::BuildOptions::default();
-            opts.epoch = timestamp.map(|t| (t, 0));
-            opts.xattrs = !no_xattrs;
             let started = Instant::now();
-            let stats = tokio::task::spawn_blocking({
-                let (image, source) = (image.clone(), source.clone());
-                move || erofs_builder::build_image(&source, &image, &opts)
-            })
-            .await
-            .context("the image builder stopped")?
-            .with_context(|| format!("build {} from {}", image.display(), source.display()))?;
+            let stats =
+                build_cmd::build_image(&input, &source, &image, timestamp, no_xattrs, cli.json)
+                    .await?;
             let seconds = started.elapsed().as_secs_f64();
             let size = std::fs::metadata(&image).map(|m| m.len()).unwrap_or(0);
             if cli.json {
@@ -684,6 +704,10 @@ async fn run(cli: Cli) -> Result<()> {
                     seconds
                 );
             }
+        }
+        Command::Bd(cmd) => bd_cmd::run(cmd, &store, &cli.cache, &home, cli.json).await?,
+        Command::Daemon(_) | Command::Mount(_) | Command::Umount(_) | Command::Status(_) => {
+            anyhow::bail!("internal: node commands are dispatched before the store is opened")
         }
         Command::Gc { grace, dry_run } => {
             let report = gc::collect(&store, GcOptions { grace, dry_run }).await?;

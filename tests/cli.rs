@@ -343,3 +343,356 @@ fn layer_build_pushes_a_lazy_layer_that_reads_back() {
     assert!(part.status.success());
     assert_eq!(part.stdout.len(), 4096);
 }
+
+/// Root only (mount(2), FUSE); prints a loud SKIPPED line otherwise (a failure under CI).
+fn require_root(test: &str) -> bool {
+    if rustix::process::geteuid().is_root() {
+        return true;
+    }
+    use std::io::Write;
+    let _ =
+        std::io::stderr().write_all(format!("\n*** SKIPPED {test}: needs root ***\n\n").as_bytes());
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "{test} must run as root under CI"
+    );
+    false
+}
+
+fn pid_alive(pid: i32) -> bool {
+    // A zombie (dead, not yet reaped by whoever adopted it) counts as gone.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            s.rsplit_once(')')
+                .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z'))
+        })
+        .unwrap_or(false)
+}
+
+fn wait_gone(pid: i32) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while pid_alive(pid) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "pid {pid} did not exit"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+/// Stops every daemon on `run_dir` (the child it holds, and one started by `strata mount`,
+/// found by its pid file) and detaches whatever is still mounted from it, also on failure.
+struct DaemonGuard {
+    run_dir: std::path::PathBuf,
+    child: Option<std::process::Child>,
+    mountpoints: Vec<std::path::PathBuf>,
+}
+
+impl DaemonGuard {
+    fn pid(&self) -> Option<i32> {
+        let text = std::fs::read_to_string(self.run_dir.join("strata.pid")).ok()?;
+        let pid: i32 = text.trim().parse().ok()?;
+        pid_alive(pid).then_some(pid)
+    }
+
+    fn signal(pid: i32, sig: rustix::process::Signal) {
+        if let Some(p) = rustix::process::Pid::from_raw(pid) {
+            let _ = rustix::process::kill_process(p, sig);
+        }
+    }
+}
+
+impl Drop for DaemonGuard {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        if let Some(pid) = self.pid() {
+            Self::signal(pid, rustix::process::Signal::KILL);
+            wait_gone(pid);
+        }
+        for m in &self.mountpoints {
+            let _ = rustix::mount::unmount(m, rustix::mount::UnmountFlags::DETACH);
+        }
+        let _ = ublk_daemon::node::sys::detach_stale(&self.run_dir);
+    }
+}
+
+fn ours_mounted(run_dir: &Path, mp: &Path) -> Vec<String> {
+    ublk_daemon::node::sys::mounts()
+        .unwrap()
+        .into_iter()
+        .filter(|m| ublk_daemon::node::sys::is_ours(m, run_dir) || m.mount_point == mp)
+        .map(|m| format!("{} {}", m.fstype, m.mount_point.display()))
+        .collect()
+}
+
+#[test]
+fn mount_umount_status_crash_and_sigterm() {
+    if !require_root("mount_umount_status_crash_and_sigterm") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let run_dir = tmp.path().join("run");
+    let mp = tmp.path().join("mnt");
+    let mut guard = DaemonGuard {
+        run_dir: run_dir.clone(),
+        child: None,
+        mountpoints: vec![mp.clone()],
+    };
+    std::fs::create_dir(&mp).unwrap();
+    let src = tmp.path().join("src");
+    std::fs::create_dir_all(src.join("sub")).unwrap();
+    let big: Vec<u8> = (0..3_000_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    std::fs::write(src.join("big.bin"), &big).unwrap();
+    std::fs::write(src.join("sub/hello.txt"), b"hello").unwrap();
+    std::os::unix::fs::symlink("sub/hello.txt", src.join("link")).unwrap();
+    let cmd = || {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_strata"));
+        c.env("STRATA_HOME", tmp.path().join("home"))
+            .env("STRATA_RUN_DIR", &run_dir)
+            .arg("--store")
+            .arg(&store);
+        c
+    };
+    let run = |args: &[&str]| cmd().args(args).output().unwrap();
+    ok(run(&[
+        "layer",
+        "build",
+        src.to_str().unwrap(),
+        "--name",
+        "base/cli:1",
+    ]));
+    assert_eq!(json(run(&["--json", "status"]))["running"], false);
+
+    // No daemon yet: `strata mount` starts one.
+    let printed = ok(run(&["mount", "base/cli:1", mp.to_str().unwrap()]));
+    assert_eq!(printed.trim(), mp.to_str().unwrap());
+    assert_eq!(std::fs::read(mp.join("big.bin")).unwrap(), big);
+    assert_eq!(std::fs::read(mp.join("link")).unwrap(), b"hello");
+    let status = json(run(&["--json", "status"]));
+    assert_eq!(status["running"], true, "{status}");
+    assert_eq!(status["layers"][0]["refs"][0], "base/cli:1", "{status}");
+    assert_eq!(status["mounts"][0]["mountpoint"], mp.to_str().unwrap());
+    let fetched = status["cache"]["bytes_fetched"].as_u64().unwrap();
+    assert!(fetched >= big.len() as u64, "{status}");
+    let human = ok(run(&["status"]));
+    assert!(
+        human.contains("base/cli:1") && human.contains("bytes fetched"),
+        "{human}"
+    );
+
+    // Errors are one clear line.
+    let other = tmp.path().join("other");
+    std::fs::create_dir(&other).unwrap();
+    guard.mountpoints.push(other.clone());
+    let out = run(&["mount", "base/nope:1", other.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("layer not found: base/nope:1"), "{err}");
+    let out = run(&["mount", "base/cli:1", mp.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("is not empty"),
+        "{err}"
+    );
+    let out = run(&["umount", other.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("not a strata mount"),
+        "{err}"
+    );
+
+    assert!(ok(run(&["umount", mp.to_str().unwrap()])).contains("unmounted"));
+    assert!(std::fs::read_dir(&mp).unwrap().next().is_none());
+    let status = json(run(&["--json", "status"]));
+    assert_eq!(status["mounts"].as_array().unwrap().len(), 0, "{status}");
+    assert_eq!(status["layers"].as_array().unwrap().len(), 0, "{status}");
+
+    // Two layers and an upper: an overlay; writes land in the upper.
+    let top = tmp.path().join("top");
+    std::fs::create_dir_all(top.join("sub")).unwrap();
+    std::fs::write(top.join("sub/hello.txt"), b"hello from the top").unwrap();
+    ok(run(&[
+        "layer",
+        "build",
+        top.to_str().unwrap(),
+        "--name",
+        "toolkit/top:1",
+    ]));
+    let upper = tmp.path().join("upper");
+    let info = json(run(&[
+        "--json",
+        "mount",
+        "base/cli:1",
+        "toolkit/top:1",
+        mp.to_str().unwrap(),
+        "--upper",
+        upper.to_str().unwrap(),
+    ]));
+    assert_eq!(info["kind"], "overlay", "{info}");
+    assert_eq!(
+        std::fs::read(mp.join("sub/hello.txt")).unwrap(),
+        b"hello from the top"
+    );
+    assert_eq!(std::fs::read(mp.join("big.bin")).unwrap(), big);
+    std::fs::write(mp.join("new.txt"), b"written").unwrap();
+    assert_eq!(std::fs::read(upper.join("new.txt")).unwrap(), b"written");
+    assert!(tmp.path().join("upper.work").is_dir(), "default work dir");
+    ok(run(&["umount", mp.to_str().unwrap()]));
+
+    // kill -9: the mount goes stale; the next daemon cleans up and restores it.
+    ok(run(&["mount", "base/cli:1", mp.to_str().unwrap()]));
+    let pid = guard.pid().expect("the started daemon's pid");
+    DaemonGuard::signal(pid, rustix::process::Signal::KILL);
+    wait_gone(pid);
+    assert!(
+        std::fs::read(mp.join("sub/hello.txt")).is_err(),
+        "a dead daemon's mount"
+    );
+    let child = cmd()
+        .args(["daemon"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    guard.child = Some(child);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while json(run(&["--json", "status"]))["running"] != true {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the daemon did not come up"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert_eq!(std::fs::read(mp.join("sub/hello.txt")).unwrap(), b"hello");
+    assert_eq!(std::fs::read(mp.join("big.bin")).unwrap(), big);
+    let mounted = ours_mounted(&run_dir, &mp);
+    assert_eq!(mounted.len(), 3, "blobs, layer, user mount: {mounted:?}");
+
+    // SIGTERM: everything unmounted, exit status 0.
+    let mut child = guard.child.take().unwrap();
+    DaemonGuard::signal(child.id() as i32, rustix::process::Signal::TERM);
+    let status = child.wait().unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(status.success(), "daemon exit {status}: {stderr}");
+    assert_eq!(ours_mounted(&run_dir, &mp), Vec::<String>::new());
+    assert!(!run_dir.join("strata.sock").exists());
+}
+
+#[test]
+fn tar_input_from_a_file_and_stdin_and_chunk_size_checks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    std::fs::create_dir_all(src.join("etc")).unwrap();
+    std::fs::write(src.join("etc/hostname"), b"sandbox\n").unwrap();
+    std::fs::write(src.join("data.bin"), vec![3u8; 300_000]).unwrap();
+    // An OCI whiteout: hides `gone` of a lower layer.
+    std::fs::write(src.join(".wh.gone"), b"").unwrap();
+    let tar = tmp.path().join("layer.tar");
+    let made = Command::new("tar")
+        .args(["--format=posix", "-C"])
+        .arg(&src)
+        .args(["-cf"])
+        .arg(&tar)
+        .arg(".")
+        .status()
+        .expect("GNU tar");
+    assert!(made.success());
+    let store = tmp.path().join("store");
+    let run = |args: &[&str], stdin: Option<&Path>| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_strata"));
+        c.env("STRATA_HOME", tmp.path().join("home"))
+            .arg("--store")
+            .arg(&store)
+            .args(args);
+        if let Some(p) = stdin {
+            c.stdin(std::fs::File::open(p).unwrap());
+        }
+        c.output().unwrap()
+    };
+    // A full image from the tar file.
+    let image = tmp.path().join("full.erofs");
+    let report = json(run(
+        &[
+            "--json",
+            "mkfs",
+            image.to_str().unwrap(),
+            tar.to_str().unwrap(),
+            "--tar",
+        ],
+        None,
+    ));
+    assert_eq!(report["data_bytes"], 300_008, "{report}");
+    let img = erofs_builder::Image::open(&image).unwrap();
+    let h = img.lookup("/etc/hostname").unwrap();
+    assert_eq!(img.read_data(&h).unwrap(), b"sandbox\n");
+    let wh = img.lookup("/gone").unwrap();
+    assert_eq!(wh.file_type, erofs_builder::FileType::CharDevice);
+    assert_eq!(wh.rdev, (0, 0));
+    assert!(img.lookup("/.wh.gone").is_err());
+
+    // A layer from standard input; the manifest says where it came from.
+    let built = json(run(
+        &[
+            "--json",
+            "layer",
+            "build",
+            "-",
+            "--tar",
+            "--name",
+            "toolkit/t:1",
+        ],
+        Some(&tar),
+    ));
+    assert_eq!(built["outcome"], "created", "{built}");
+    let m = json(run(&["--json", "layer", "inspect", "toolkit/t:1"], None));
+    assert_eq!(m["source"], "tar:-", "{m}");
+
+    // Chunk sizes other than the cache's are refused with a reason; 262144 is fine.
+    let bad = run(
+        &[
+            "mkfs",
+            tmp.path().join("m").to_str().unwrap(),
+            src.to_str().unwrap(),
+            "--blobdev",
+            tmp.path().join("b").to_str().unwrap(),
+            "--chunk-size",
+            "65536",
+        ],
+        None,
+    );
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("262144"));
+    ok(run(
+        &[
+            "mkfs",
+            tmp.path().join("m").to_str().unwrap(),
+            src.to_str().unwrap(),
+            "--blobdev",
+            tmp.path().join("b").to_str().unwrap(),
+            "--chunk-size",
+            "262144",
+            "--quiet",
+        ],
+        None,
+    ));
+    // A hostile archive is refused, nothing is written.
+    let evil = tmp.path().join("evil.tar");
+    std::fs::write(&evil, b"not a tar at all, and far too short").unwrap();
+    let out = tmp.path().join("evil.erofs");
+    let refused = run(
+        &[
+            "mkfs",
+            out.to_str().unwrap(),
+            evil.to_str().unwrap(),
+            "--tar",
+        ],
+        None,
+    );
+    assert!(!refused.status.success());
+    assert!(!out.exists());
+}

@@ -1,0 +1,245 @@
+//! `strata bd create|serve|commit`: layered block devices (OverlayBD) for microVM disks.
+//!
+//! A device is a directory: a writable upper (overlaybd's `data` + `log`) and a descriptor
+//! naming the stored block layer it sits on (see `ublk_daemon::bd`). `serve` exposes it as a
+//! FUSE image file or as `/dev/ublkbN` until SIGTERM/SIGINT; `commit` seals the upper into a
+//! new layer and pushes it, its manifest naming the base as parent. Bases are read lazily
+//! through the node's chunk cache.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use fs_cache::chunk::{CacheConfig, ChunkCache};
+use fs_cache::{LayerRef, Store};
+use serde::Serialize;
+use ublk_daemon::bd;
+
+#[derive(clap::Subcommand, Debug)]
+pub enum BdCommand {
+    /// Create a device directory: an empty writable upper of --size bytes on top of --base
+    /// (a stored block layer) or of nothing.
+    Create {
+        /// The device directory (created if missing; must not hold a device yet).
+        upper: PathBuf,
+        /// Device size, e.g. 10GiB (a multiple of 512; default: the base's size).
+        #[arg(long, value_parser = crate::cache_cmd::parse_size)]
+        size: Option<u64>,
+        /// The stored block layer to stack on, KIND/NAME:VERSION (its parents come along).
+        #[arg(long)]
+        base: Option<String>,
+    },
+    /// Serve a device until SIGTERM/SIGINT, then flush it and take it down: as an image file
+    /// (--fuse FILE, usable by losetup, mkfs, file-backed mounts) or as /dev/ublkbN (--ublk).
+    #[command(group(clap::ArgGroup::new("frontend").required(true).args(["fuse", "ublk"])))]
+    Serve {
+        /// The device directory.
+        upper: PathBuf,
+        /// Mount the device over this regular file (created if missing).
+        #[arg(long)]
+        fuse: Option<PathBuf>,
+        /// Expose the device as /dev/ublkbN (needs the kernel's ublk driver).
+        #[arg(long)]
+        ublk: bool,
+        /// ublk hardware queues.
+        #[arg(long, default_value_t = 2)]
+        queues: u16,
+        /// ublk requests in flight per queue.
+        #[arg(long, default_value_t = 64)]
+        depth: u16,
+        /// Reattach to /dev/ublkbID, left by a daemon that died (ublk user recovery).
+        #[arg(long, requires = "ublk")]
+        recover: Option<u32>,
+        /// FUSE request threads.
+        #[arg(long, default_value_t = 4)]
+        threads: usize,
+    },
+    /// Seal a device's upper (the device must not be served) into a block layer and push it
+    /// as KIND/NAME:VERSION on top of the device's base.
+    Commit {
+        /// The device directory.
+        upper: PathBuf,
+        #[arg(long)]
+        name: String,
+    },
+}
+
+#[derive(Serialize)]
+struct Served {
+    upper: String,
+    size: u64,
+    image: Option<String>,
+    ublk_device: Option<String>,
+    ublk_id: Option<u32>,
+}
+
+#[derive(Serialize)]
+struct Committed {
+    layer: String,
+    parent: Option<String>,
+    blob: String,
+    size: u64,
+    layer_id: String,
+}
+
+fn parse_ref(s: &str) -> Result<LayerRef> {
+    s.parse::<LayerRef>()
+        .with_context(|| format!("{s:?} is not a layer reference (KIND/NAME:VERSION)"))
+}
+
+use crate::print_json;
+
+/// The chunk cache a device reads its base through: the node's (`$STRATA_HOME/cache`, shared
+/// with other strata commands, one process at a time) when there is a base, and a small
+/// memory-only one when there is none (nothing is read from the store then).
+async fn cache_for(
+    base: Option<&LayerRef>,
+    store: &Store,
+    opts: &crate::cache_cmd::CacheOpts,
+    home: &Path,
+) -> Result<ChunkCache> {
+    match base {
+        Some(_) => crate::cache_cmd::open(store.clone(), opts, home).await,
+        None => ChunkCache::open(
+            store.clone(),
+            CacheConfig {
+                memory_bytes: 16 << 20,
+                ..CacheConfig::default()
+            },
+        )
+        .await
+        .context("open a memory chunk cache"),
+    }
+}
+
+/// Run one `strata bd` command against `store`; bases are read through the node's chunk
+/// cache (configured by `cache_opts`, under `home`), opened only when a command needs it.
+pub async fn run(
+    cmd: BdCommand,
+    store: &Store,
+    cache_opts: &crate::cache_cmd::CacheOpts,
+    home: &Path,
+    json: bool,
+) -> Result<()> {
+    match cmd {
+        BdCommand::Create { upper, size, base } => {
+            let base = base.as_deref().map(parse_ref).transpose()?;
+            let cache = cache_for(base.as_ref(), store, cache_opts, home).await?;
+            let created = bd::create(&upper, size, base.as_ref(), store, &cache).await;
+            cache.flush().await?;
+            let d = created.with_context(|| format!("create device {}", upper.display()))?;
+            if json {
+                print_json(&d)?;
+            } else {
+                println!(
+                    "{}: {} bytes on {}",
+                    upper.display(),
+                    d.size,
+                    d.base
+                        .as_ref()
+                        .map_or_else(|| "nothing".to_owned(), |b| b.to_string())
+                );
+            }
+        }
+        BdCommand::Serve {
+            upper,
+            fuse,
+            ublk,
+            queues,
+            depth,
+            recover,
+            threads,
+        } => {
+            // Handlers first: a signal during setup still ends in a clean shutdown.
+            let stop = bd::StopSignal::install()?;
+            let descriptor = bd::Descriptor::read(&upper)
+                .with_context(|| format!("open device {}", upper.display()))?;
+            let cache = cache_for(descriptor.base.as_ref(), store, cache_opts, home).await?;
+            let dev = bd::open(&upper, store, &cache)
+                .await
+                .with_context(|| format!("open device {}", upper.display()))?;
+            let mut served = Served {
+                upper: upper.display().to_string(),
+                size: dev.device.size(),
+                image: None,
+                ublk_device: None,
+                ublk_id: None,
+            };
+            enum Frontend {
+                Fuse(bd::BdFuse),
+                Ublk(bd::BdUblk),
+            }
+            let frontend = match (fuse, ublk) {
+                (Some(file), _) => {
+                    let mut cfg = bd::BdFuseConfig::default();
+                    cfg.threads = threads;
+                    let f = bd::serve_fuse_with(dev.device.clone(), &file, &cfg).with_context(
+                        || format!("serve {} over {}", upper.display(), file.display()),
+                    )?;
+                    served.image = Some(f.path().display().to_string());
+                    Frontend::Fuse(f)
+                }
+                (None, _) => {
+                    debug_assert!(ublk, "clap requires --fuse or --ublk");
+                    let mut cfg = bd::UblkConfig::default();
+                    cfg.queues = queues;
+                    cfg.depth = depth;
+                    cfg.recover = recover;
+                    let u = bd::serve_ublk(dev.device.clone(), &cfg)
+                        .with_context(|| format!("serve {} through ublk", upper.display()))?;
+                    served.ublk_device = Some(u.path().display().to_string());
+                    served.ublk_id = Some(u.dev_id());
+                    Frontend::Ublk(u)
+                }
+            };
+            if json {
+                print_json(&served)?;
+            } else {
+                let at = served.image.clone().or(served.ublk_device.clone());
+                println!("{}", at.unwrap_or_default());
+                std::io::stdout().flush()?;
+            }
+            let sig = stop.wait().await;
+            tracing::info!(signal = sig, "stopping");
+            match frontend {
+                Frontend::Fuse(f) => f
+                    .unmount()
+                    .context("unmount the image file and flush the device")?,
+                Frontend::Ublk(u) => u
+                    .stop()
+                    .context("remove the ublk device and flush the device")?,
+            }
+            drop(dev);
+            cache.flush().await?;
+        }
+        BdCommand::Commit { upper, name } => {
+            let name = parse_ref(&name)?;
+            let pushed = bd::commit(&upper, store, &name)
+                .await
+                .with_context(|| format!("commit device {} as {name}", upper.display()))?;
+            let c = Committed {
+                layer: pushed.manifest.layer.to_string(),
+                parent: pushed.manifest.parents.first().map(|p| p.to_string()),
+                blob: pushed.blob.digest.to_hex(),
+                size: pushed.blob.size,
+                layer_id: pushed
+                    .manifest
+                    .source
+                    .trim_start_matches(bd::overlaybd::publish::SOURCE_PREFIX)
+                    .to_owned(),
+            };
+            if json {
+                print_json(&c)?;
+            } else {
+                println!(
+                    "{} ({} bytes, blob {}) on {}",
+                    c.layer,
+                    c.size,
+                    c.blob,
+                    c.parent.as_deref().unwrap_or("nothing")
+                );
+            }
+        }
+    }
+    Ok(())
+}

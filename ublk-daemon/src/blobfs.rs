@@ -1,0 +1,449 @@
+//! The blob mount: a FUSE filesystem whose root lists one read-only file per registered blob,
+//! named by the blob's hex digest, of the blob's size, read through the chunk cache.
+//!
+//! ```text
+//! <mountpoint>/                      dr-xr-xr-x root root  (inode 1)
+//! <mountpoint>/<64 hex digits>       -r--r--r-- root root  size = blob size (inodes 3, 4, ...)
+//! ```
+//!
+//! The mount is made with mount(2) directly (`/dev/fuse` opened here, `fd=` passed in the
+//! options; no libfuse, no fusermount), `allow_other,default_permissions`, read-only, nosuid,
+//! nodev. Requests are served by `threads` threads, each reading its own clone of the device
+//! fd (`FUSE_DEV_IOC_CLONE`). Blob files are opened with `FOPEN_DIRECT_IO` (unless disabled)
+//! so the kernel keeps no page-cache copy of them: the EROFS mount above keeps one copy of
+//! what it reads, and the chunk cache keeps the chunks. See `docs/blobfs.md`.
+
+mod fs;
+mod table;
+
+use std::ffi::CString;
+use std::fs::OpenOptions;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use fs_cache::chunk::ChunkCache;
+use fs_cache::Digest;
+use fuser::{BackgroundSession, INodeNo, Notifier, Session, SessionACL};
+use tokio::runtime::Handle;
+
+use crate::{Error, Result};
+use fs::{BlobFsImpl, Counters, Negotiated, Options};
+use table::Table;
+
+/// The largest request the kernel sends with the default `fs.fuse.max_pages_limit` (256
+/// pages).
+pub const DEFAULT_MAX_READ: u32 = 1 << 20;
+
+/// How a blob mount is made.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct BlobFsConfig {
+    /// An existing directory (a dead FUSE mount left there by a crashed daemon is detached).
+    pub mountpoint: PathBuf,
+    /// Threads reading requests from the kernel (each with its own cloned device fd), 1..=256.
+    pub threads: usize,
+    /// The largest read request the kernel may send, in bytes (4 KiB..=16 MiB; the kernel also
+    /// caps it at `fs.fuse.max_pages_limit` pages).
+    pub max_read: u32,
+    /// Open blob files with `FOPEN_DIRECT_IO`, so the kernel keeps no page-cache copy of them
+    /// (default). Turn off only to measure what it saves.
+    pub direct_io: bool,
+    /// Ask the kernel for FUSE passthrough at INIT ([`BlobFs::passthrough_available`] tells
+    /// whether it agreed). Blobs switched with [`BlobFs::enable_passthrough`] are then opened
+    /// in passthrough mode; the others are served through the cache. Off by default: measured
+    /// not to pay (`docs/blobfs.md`).
+    pub passthrough: bool,
+}
+
+impl BlobFsConfig {
+    /// Defaults: 8 threads, 1 MiB reads, direct I/O, no passthrough.
+    pub fn new(mountpoint: impl Into<PathBuf>) -> Self {
+        Self {
+            mountpoint: mountpoint.into(),
+            threads: 8,
+            max_read: DEFAULT_MAX_READ,
+            direct_io: true,
+            passthrough: false,
+        }
+    }
+
+    fn check(&self) -> Result<()> {
+        if !(1..=256).contains(&self.threads) {
+            return Err(Error::InvalidConfig(format!(
+                "threads must be 1..=256, got {}",
+                self.threads
+            )));
+        }
+        if !(4096..=(16 << 20)).contains(&self.max_read) {
+            return Err(Error::InvalidConfig(format!(
+                "max_read must be 4096..=16777216, got {}",
+                self.max_read
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Counters of one mount.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BlobFsStats {
+    /// Read requests served (successful or not).
+    pub reads: u64,
+    /// Bytes returned by reads.
+    pub read_bytes: u64,
+    /// Reads answered with EIO.
+    pub read_errors: u64,
+    /// The most reads served at the same time so far.
+    pub max_concurrent_reads: u64,
+}
+
+/// A live blob mount. Unmounted by [`BlobFs::unmount`] or when dropped.
+pub struct BlobFs {
+    mountpoint: PathBuf,
+    cache: Arc<ChunkCache>,
+    table: Arc<Table>,
+    negotiated: Arc<Negotiated>,
+    counters: Arc<Counters>,
+    notifier: Notifier,
+    session: Option<BackgroundSession>,
+}
+
+impl std::fmt::Debug for BlobFs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlobFs")
+            .field("mountpoint", &self.mountpoint)
+            .field("blobs", &self.table.totals().0)
+            .finish()
+    }
+}
+
+impl BlobFs {
+    /// Mount an (initially empty) blob filesystem at `cfg.mountpoint`. Reads run
+    /// [`ChunkCache::read`] on `rt`, which must be a multi-threaded runtime (FUSE threads call
+    /// `rt.block_on`). Needs root (mount(2) and `/dev/fuse`).
+    pub fn mount(cfg: BlobFsConfig, cache: Arc<ChunkCache>, rt: Handle) -> Result<BlobFs> {
+        cfg.check()?;
+        if rt.runtime_flavor() != tokio::runtime::RuntimeFlavor::MultiThread {
+            // FUSE threads block on the runtime: a current-thread runtime would only make
+            // progress while its own thread happens to be inside `block_on`.
+            return Err(Error::InvalidConfig(
+                "the runtime must be a multi-threaded tokio runtime".into(),
+            ));
+        }
+        if clean_stale_mount(&cfg.mountpoint)? {
+            tracing::warn!(path = %cfg.mountpoint.display(), "detached a dead FUSE mount");
+        }
+        let mountpoint = cfg
+            .mountpoint
+            .canonicalize()
+            .map_err(|e| Error::io("canonicalize", &cfg.mountpoint, e))?;
+        if !mountpoint.is_dir() {
+            return Err(Error::io(
+                "mount on",
+                &mountpoint,
+                std::io::Error::from_raw_os_error(libc::ENOTDIR),
+            ));
+        }
+        let dev = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open("/dev/fuse")
+            .map_err(|e| Error::io("open", "/dev/fuse", e))?;
+        let dev: OwnedFd = dev.into();
+        mount_fuse(&mountpoint, dev.as_raw_fd(), cfg.max_read)?;
+        // From here on, a failure must not leave the mount behind.
+        let detach = |e: Error| {
+            let _ = umount(&mountpoint, libc::MNT_DETACH);
+            e
+        };
+
+        let table = Arc::new(Table::default());
+        let negotiated = Arc::new(Negotiated::default());
+        let counters = Arc::new(Counters::default());
+        let fs = BlobFsImpl {
+            table: table.clone(),
+            cache: cache.clone(),
+            rt,
+            opts: Options {
+                max_read: cfg.max_read,
+                direct_io: cfg.direct_io,
+                passthrough: cfg.passthrough,
+            },
+            negotiated: negotiated.clone(),
+            counters: counters.clone(),
+            started: SystemTime::now(),
+        };
+        let mut config = fuser::Config::default();
+        config.acl = SessionACL::All;
+        config.n_threads = Some(cfg.threads);
+        config.clone_fd = true;
+        // The kernel sent INIT when the mount was made; the handshake answers it.
+        let session = Session::from_fd(fs, dev, SessionACL::All, config)
+            .map_err(|e| detach(Error::io("FUSE handshake on", &mountpoint, e)))?;
+        let session = session
+            .spawn()
+            .map_err(|e| detach(Error::io("start FUSE threads for", &mountpoint, e)))?;
+        let notifier = session.notifier();
+        raise_bdi_readahead(&mountpoint, cfg.max_read);
+        Ok(BlobFs {
+            mountpoint,
+            cache,
+            table,
+            negotiated,
+            counters,
+            notifier,
+            session: Some(session),
+        })
+    }
+
+    /// Serve `blob`: load its chunk table (through the cache) and list `<mount>/<hex>`.
+    /// Idempotent. Returns the file's path.
+    pub async fn add_blob(&self, blob: Digest) -> Result<PathBuf> {
+        let table = self.cache.register(&blob).await?;
+        let e = self.table.add(blob, table.blob_size);
+        Ok(self.mountpoint.join(&e.name))
+    }
+
+    /// Stop listing `blob`. Handles already open keep reading until released (an EROFS mount
+    /// over the file keeps working until it is unmounted).
+    pub fn remove_blob(&self, blob: &Digest) -> Result<()> {
+        let e = self
+            .table
+            .remove(blob)
+            .ok_or_else(|| Error::UnknownBlob(blob.to_hex()))?;
+        // No new passthrough opens (open handles keep their backing file and pin).
+        e.local().take();
+        // Drop the kernel's cached dentry so the name disappears at once. ENOENT (nothing
+        // cached) is expected.
+        if let Err(err) = self.notifier.inval_entry(INodeNo::ROOT, e.name.as_ref()) {
+            if err.raw_os_error() != Some(libc::ENOENT) {
+                tracing::debug!(blob = %e.name, error = %err, "invalidating a dentry failed");
+            }
+        }
+        Ok(())
+    }
+
+    /// The listed blobs and their sizes, in the order they were added.
+    pub fn blobs(&self) -> Vec<(Digest, u64)> {
+        self.table
+            .listed_after(0)
+            .iter()
+            .map(|e| (e.digest, e.size))
+            .collect()
+    }
+
+    /// Where the blob files are.
+    pub fn mountpoint(&self) -> &Path {
+        &self.mountpoint
+    }
+
+    /// The path of `blob`'s file (whether or not it is listed).
+    pub fn blob_path(&self, blob: &Digest) -> PathBuf {
+        self.mountpoint.join(blob.to_hex())
+    }
+
+    /// If every chunk of `blob` is in the cache's level 2, pin them there
+    /// ([`ChunkCache::pin_local`]: the level-2 blob file is then exactly the blob), check them
+    /// once against their crc32c, and from then on open the blob file in FUSE passthrough mode
+    /// with that file as the backing file: reads of handles opened later never reach this
+    /// process. Handles already open (an EROFS mount made before) keep reading through the
+    /// cache. Returns `false` (and changes nothing) when a chunk is not in level 2.
+    /// Needs [`BlobFs::passthrough_available`].
+    pub async fn enable_passthrough(&self, blob: &Digest) -> Result<bool> {
+        if !self.passthrough_available() {
+            return Err(Error::InvalidConfig(
+                "FUSE passthrough was not configured or the kernel refused it".into(),
+            ));
+        }
+        let e = self
+            .table
+            .listed(blob)
+            .ok_or_else(|| Error::UnknownBlob(blob.to_hex()))?;
+        if e.local().is_some() {
+            return Ok(true);
+        }
+        let Some(pin) = self.cache.pin_local(blob).await? else {
+            return Ok(false);
+        };
+        let pin = Arc::new(pin);
+        let check = pin.clone();
+        let ok = tokio::task::spawn_blocking(move || check.verify())
+            .await
+            .map_err(|err| {
+                Error::io("verify", self.blob_path(blob), std::io::Error::other(err))
+            })??;
+        if !ok {
+            return Ok(false);
+        }
+        *e.local() = Some(pin);
+        Ok(true)
+    }
+
+    /// Stop opening `blob` in passthrough mode (handles already open keep their backing file,
+    /// and the chunks stay pinned until the last of them is released). Returns whether it was
+    /// on.
+    pub fn disable_passthrough(&self, blob: &Digest) -> Result<bool> {
+        let e = self
+            .table
+            .listed(blob)
+            .ok_or_else(|| Error::UnknownBlob(blob.to_hex()))?;
+        let was = e.local().take().is_some();
+        Ok(was)
+    }
+
+    /// Whether the kernel accepted FUSE passthrough at INIT (only asked for when configured).
+    pub fn passthrough_available(&self) -> bool {
+        self.negotiated.passthrough.load(Ordering::Relaxed)
+    }
+
+    /// Counters of this mount.
+    pub fn stats(&self) -> BlobFsStats {
+        let g = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        BlobFsStats {
+            reads: g(&self.counters.reads),
+            read_bytes: g(&self.counters.read_bytes),
+            read_errors: g(&self.counters.read_errors),
+            max_concurrent_reads: g(&self.counters.max_in_flight),
+        }
+    }
+
+    /// Unmount and wait for the FUSE threads to finish. If something still uses the mount (a
+    /// kernel EROFS mount over one of its files, an open file), returns [`Error::Busy`] after
+    /// detaching it lazily: the mount point is free at once, existing users keep being served
+    /// by the FUSE threads until they let go, and then the threads end.
+    pub fn unmount(mut self) -> Result<()> {
+        self.shutdown()
+    }
+
+    fn shutdown(&mut self) -> Result<()> {
+        let Some(session) = self.session.take() else {
+            return Ok(());
+        };
+        match umount(&self.mountpoint, 0) {
+            Ok(()) => {
+                session
+                    .join()
+                    .map_err(|e| Error::io("stop FUSE threads of", &self.mountpoint, e))?;
+                Ok(())
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                let detached = umount(&self.mountpoint, libc::MNT_DETACH);
+                // The threads stop on their own when the kernel drops the connection.
+                drop(session);
+                detached.map_err(|e| Error::io("umount2(MNT_DETACH)", &self.mountpoint, e))?;
+                Err(Error::Busy {
+                    path: self.mountpoint.clone(),
+                    what: "still in use; detached lazily".into(),
+                })
+            }
+            Err(e) => {
+                // Not mounted any more (someone unmounted it) or another failure: the session
+                // threads end when the connection does.
+                drop(session);
+                Err(Error::io("umount", &self.mountpoint, e))
+            }
+        }
+    }
+}
+
+impl Drop for BlobFs {
+    fn drop(&mut self) {
+        if let Err(e) = self.shutdown() {
+            tracing::warn!(path = %self.mountpoint.display(), error = %e, "unmounting blob mount");
+        }
+    }
+}
+
+/// If `path` is a dead FUSE mount (its server is gone: `stat` fails with ENOTCONN), detach it
+/// with `umount2(MNT_DETACH)` and return `true`; otherwise leave it and return `false`.
+pub fn clean_stale_mount(path: &Path) -> Result<bool> {
+    match rustix::fs::stat(path) {
+        Err(rustix::io::Errno::NOTCONN) => {
+            umount(path, libc::MNT_DETACH)
+                .map_err(|e| Error::io("umount2(MNT_DETACH)", path, e))?;
+            Ok(true)
+        }
+        _ => Ok(false),
+    }
+}
+
+fn cstring(path: &Path) -> Result<CString> {
+    CString::new(path.as_os_str().as_bytes()).map_err(|_| {
+        Error::io(
+            "use",
+            path,
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, "path contains a NUL byte"),
+        )
+    })
+}
+
+fn umount(path: &Path, flags: libc::c_int) -> std::io::Result<()> {
+    let c = cstring(path).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    // SAFETY: `c` is a valid NUL-terminated string that outlives the call.
+    let rc = unsafe { libc::umount2(c.as_ptr(), flags) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// mount(2) a FUSE filesystem at `target` served through the device fd `fd`.
+fn mount_fuse(target: &Path, fd: libc::c_int, max_read: u32) -> Result<()> {
+    // SAFETY: geteuid/getegid have no preconditions and cannot fail.
+    let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    let opts = format!(
+        "fd={fd},rootmode=40000,user_id={uid},group_id={gid},allow_other,default_permissions,\
+         max_read={max_read}"
+    );
+    let c_target = cstring(target)?;
+    let c_opts = CString::new(opts).map_err(|_| Error::InvalidConfig("mount options".into()))?;
+    let flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_RDONLY | libc::MS_NOATIME;
+    // SAFETY: every pointer is a valid NUL-terminated string that outlives the call; `data`
+    // is the text option string the fuse filesystem expects.
+    let rc = unsafe {
+        libc::mount(
+            c"strata-blobfs".as_ptr(),
+            c_target.as_ptr(),
+            c"fuse.strata-blobfs".as_ptr(),
+            flags,
+            c_opts.as_ptr().cast(),
+        )
+    };
+    if rc != 0 {
+        return Err(Error::io(
+            "mount FUSE on",
+            target,
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
+}
+
+/// Set the readahead window of the filesystem mounted at `mountpoint` (the `read_ahead_kb` of
+/// the bdi named after its device number, as FUSE and block-device filesystems name theirs),
+/// in bytes rounded down to KiB. Needs root. A file-backed EROFS mount's bdi is named
+/// `erofs-N` instead, which this cannot find from the mount point (see `docs/blobfs.md`).
+pub fn set_mount_readahead(mountpoint: &Path, bytes: u64) -> Result<()> {
+    let st = rustix::fs::stat(mountpoint)
+        .map_err(|e| Error::io("stat", mountpoint, std::io::Error::from(e)))?;
+    let (major, minor) = (rustix::fs::major(st.st_dev), rustix::fs::minor(st.st_dev));
+    let path = PathBuf::from(format!("/sys/class/bdi/{major}:{minor}/read_ahead_kb"));
+    std::fs::write(&path, format!("{}", bytes / 1024)).map_err(|e| Error::io("write", &path, e))
+}
+
+/// Raise the blob mount's readahead window to `max_read` (the kernel caps the one negotiated
+/// at INIT at its default, 128 KiB). Matters only when `direct_io` is off; failures are
+/// harmless.
+fn raise_bdi_readahead(mountpoint: &Path, max_read: u32) {
+    if let Err(e) = set_mount_readahead(mountpoint, u64::from(max_read.max(128 << 10))) {
+        tracing::debug!(error = %e, "could not raise the FUSE mount's readahead");
+    }
+}

@@ -1,0 +1,257 @@
+//! The local API's wire format: newline-delimited JSON over `<run-dir>/strata.sock`.
+//!
+//! Every request is one line holding one JSON object, `{"v": 1, "op": "...", ...}`; the
+//! daemon answers with one line, `{"v": 1, "ok": true, "result": {...}}` or
+//! `{"v": 1, "ok": false, "error": {"kind": "...", "message": "..."}}`. A connection may carry
+//! any number of request/response pairs, strictly in turn. A request line longer than
+//! [`MAX_LINE`] bytes, a line that is not JSON, or a version other than [`VERSION`] gets an
+//! error of kind `bad_request` and the connection is closed.
+//!
+//! Operations (field names as on the wire):
+//!
+//! | op | fields | result |
+//! | --- | --- | --- |
+//! | `ping` | — | [`Pong`] |
+//! | `register` | `layer` | [`LayerInfo`] (the layer stays registered until `release`) |
+//! | `release` | `layer` | [`LayerInfo`] (still mounted if a mount uses it) |
+//! | `mount` | `layers` (first lowest), `mountpoint`, `upper`?, `work`? | [`MountInfo`] |
+//! | `umount` | `mountpoint` | [`MountInfo`] (what was released) |
+//! | `stats` | — | [`Status`] |
+//!
+//! Adding an optional field or a new op keeps [`VERSION`]; changing the meaning of one bumps it.
+
+use std::path::PathBuf;
+
+use fs_cache::chunk::CacheStats;
+use serde::{Deserialize, Serialize};
+
+/// The protocol version this build speaks.
+pub const VERSION: u32 = 1;
+
+/// The longest request or response line accepted (bytes, newline included).
+pub const MAX_LINE: usize = 1 << 20;
+
+/// A request, without its envelope.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum Request {
+    Ping,
+    Register {
+        layer: String,
+    },
+    Release {
+        layer: String,
+    },
+    Mount {
+        layers: Vec<String>,
+        mountpoint: PathBuf,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        upper: Option<PathBuf>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        work: Option<PathBuf>,
+    },
+    Umount {
+        mountpoint: PathBuf,
+    },
+    Stats,
+}
+
+/// A request line: the version and the request.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RequestLine {
+    pub v: u32,
+    #[serde(flatten)]
+    pub request: Request,
+}
+
+/// A response line.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ResponseLine {
+    pub v: u32,
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ApiError>,
+}
+
+/// What kind of failure an error is: the command line maps each to a message a user can act
+/// on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The request is malformed (not JSON, unknown op, wrong version, bad field).
+    BadRequest,
+    /// No such layer in the store, or the reference is not `KIND/NAME:VERSION`.
+    UnknownLayer,
+    /// The layer is stored but cannot be served (no meta image, unreadable blobs).
+    BadLayer,
+    /// The store's backend cannot be reached or keeps failing.
+    BackendUnreachable,
+    /// The mountpoint is already a mount, is not an empty directory, or does not exist.
+    MountpointInUse,
+    /// No mount of ours at that path.
+    NotMounted,
+    /// The caller or the daemon lacks privileges (mount(2) needs root).
+    NotRoot,
+    /// The kernel lacks a filesystem we need (erofs, fuse, overlay).
+    KernelUnsupported,
+    /// The daemon is shutting down.
+    ShuttingDown,
+    /// Anything else (a local I/O error, a failed mount(2)); the message says what.
+    Internal,
+}
+
+impl ErrorKind {
+    /// The wire name (`unknown_layer`, …).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorKind::BadRequest => "bad_request",
+            ErrorKind::UnknownLayer => "unknown_layer",
+            ErrorKind::BadLayer => "bad_layer",
+            ErrorKind::BackendUnreachable => "backend_unreachable",
+            ErrorKind::MountpointInUse => "mountpoint_in_use",
+            ErrorKind::NotMounted => "not_mounted",
+            ErrorKind::NotRoot => "not_root",
+            ErrorKind::KernelUnsupported => "kernel_unsupported",
+            ErrorKind::ShuttingDown => "shutting_down",
+            ErrorKind::Internal => "internal",
+        }
+    }
+}
+
+/// An error as the API reports it: a kind and a message that says what failed and where.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{message}")]
+pub struct ApiError {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+
+    /// Classify a storage error: unknown layers, unreachable backends, bad layers.
+    pub fn from_store(context: &str, e: &fs_cache::Error) -> Self {
+        use fs_cache::Error as E;
+        let kind = match e {
+            E::LayerNotFound(_) | E::InvalidLayerRef { .. } => ErrorKind::UnknownLayer,
+            E::Backend { .. } | E::DeadlineExceeded { .. } => ErrorKind::BackendUnreachable,
+            E::Shared(inner) => return Self::from_store(context, inner),
+            E::NotFound { .. }
+            | E::MissingBlob { .. }
+            | E::BadManifest { .. }
+            | E::BadChunkTable { .. }
+            | E::DigestMismatch { .. }
+            | E::Corrupt { .. } => ErrorKind::BadLayer,
+            _ => ErrorKind::Internal,
+        };
+        Self::new(kind, format!("{context}: {e}"))
+    }
+}
+
+/// `ping`'s answer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pong {
+    pub version: u32,
+    pub pid: u32,
+    /// The store URL the daemon serves.
+    pub store: String,
+    pub run_dir: PathBuf,
+}
+
+/// A registered layer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerInfo {
+    /// The layer's node-local id: its meta image digest.
+    pub id: String,
+    /// The references it was registered or mounted under.
+    pub refs: Vec<String>,
+    pub meta_bytes: u64,
+    /// Data blobs: digest and size.
+    pub blobs: Vec<(String, u64)>,
+    /// Explicit registrations (`register` minus `release`).
+    pub pins: u32,
+    /// User mounts that use it.
+    pub users: u32,
+    /// Where its EROFS is mounted (while `pins + users > 0`).
+    pub mnt: PathBuf,
+}
+
+/// A user mount.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MountInfo {
+    pub mountpoint: PathBuf,
+    /// Layer references, first lowest.
+    pub layers: Vec<String>,
+    /// Layer ids, in the same order.
+    pub layer_ids: Vec<String>,
+    /// `bind` (one layer, no upper) or `overlay`.
+    pub kind: String,
+    pub upper: Option<PathBuf>,
+    pub work: Option<PathBuf>,
+}
+
+/// `stats`'s answer.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Status {
+    pub pong: Pong,
+    pub layers: Vec<LayerInfo>,
+    pub mounts: Vec<MountInfo>,
+    pub cache: CacheStats,
+    /// Blob files served by the FUSE mount: digest and size.
+    pub blob_files: Vec<(String, u64)>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wire_format() {
+        let line = RequestLine {
+            v: VERSION,
+            request: Request::Mount {
+                layers: vec!["base/os:1".into()],
+                mountpoint: "/mnt/x".into(),
+                upper: None,
+                work: None,
+            },
+        };
+        let text = serde_json::to_string(&line).unwrap();
+        assert_eq!(
+            text,
+            r#"{"v":1,"op":"mount","layers":["base/os:1"],"mountpoint":"/mnt/x"}"#
+        );
+        let back: RequestLine = serde_json::from_str(&text).unwrap();
+        assert_eq!(back.request, line.request);
+        let ping: RequestLine = serde_json::from_str(r#"{"v":1,"op":"ping"}"#).unwrap();
+        assert_eq!(ping.request, Request::Ping);
+        assert!(serde_json::from_str::<RequestLine>(r#"{"v":1,"op":"format_disk"}"#).is_err());
+        assert!(serde_json::from_str::<RequestLine>(r#"{"op":"ping"}"#).is_err());
+        let err = ResponseLine {
+            v: VERSION,
+            ok: false,
+            result: None,
+            error: Some(ApiError::new(
+                ErrorKind::UnknownLayer,
+                "layer not found: base/x:1",
+            )),
+        };
+        assert_eq!(
+            serde_json::to_string(&err).unwrap(),
+            r#"{"v":1,"ok":false,"error":{"kind":"unknown_layer","message":"layer not found: base/x:1"}}"#
+        );
+        assert_eq!(
+            serde_json::to_value(ErrorKind::MountpointInUse).unwrap(),
+            ErrorKind::MountpointInUse.as_str()
+        );
+    }
+}

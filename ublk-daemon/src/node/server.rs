@@ -1,0 +1,198 @@
+//! The API socket: accept connections, check the peer is root (or the daemon's own user),
+//! read one request line at a time, answer it; stop on SIGTERM/SIGINT.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::Arc;
+
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+
+use super::proto::{ApiError, ErrorKind, RequestLine, ResponseLine, MAX_LINE, VERSION};
+use super::Node;
+
+/// Bind the socket at `path` (replacing a stale one: the caller holds the run-dir lock),
+/// mode 0600.
+pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    // Created under a 0700 directory, then narrowed: no one else can connect in between.
+    let listener = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
+}
+
+/// Serve `node` on `listener` until SIGTERM or SIGINT, then shut the node down.
+pub async fn serve_until_signal(node: Arc<Node>, listener: UnixListener) -> Result<(), ApiError> {
+    let signal = stop_signal()
+        .map_err(|e| ApiError::new(ErrorKind::Internal, format!("catch SIGTERM/SIGINT: {e}")))?;
+    tokio::select! {
+        why = signal => tracing::info!("{}: stopping", why.unwrap_or("signal")),
+        () = serve(node.clone(), listener) => {}
+    }
+    let _ = std::fs::remove_file(node.socket_path());
+    node.shutdown().await
+}
+
+/// The write end of the self-pipe the signal handler writes to (-1: none).
+static SIGNAL_PIPE: AtomicI32 = AtomicI32::new(-1);
+
+extern "C" fn on_signal(signo: libc::c_int) {
+    let fd = SIGNAL_PIPE.load(Ordering::SeqCst);
+    if fd >= 0 {
+        let byte = signo as u8;
+        // SAFETY: write(2) is async-signal-safe; `byte` lives for the call; the fd is the
+        // pipe's write end, kept open for the rest of the process.
+        unsafe {
+            libc::write(fd, (&raw const byte).cast(), 1);
+        }
+    }
+}
+
+/// Resolves with the name of the first SIGTERM or SIGINT received (a self-pipe: the handler
+/// writes the signal number, a thread reads it). Tokio's signal support would need a tokio
+/// feature the rest of the workspace does not build with.
+fn stop_signal() -> std::io::Result<tokio::sync::oneshot::Receiver<&'static str>> {
+    let (read_end, write_end) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
+    let write_fd = std::os::fd::IntoRawFd::into_raw_fd(write_end);
+    let previous = SIGNAL_PIPE.swap(write_fd, Ordering::SeqCst);
+    if previous >= 0 {
+        // SAFETY: `previous` was a pipe write end owned by this module, now replaced.
+        unsafe { libc::close(previous) };
+    }
+    for signo in [libc::SIGTERM, libc::SIGINT] {
+        // SAFETY: a zeroed sigaction is valid; the handler only calls async-signal-safe
+        // functions; SA_RESTART keeps other threads' system calls from failing with EINTR.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = on_signal as *const () as libc::sighandler_t;
+            action.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut action.sa_mask);
+            if libc::sigaction(signo, &action, std::ptr::null_mut()) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+    }
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("strata-signals".into())
+        .spawn(move || {
+            let mut byte = [0u8; 1];
+            loop {
+                match rustix::io::read(&read_end, &mut byte) {
+                    Ok(1) => break,
+                    Err(rustix::io::Errno::INTR) => continue,
+                    _ => return,
+                }
+            }
+            let name = if i32::from(byte[0]) == libc::SIGINT {
+                "SIGINT"
+            } else {
+                "SIGTERM"
+            };
+            let _ = tx.send(name);
+        })?;
+    Ok(rx)
+}
+
+/// Accept connections forever, one task per connection.
+pub async fn serve(node: Arc<Node>, listener: UnixListener) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                let node = node.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = connection(node, stream).await {
+                        tracing::debug!("API connection: {e}");
+                    }
+                });
+            }
+            Err(e) => {
+                tracing::warn!("accept on the API socket: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+async fn respond(w: &mut (impl AsyncWriteExt + Unpin), r: &ResponseLine) -> std::io::Result<()> {
+    let mut line = serde_json::to_vec(r).map_err(std::io::Error::other)?;
+    line.push(b'\n');
+    w.write_all(&line).await?;
+    w.flush().await
+}
+
+fn failure(e: ApiError) -> ResponseLine {
+    ResponseLine {
+        v: VERSION,
+        ok: false,
+        result: None,
+        error: Some(e),
+    }
+}
+
+async fn connection(node: Arc<Node>, stream: UnixStream) -> std::io::Result<()> {
+    let me = rustix::process::geteuid().as_raw();
+    let peer = stream.peer_cred()?;
+    let (r, mut w) = stream.into_split();
+    if peer.uid() != 0 && peer.uid() != me {
+        let e = ApiError::new(
+            ErrorKind::NotRoot,
+            format!(
+                "uid {} may not use the strata daemon (root only)",
+                peer.uid()
+            ),
+        );
+        return respond(&mut w, &failure(e)).await;
+    }
+    let mut reader = BufReader::new(r);
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        let n = (&mut reader)
+            .take(MAX_LINE as u64)
+            .read_until(b'\n', &mut line)
+            .await?;
+        if n == 0 {
+            return Ok(());
+        }
+        if line.last() != Some(&b'\n') {
+            let e = ApiError::new(
+                ErrorKind::BadRequest,
+                format!("request line longer than {MAX_LINE} bytes or not newline-terminated"),
+            );
+            return respond(&mut w, &failure(e)).await;
+        }
+        let request: RequestLine = match serde_json::from_slice(&line) {
+            Ok(r) => r,
+            Err(e) => {
+                let e = ApiError::new(ErrorKind::BadRequest, format!("bad request: {e}"));
+                return respond(&mut w, &failure(e)).await;
+            }
+        };
+        if request.v != VERSION {
+            let e = ApiError::new(
+                ErrorKind::BadRequest,
+                format!(
+                    "protocol version {} not supported (this daemon speaks {VERSION}); use a matching strata",
+                    request.v
+                ),
+            );
+            return respond(&mut w, &failure(e)).await;
+        }
+        let response = match node.handle(request.request).await {
+            Ok(result) => ResponseLine {
+                v: VERSION,
+                ok: true,
+                result: Some(result),
+                error: None,
+            },
+            Err(e) => failure(e),
+        };
+        respond(&mut w, &response).await?;
+    }
+}

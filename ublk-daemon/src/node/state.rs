@@ -1,0 +1,196 @@
+//! The node's persistent state: `<run-dir>/state.json`.
+//!
+//! ```json
+//! {
+//!   "version": 1,
+//!   "store": "/var/lib/strata/store",
+//!   "layers": {
+//!     "<meta digest hex>": {
+//!       "refs": ["base/os:1"],
+//!       "meta": {"digest": "<hex>", "size": 123},
+//!       "blobs": [{"digest": "<hex>", "size": 456}],
+//!       "pins": 1
+//!     }
+//!   },
+//!   "mounts": {
+//!     "/mnt/sandbox": {
+//!       "seq": 7, "layers": ["base/os:1", "toolkit/py:3"], "layer_ids": ["<hex>", "<hex>"],
+//!       "upper": "/var/sandbox/upper", "work": "/var/sandbox/upper.work"
+//!     }
+//!   },
+//!   "next_seq": 8
+//! }
+//! ```
+//!
+//! Invariants: a layer is listed while `pins > 0` or a mount names it (its user count is the
+//! number of mounts whose `layer_ids` hold it); every id in a mount's `layer_ids` is listed
+//! under `layers`. The file is replaced atomically (temporary file, fsync, rename, fsync of
+//! the directory), after every change and before the change is acknowledged, so a crash at
+//! any point leaves either the old or the new state.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use fs_cache::BlobRef;
+use serde::{Deserialize, Serialize};
+
+/// The state file's format version.
+pub const STATE_VERSION: u32 = 1;
+
+/// A layer the node serves.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerState {
+    pub refs: BTreeSet<String>,
+    pub meta: BlobRef,
+    pub blobs: Vec<BlobRef>,
+    pub pins: u32,
+}
+
+/// A user mount.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MountState {
+    /// Creation order (unmounted newest first).
+    pub seq: u64,
+    pub layers: Vec<String>,
+    pub layer_ids: Vec<String>,
+    #[serde(default)]
+    pub upper: Option<PathBuf>,
+    #[serde(default)]
+    pub work: Option<PathBuf>,
+}
+
+impl MountState {
+    /// `bind` for one layer without an upper, else `overlay`.
+    pub fn kind(&self) -> &'static str {
+        if self.layer_ids.len() == 1 && self.upper.is_none() {
+            "bind"
+        } else {
+            "overlay"
+        }
+    }
+}
+
+/// Everything that survives a restart.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct State {
+    pub version: u32,
+    pub store: String,
+    pub layers: BTreeMap<String, LayerState>,
+    pub mounts: BTreeMap<PathBuf, MountState>,
+    #[serde(default)]
+    pub next_seq: u64,
+}
+
+impl State {
+    pub fn new(store: &str) -> Self {
+        Self {
+            version: STATE_VERSION,
+            store: store.to_owned(),
+            ..Self::default()
+        }
+    }
+
+    /// Mounts that use layer `id`.
+    pub fn users(&self, id: &str) -> u32 {
+        self.mounts
+            .values()
+            .filter(|m| m.layer_ids.iter().any(|l| l == id))
+            .count() as u32
+    }
+
+    /// Whether layer `id` is still needed.
+    pub fn needed(&self, id: &str) -> bool {
+        self.layers.get(id).is_some_and(|l| l.pins > 0) || self.users(id) > 0
+    }
+
+    /// Check the invariants of a loaded file.
+    pub fn check(&self) -> Result<(), String> {
+        if self.version != STATE_VERSION {
+            return Err(format!(
+                "version {} (this build reads {STATE_VERSION})",
+                self.version
+            ));
+        }
+        for (mp, m) in &self.mounts {
+            if m.layer_ids.is_empty() || m.layer_ids.len() != m.layers.len() {
+                return Err(format!("mount {} names no layers", mp.display()));
+            }
+            if let Some(id) = m.layer_ids.iter().find(|id| !self.layers.contains_key(*id)) {
+                return Err(format!("mount {} uses unknown layer {id}", mp.display()));
+            }
+        }
+        Ok(())
+    }
+
+    /// Read the state file; `Ok(None)` if there is none.
+    pub fn load(path: &Path) -> Result<Option<Self>, String> {
+        let bytes = match std::fs::read(path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(format!("read {}: {e}", path.display())),
+        };
+        let s: State = serde_json::from_slice(&bytes)
+            .map_err(|e| format!("{} is not a state file: {e}", path.display()))?;
+        s.check().map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok(Some(s))
+    }
+
+    /// Replace the state file atomically.
+    pub fn save(&self, path: &Path) -> std::io::Result<()> {
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let tmp = path.with_extension("json.tmp");
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(&serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?)?;
+        f.write_all(b"\n")?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)?;
+        std::fs::File::open(dir)?.sync_all()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use fs_cache::Digest;
+
+    #[test]
+    fn round_trip_and_checks() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.json");
+        assert_eq!(State::load(&path).unwrap(), None);
+        let mut s = State::new("/store");
+        let id = Digest::of(b"meta").to_hex();
+        s.layers.insert(
+            id.clone(),
+            LayerState {
+                refs: ["base/os:1".to_owned()].into(),
+                meta: BlobRef {
+                    digest: Digest::of(b"meta"),
+                    size: 4,
+                },
+                blobs: vec![],
+                pins: 0,
+            },
+        );
+        s.mounts.insert(
+            "/mnt/a".into(),
+            MountState {
+                seq: 0,
+                layers: vec!["base/os:1".into()],
+                layer_ids: vec![id.clone()],
+                upper: None,
+                work: None,
+            },
+        );
+        assert_eq!(s.users(&id), 1);
+        assert!(s.needed(&id));
+        s.save(&path).unwrap();
+        assert_eq!(State::load(&path).unwrap(), Some(s.clone()));
+        s.layers.clear();
+        s.save(&path).unwrap();
+        assert!(State::load(&path).unwrap_err().contains("unknown layer"));
+        std::fs::write(&path, b"{").unwrap();
+        assert!(State::load(&path).unwrap_err().contains("not a state file"));
+    }
+}

@@ -1,0 +1,328 @@
+//! The kernel side of the node: mount(2) calls, `/proc/self/mountinfo`, `/proc/filesystems`.
+//!
+//! Everything here is synchronous (system calls); the node runs it on blocking threads,
+//! because a mount of a file inside our own FUSE mount makes the kernel call back into this
+//! process.
+
+use std::ffi::{CString, OsString};
+use std::io;
+use std::os::unix::ffi::OsStringExt;
+use std::path::{Path, PathBuf};
+
+use rustix::mount::{MountFlags, UnmountFlags};
+
+use super::proto::{ApiError, ErrorKind};
+
+/// One line of `/proc/self/mountinfo`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MountEntry {
+    pub mount_point: PathBuf,
+    pub fstype: String,
+    pub source: PathBuf,
+    pub super_options: String,
+}
+
+/// Undo mountinfo's octal escapes (`\040` for a space, `\011`, `\012`, `\134`).
+fn unescape(field: &str) -> OsString {
+    let b = field.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && i + 3 < b.len() {
+            let digits = &b[i + 1..i + 4];
+            if digits.iter().all(|d| (b'0'..=b'7').contains(d)) {
+                let v = digits
+                    .iter()
+                    .fold(0u32, |acc, d| acc * 8 + u32::from(d - b'0'));
+                if let Ok(byte) = u8::try_from(v) {
+                    out.push(byte);
+                    i += 4;
+                    continue;
+                }
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    OsString::from_vec(out)
+}
+
+/// Parse mountinfo text; lines that do not parse are skipped.
+pub fn parse_mountinfo(text: &str) -> Vec<MountEntry> {
+    text.lines()
+        .filter_map(|line| {
+            let (left, right) = line.split_once(" - ")?;
+            let mount_point = left.split(' ').nth(4)?;
+            let mut r = right.split(' ');
+            let fstype = r.next()?;
+            let source = r.next()?;
+            let super_options = r.next().unwrap_or("");
+            Some(MountEntry {
+                mount_point: PathBuf::from(unescape(mount_point)),
+                fstype: fstype.to_owned(),
+                source: PathBuf::from(unescape(source)),
+                super_options: super_options.to_owned(),
+            })
+        })
+        .collect()
+}
+
+/// This process's mounts, in mount order.
+pub fn mounts() -> io::Result<Vec<MountEntry>> {
+    Ok(parse_mountinfo(&std::fs::read_to_string(
+        "/proc/self/mountinfo",
+    )?))
+}
+
+/// Whether `path` is a mount point.
+pub fn is_mount_point(path: &Path) -> io::Result<bool> {
+    Ok(mounts()?.iter().any(|m| m.mount_point == path))
+}
+
+/// Whether the running kernel has filesystem `fs` (`/proc/filesystems`). Modules that are
+/// not loaded yet do not show; callers try `modprobe`-free paths only.
+pub fn kernel_has(fs: &str) -> bool {
+    std::fs::read_to_string("/proc/filesystems")
+        .map(|t| t.lines().any(|l| l.split_whitespace().last() == Some(fs)))
+        .unwrap_or(false)
+}
+
+/// A kind for a failed mount(2): privileges, kernel support, a busy target, or other.
+pub fn mount_error(what: &str, e: io::Error) -> ApiError {
+    let kind = match e.raw_os_error() {
+        Some(c) if c == rustix::io::Errno::PERM.raw_os_error() => ErrorKind::NotRoot,
+        Some(c) if c == rustix::io::Errno::NODEV.raw_os_error() => ErrorKind::KernelUnsupported,
+        Some(c) if c == rustix::io::Errno::BUSY.raw_os_error() => ErrorKind::MountpointInUse,
+        _ => ErrorKind::Internal,
+    };
+    ApiError::new(kind, format!("{what}: {e}"))
+}
+
+fn cstring(s: String) -> io::Result<CString> {
+    CString::new(s).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in options"))
+}
+
+/// A path usable inside a comma/colon separated mount option string.
+pub fn option_path(p: &Path) -> Result<String, ApiError> {
+    let s = p.to_str().ok_or_else(|| {
+        ApiError::new(
+            ErrorKind::BadRequest,
+            format!(
+                "{} is not UTF-8; mount options need UTF-8 paths",
+                p.display()
+            ),
+        )
+    })?;
+    if s.contains([',', ':', '\\', '\n']) {
+        return Err(ApiError::new(
+            ErrorKind::BadRequest,
+            format!(
+                "{s:?} contains ',', ':', '\\\\' or a newline, which mount options cannot carry"
+            ),
+        ));
+    }
+    Ok(s.to_owned())
+}
+
+/// File-backed, read-only EROFS mount of `meta` at `target`, with `device=` blob files.
+pub fn mount_erofs(meta: &Path, devices: &[PathBuf], target: &Path) -> Result<(), ApiError> {
+    let data = devices
+        .iter()
+        .map(|d| option_path(d).map(|s| format!("device={s}")))
+        .collect::<Result<Vec<_>, _>>()?
+        .join(",");
+    let data = cstring(data).map_err(|e| mount_error("mount options", e))?;
+    rustix::mount::mount(
+        meta,
+        target,
+        "erofs",
+        MountFlags::RDONLY | MountFlags::NODEV | MountFlags::NOSUID,
+        (!devices.is_empty()).then_some(data.as_c_str()),
+    )
+    .map_err(|e| {
+        mount_error(
+            &format!("mount -t erofs {} on {}", meta.display(), target.display()),
+            e.into(),
+        )
+    })
+}
+
+/// A read-only bind mount of `source` at `target`.
+pub fn bind_ro(source: &Path, target: &Path) -> Result<(), ApiError> {
+    let what = format!("bind {} on {}", source.display(), target.display());
+    rustix::mount::mount_bind(source, target).map_err(|e| mount_error(&what, e.into()))?;
+    if let Err(e) = rustix::mount::mount_remount(target, MountFlags::BIND | MountFlags::RDONLY, c"")
+    {
+        let _ = rustix::mount::unmount(target, UnmountFlags::DETACH);
+        return Err(mount_error(&format!("{what} (read-only)"), e.into()));
+    }
+    Ok(())
+}
+
+/// overlayfs at `target`: `lowers` top first, with an optional upper/work pair.
+pub fn mount_overlay(
+    lowers: &[PathBuf],
+    upper: Option<(&Path, &Path)>,
+    target: &Path,
+) -> Result<(), ApiError> {
+    let lower = lowers
+        .iter()
+        .map(|p| option_path(p))
+        .collect::<Result<Vec<_>, _>>()?
+        .join(":");
+    let mut data = format!("lowerdir={lower}");
+    let mut flags = MountFlags::empty();
+    match upper {
+        Some((u, w)) => {
+            data.push_str(&format!(
+                ",upperdir={},workdir={}",
+                option_path(u)?,
+                option_path(w)?
+            ));
+        }
+        None => flags |= MountFlags::RDONLY,
+    }
+    let page = 4096;
+    if data.len() >= page {
+        return Err(ApiError::new(
+            ErrorKind::BadRequest,
+            format!(
+                "overlay options are {} bytes, more than the kernel takes ({page}); mount fewer layers",
+                data.len()
+            ),
+        ));
+    }
+    let c = cstring(data).map_err(|e| mount_error("mount options", e))?;
+    rustix::mount::mount("overlay", target, "overlay", flags, c.as_c_str()).map_err(|e| {
+        mount_error(
+            &format!("mount -t overlay on {}", target.display()),
+            e.into(),
+        )
+    })
+}
+
+/// Unmount `target`; if it is busy and `lazy`, detach it instead (MNT_DETACH).
+pub fn unmount(target: &Path, lazy: bool) -> Result<(), ApiError> {
+    match rustix::mount::unmount(target, UnmountFlags::empty()) {
+        Ok(()) => Ok(()),
+        Err(rustix::io::Errno::BUSY) if lazy => {
+            rustix::mount::unmount(target, UnmountFlags::DETACH)
+                .map_err(|e| mount_error(&format!("umount -l {}", target.display()), e.into()))
+        }
+        Err(rustix::io::Errno::BUSY) => Err(ApiError::new(
+            ErrorKind::MountpointInUse,
+            format!(
+                "{} is busy (open files or a working directory inside it)",
+                target.display()
+            ),
+        )),
+        Err(e) => Err(mount_error(
+            &format!("umount {}", target.display()),
+            e.into(),
+        )),
+    }
+}
+
+/// Check that `path` can take a new mount: an existing, empty directory that is not already
+/// a mount point. Returns its canonical form.
+pub fn check_mountpoint(path: &Path) -> Result<PathBuf, ApiError> {
+    let in_use = |why: String| ApiError::new(ErrorKind::MountpointInUse, why);
+    let canon = std::fs::canonicalize(path)
+        .map_err(|e| in_use(format!("mountpoint {}: {e}", path.display())))?;
+    if !canon.is_dir() {
+        return Err(in_use(format!(
+            "mountpoint {} is not a directory",
+            path.display()
+        )));
+    }
+    let mut entries = std::fs::read_dir(&canon)
+        .map_err(|e| in_use(format!("mountpoint {}: {e}", path.display())))?;
+    if entries.next().is_some() {
+        return Err(in_use(format!(
+            "mountpoint {} is not empty",
+            path.display()
+        )));
+    }
+    if is_mount_point(&canon).map_err(|e| in_use(format!("read mountinfo: {e}")))? {
+        return Err(in_use(format!(
+            "mountpoint {} is already a mount point",
+            path.display()
+        )));
+    }
+    Ok(canon)
+}
+
+/// Whether a mount was made from this node's run directory: an EROFS mount of a meta image
+/// under it (or a bind of one), an overlay whose lower layers are under it, or any mount
+/// point under it (the FUSE blob mount, layer mounts).
+pub fn is_ours(m: &MountEntry, run_dir: &Path) -> bool {
+    let layers = run_dir.join("layers");
+    m.mount_point.starts_with(run_dir)
+        || (m.fstype == "erofs" && m.source.starts_with(&layers))
+        || (m.fstype == "overlay"
+            && m.super_options.split(',').any(|o| {
+                o.strip_prefix("lowerdir=")
+                    .is_some_and(|l| l.split(':').any(|d| Path::new(d).starts_with(&layers)))
+            }))
+}
+
+/// Detach every mount [`is_ours`] (newest first); returns the mount points detached.
+pub fn detach_stale(run_dir: &Path) -> io::Result<Vec<PathBuf>> {
+    let mut done = Vec::new();
+    // Detaching one mount can reveal or remove others; re-read until none is left.
+    for _ in 0..64 {
+        let ours: Vec<MountEntry> = mounts()?
+            .into_iter()
+            .filter(|m| is_ours(m, run_dir))
+            .collect();
+        let Some(m) = ours.last() else {
+            return Ok(done);
+        };
+        match rustix::mount::unmount(&m.mount_point, UnmountFlags::DETACH) {
+            Ok(()) => done.push(m.mount_point.clone()),
+            Err(e) => {
+                return Err(io::Error::new(
+                    io::Error::from(e).kind(),
+                    format!("detach {}: {e}", m.mount_point.display()),
+                ))
+            }
+        }
+    }
+    Ok(done)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_lines() {
+        let text = "22 1 0:21 / /proc rw,nosuid - proc proc rw\n\
+            90 30 0:50 / /run/strata/blobs rw,nosuid shared:5 - fuse.strata strata rw,user_id=0\n\
+            91 30 0:51 / /mnt/with\\040space ro - erofs /run/strata/layers/ab/meta.erofs ro,device=/run/strata/blobs/cd\n\
+            92 30 0:52 / /mnt/ov rw - overlay overlay rw,lowerdir=/run/strata/layers/b/mnt:/run/strata/layers/a/mnt,upperdir=/u\n\
+            garbage\n";
+        let m = parse_mountinfo(text);
+        assert_eq!(m.len(), 4);
+        assert_eq!(m[2].mount_point, Path::new("/mnt/with space"));
+        assert_eq!(m[2].fstype, "erofs");
+        let run = Path::new("/run/strata");
+        assert!(!is_ours(&m[0], run));
+        assert!(is_ours(&m[1], run));
+        assert!(is_ours(&m[2], run));
+        assert!(is_ours(&m[3], run));
+        assert!(!is_ours(&m[3], Path::new("/run/other")));
+        assert_eq!(unescape("a\\134b\\"), OsString::from("a\\b\\"));
+    }
+
+    #[test]
+    fn option_paths() {
+        assert!(option_path(Path::new("/a/b")).is_ok());
+        for bad in ["/a,b", "/a:b", "/a\\b"] {
+            assert_eq!(
+                option_path(Path::new(bad)).unwrap_err().kind,
+                ErrorKind::BadRequest
+            );
+        }
+    }
+}

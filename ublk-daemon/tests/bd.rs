@@ -1,0 +1,623 @@
+//! OverlayBD frontends against the real kernel, as root.
+//!
+//! - `fuse_image_ext4_commit_stack`: a device served as a FUSE image file, `mkfs.ext4` on it,
+//!   mounted through a loop device, a tree written; unmounted, `e2fsck -fn`, committed to a
+//!   store on a POSIX directory; a second device stacked on that layer (read lazily through the
+//!   chunk cache) shows the tree, is changed and committed again; a third device on top shows
+//!   the change. `e2fsck -fn` is clean at every stage.
+//! - `image_file_requests`: unaligned writes, reads and writes at the end, hole punching and
+//!   zero ranges, resizing, fsync, through the kernel, against a byte-array model.
+//! - `kill9_loses_no_flushed_write`: a child process (this test binary again) serves a device
+//!   over FUSE and writes blocks through it, reporting each fsync on a pipe; it is killed with
+//!   SIGKILL mid-stream, and every block acknowledged as flushed reads back from the reopened
+//!   upper.
+//! - `ublk_device_roundtrip`: runs where `/dev/ublk-control` exists, and prints a loud
+//!   SKIPPED line elsewhere.
+//!
+//! Mounts, loop devices and child processes are cleaned up by Drop guards even on failure.
+
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+
+use fs_cache::chunk::{CacheConfig, ChunkCache};
+use fs_cache::{LayerRef, PosixBackend, Store};
+use ublk_daemon::bd;
+use ublk_daemon::clean_stale_mount;
+
+const SIZE: u64 = 96 << 20;
+
+fn require_root(test: &str) -> bool {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        return true;
+    }
+    let _ = std::io::stderr().write_all(
+        format!("\n*** SKIPPED {test}: needs root (mount(2), /dev/fuse, loop devices) ***\n\n")
+            .as_bytes(),
+    );
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "{test} must run as root under CI"
+    );
+    false
+}
+
+fn try_run(cmd: &mut Command) -> Result<String, String> {
+    let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{cmd:?} failed: {}\n{}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn run(cmd: &mut Command) -> String {
+    try_run(cmd).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn fsck(image: &Path) {
+    run(Command::new("e2fsck").arg("-fn").arg(image));
+}
+
+/// Lazily detaches a mount when dropped.
+struct Detach(PathBuf);
+
+impl Drop for Detach {
+    fn drop(&mut self) {
+        if let Ok(c) = CString::new(self.0.as_os_str().as_bytes()) {
+            // SAFETY: `c` is a valid NUL-terminated path.
+            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+        }
+    }
+}
+
+/// A loop device over an image file, detached when dropped.
+struct Loop(String);
+
+impl Loop {
+    fn attach(image: &Path) -> Loop {
+        // Direct I/O when the kernel takes it for this file; buffered otherwise (FUSE direct_io
+        // keeps no page cache of the image either way).
+        let out = Command::new("losetup")
+            .args(["--direct-io=on", "-f", "--show"])
+            .arg(image)
+            .output()
+            .unwrap();
+        let dev = if out.status.success() {
+            String::from_utf8_lossy(&out.stdout).trim().to_owned()
+        } else {
+            run(Command::new("losetup").args(["-f", "--show"]).arg(image))
+                .trim()
+                .to_owned()
+        };
+        assert!(dev.starts_with("/dev/loop"), "losetup printed {dev:?}");
+        Loop(dev)
+    }
+}
+
+impl Drop for Loop {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").arg("-d").arg(&self.0).status();
+    }
+}
+
+/// A mount of the ext4 filesystem on `image` (through a loop device), torn down in order.
+struct Ext4 {
+    mnt: Option<PathBuf>,
+    dev: Option<Loop>,
+}
+
+impl Ext4 {
+    fn mount(image: &Path, at: &Path) -> Ext4 {
+        std::fs::create_dir_all(at).unwrap();
+        let dev = Loop::attach(image);
+        run(Command::new("mount")
+            .args(["-t", "ext4"])
+            .arg(&dev.0)
+            .arg(at));
+        Ext4 {
+            mnt: Some(at.to_owned()),
+            dev: Some(dev),
+        }
+    }
+
+    /// Clean unmount (everything reaches the image), then detach the loop device.
+    fn unmount(mut self) {
+        let mnt = self.mnt.take().unwrap();
+        if let Err(e) = try_run(Command::new("umount").arg(&mnt)) {
+            drop(Detach(mnt));
+            panic!("{e}");
+        }
+        drop(self.dev.take());
+    }
+}
+
+impl Drop for Ext4 {
+    fn drop(&mut self) {
+        drop(self.mnt.take().map(Detach));
+        drop(self.dev.take());
+    }
+}
+
+/// Files of varied sizes (empty, small, a few blocks, over a MiB) in nested directories.
+fn write_tree(root: &Path, seed: u64, files: usize) -> BTreeMap<PathBuf, Vec<u8>> {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut out = BTreeMap::new();
+    for i in 0..files {
+        let rel = PathBuf::from(format!("d{}/s{}/f{seed}-{i}", i % 5, i % 3));
+        let len = match i % 6 {
+            0 => 0,
+            1 => rng.usize(1..512),
+            2 => rng.usize(4096..20_000),
+            3 => rng.usize(100_000..300_000),
+            4 => 1_500_000,
+            _ => rng.usize(1..70_000),
+        };
+        let mut data = vec![0u8; len];
+        rng.fill(&mut data);
+        let path = root.join(&rel);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, &data).unwrap();
+        out.insert(rel, data);
+    }
+    if seed == 1 {
+        std::os::unix::fs::symlink("d0/s0", root.join("link")).unwrap();
+    }
+    out
+}
+
+fn check_tree(root: &Path, want: &BTreeMap<PathBuf, Vec<u8>>) {
+    for (rel, data) in want {
+        let got = std::fs::read(root.join(rel)).unwrap_or_else(|e| panic!("{rel:?}: {e}"));
+        assert!(
+            &got == data,
+            "{rel:?} differs ({} vs {} bytes)",
+            got.len(),
+            data.len()
+        );
+    }
+    assert_eq!(
+        std::fs::read_link(root.join("link")).unwrap(),
+        PathBuf::from("d0/s0")
+    );
+}
+
+/// A store on a POSIX directory, a memory-only chunk cache over it, and the runtime both live
+/// on (FUSE threads block on it through the layers' `BlobSource`).
+struct Env {
+    cache: ChunkCache,
+    store: Store,
+    rt: tokio::runtime::Runtime,
+    dir: tempfile::TempDir,
+}
+
+impl Env {
+    fn new() -> Env {
+        let dir = tempfile::tempdir().unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let root = dir.path().join("store");
+        std::fs::create_dir_all(&root).unwrap();
+        let store = Store::new(Arc::new(PosixBackend::open(&root).unwrap()));
+        let cache = rt
+            .block_on(ChunkCache::open(
+                store.clone(),
+                CacheConfig {
+                    memory_bytes: 64 << 20,
+                    ..CacheConfig::default()
+                },
+            ))
+            .unwrap();
+        Env {
+            cache,
+            store,
+            rt,
+            dir,
+        }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    fn create(&self, name: &str, size: Option<u64>, base: Option<&LayerRef>) -> PathBuf {
+        let dir = self.path(name);
+        self.rt
+            .block_on(bd::create(&dir, size, base, &self.store, &self.cache))
+            .unwrap();
+        dir
+    }
+
+    fn open(&self, dir: &Path) -> bd::OpenDevice {
+        self.rt
+            .block_on(bd::open(dir, &self.store, &self.cache))
+            .unwrap()
+    }
+}
+
+#[test]
+fn fuse_image_ext4_commit_stack() {
+    if !require_root("fuse_image_ext4_commit_stack") {
+        return;
+    }
+    let env = Env::new();
+    let base_ref: LayerRef = "base/bd-test:1".parse().unwrap();
+    let ws_ref: LayerRef = "workspace/bd-test:2".parse().unwrap();
+
+    // Stage 1: a fresh device, formatted and filled through the image file.
+    let dir1 = env.create("dev1", Some(SIZE), None);
+    let tree1 = {
+        let dev = env.open(&dir1);
+        let img = env.path("img1");
+        let fuse = bd::serve_fuse(dev.device.clone(), &img).unwrap();
+        assert_eq!(std::fs::metadata(&img).unwrap().len(), SIZE);
+        // A device does not change size.
+        let f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
+        assert!(f.set_len(SIZE / 2).is_err(), "truncating the image worked");
+        drop(f);
+        run(Command::new("mkfs.ext4")
+            .args(["-q", "-F", "-b", "4096", "-E", "root_owner=0:0"])
+            .arg(&img));
+        fsck(&img);
+        let mnt = env.path("mnt1");
+        let ext4 = Ext4::mount(&img, &mnt);
+        let tree = write_tree(&mnt, 1, 24);
+        ext4.unmount();
+        fsck(&img);
+        let stats = fuse.stats();
+        assert!(stats.writes > 0 && stats.flushes > 0, "{stats:?}");
+        assert_eq!(stats.errors, 0, "{stats:?}");
+        fuse.unmount().unwrap();
+        tree
+    };
+    // `strata bd commit`: reopens the (unserved) device and pushes its upper.
+    let pushed = env
+        .rt
+        .block_on(bd::commit(&dir1, &env.store, &base_ref))
+        .unwrap();
+    assert!(pushed.manifest.parents.is_empty());
+
+    // Stage 2: a device on the committed layer sees the tree; change it and commit again.
+    let dir2 = env.create("dev2", None, Some(&base_ref));
+    assert_eq!(bd::Descriptor::read(&dir2).unwrap().size, SIZE);
+    let mut tree2 = tree1.clone();
+    {
+        let dev = env.open(&dir2);
+        let img = env.path("img2");
+        let fuse = bd::serve_fuse(dev.device.clone(), &img).unwrap();
+        fsck(&img);
+        let mnt = env.path("mnt2");
+        let ext4 = Ext4::mount(&img, &mnt);
+        check_tree(&mnt, &tree1);
+        // Change: remove some files, rewrite one, add more.
+        let removed: Vec<PathBuf> = tree1.keys().step_by(4).cloned().collect();
+        for rel in &removed {
+            std::fs::remove_file(mnt.join(rel)).unwrap();
+            tree2.remove(rel);
+        }
+        let (rel, _) = tree2
+            .iter()
+            .nth(1)
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .unwrap();
+        let new = vec![0x5a; 123_457];
+        std::fs::write(mnt.join(&rel), &new).unwrap();
+        tree2.insert(rel, new);
+        tree2.extend(write_tree(&mnt, 2, 12));
+        ext4.unmount();
+        fsck(&img);
+        fuse.unmount().unwrap();
+        // Commit the served device in-process (the path a daemon would take).
+        let pushed = env
+            .rt
+            .block_on(bd::commit_device(
+                &dev.device,
+                dev.descriptor.base.as_ref(),
+                dev.dir(),
+                &env.store,
+                &ws_ref,
+            ))
+            .unwrap();
+        assert_eq!(pushed.manifest.parents, vec![base_ref.clone()]);
+    }
+
+    // Stage 3: a device on the second commit shows the changed tree (and not the removed
+    // files), and its stack is two layers deep.
+    let dir3 = env.create("dev3", None, Some(&ws_ref));
+    let dev = env.open(&dir3);
+    assert_eq!(dev.device.layers().len(), 2);
+    let img = env.path("img3");
+    let fuse = bd::serve_fuse(dev.device.clone(), &img).unwrap();
+    fsck(&img);
+    let mnt = env.path("mnt3");
+    let ext4 = Ext4::mount(&img, &mnt);
+    check_tree(&mnt, &tree2);
+    for rel in tree1.keys().filter(|k| !tree2.contains_key(*k)) {
+        assert!(!mnt.join(rel).exists(), "{rel:?} came back");
+    }
+    ext4.unmount();
+    fsck(&img);
+    fuse.unmount().unwrap();
+
+    // A served device is locked against a second opener.
+    let again = env.rt.block_on(bd::open(&dir3, &env.store, &env.cache));
+    assert!(
+        matches!(again, Err(ublk_daemon::Error::Busy { .. })),
+        "{again:?}"
+    );
+}
+
+/// The image file's request mapping, seen through the kernel: unaligned writes, reads at and
+/// past the end, hole punching and zero ranges (read back as zeros), writes past the end,
+/// resizing, and fsync.
+#[test]
+fn image_file_requests() {
+    if !require_root("image_file_requests") {
+        return;
+    }
+    let env = Env::new();
+    let size = 4 << 20;
+    let dir = env.create("dev", Some(size), None);
+    let dev = env.open(&dir);
+    let fuse = bd::serve_fuse(dev.device.clone(), &env.path("img")).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(fuse.path())
+        .unwrap();
+    let mut model = vec![0u8; size as usize];
+    let mut rng = fastrand::Rng::with_seed(4);
+    for _ in 0..40 {
+        let off = rng.u64(0..size - 70_000);
+        let mut data = vec![0u8; rng.usize(1..70_000)];
+        rng.fill(&mut data);
+        f.write_all_at(&data, off).unwrap();
+        model[off as usize..off as usize + data.len()].copy_from_slice(&data);
+    }
+    // Punch a hole and zero a range (both unaligned), then compare everything.
+    for (mode, off, len) in [
+        (
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            10_000,
+            300_001,
+        ),
+        (libc::FALLOC_FL_ZERO_RANGE, 1_000_003, 77_777),
+    ] {
+        // SAFETY: fallocate on a valid, open descriptor; no memory is passed.
+        let rc = unsafe { libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(&f), mode, off, len) };
+        assert_eq!(
+            rc,
+            0,
+            "fallocate mode {mode:#x}: {}",
+            std::io::Error::last_os_error()
+        );
+        model[off as usize..(off + len) as usize].fill(0);
+    }
+    f.sync_all().unwrap();
+    let mut all = vec![0u8; size as usize];
+    f.read_exact_at(&mut all, 0).unwrap();
+    assert!(all == model, "the image differs from the model");
+    // At and past the end: nothing to read, no room to write, no resizing.
+    let mut buf = [0u8; 4096];
+    assert_eq!(f.read_at(&mut buf, size).unwrap(), 0);
+    assert_eq!(f.read_at(&mut buf, size - 100).unwrap(), 100);
+    let e = f.write_at(&buf, size).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{e}");
+    assert_eq!(f.write_at(&buf, size - 100).unwrap(), 100);
+    assert!(f.set_len(size + 4096).is_err());
+    drop(f);
+    let stats = fuse.stats();
+    assert!(stats.discards >= 2 && stats.flushes >= 1, "{stats:?}");
+    fuse.unmount().unwrap();
+    // The device holds the same bytes after the mount is gone.
+    dev.device.read_at(0, &mut all).unwrap();
+    model[size as usize - 100..].copy_from_slice(&buf[..100]);
+    assert!(all == model, "the device differs from the model");
+}
+
+const CHILD_DIR: &str = "STRATA_BD_KILL9_DIR";
+const CHILD_IMG: &str = "STRATA_BD_KILL9_IMG";
+const READY: &str = "strata-bd-child-ready";
+const BLOCK: usize = 4096;
+const KILL9_SIZE: u64 = 32 << 20;
+
+fn block_pattern(i: u64) -> Vec<u8> {
+    let mut rng = fastrand::Rng::with_seed(i ^ 0x5eed_0000);
+    let mut b = vec![0u8; BLOCK];
+    rng.fill(&mut b);
+    b[..8].copy_from_slice(&i.to_le_bytes());
+    b
+}
+
+/// The child (the daemon): serve the device over FUSE, say "ready", and wait to be killed.
+fn kill9_child(dir: &Path, img: &Path) -> ! {
+    let env = Env::new();
+    let dev = env.open(dir);
+    let _fuse = bd::serve_fuse(dev.device.clone(), img).unwrap();
+    let mut out = std::io::stdout().lock();
+    // The harness may have printed a line without its newline before this.
+    writeln!(out, "\n{READY}").unwrap();
+    out.flush().unwrap();
+    loop {
+        std::thread::park();
+    }
+}
+
+/// Kills the child (if still running) and detaches its dead mount when dropped.
+struct ChildGuard(std::process::Child, PathBuf);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+        let _ = clean_stale_mount(&self.1);
+    }
+}
+
+/// Write blocks 0, 1, 2, ... through the image file with O_DIRECT, an fsync after every third
+/// write, sending the blocks each successful fsync covered; stop at the first error (the
+/// daemon died).
+fn writer(img: PathBuf, tx: std::sync::mpsc::Sender<u64>) -> std::io::Error {
+    let f = match std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&img)
+    {
+        Ok(f) => f,
+        Err(e) => return e,
+    };
+    // O_DIRECT wants an aligned buffer: take an aligned window of a larger one.
+    let mut raw = vec![0u8; 2 * BLOCK];
+    let skew = raw.as_ptr().align_offset(BLOCK);
+    let buf = &mut raw[skew..skew + BLOCK];
+    let mut pending = Vec::new();
+    for i in 0..KILL9_SIZE / BLOCK as u64 {
+        buf.copy_from_slice(&block_pattern(i));
+        if let Err(e) = f.write_all_at(buf, i * BLOCK as u64) {
+            return e;
+        }
+        pending.push(i);
+        if i % 3 == 2 {
+            if let Err(e) = f.sync_all() {
+                return e;
+            }
+            for p in pending.drain(..) {
+                let _ = tx.send(p);
+            }
+        }
+    }
+    std::io::Error::other("wrote the whole device before the daemon was killed")
+}
+
+#[test]
+fn kill9_loses_no_flushed_write() {
+    if let (Some(dir), Some(img)) = (std::env::var_os(CHILD_DIR), std::env::var_os(CHILD_IMG)) {
+        kill9_child(Path::new(&dir), Path::new(&img));
+    }
+    if !require_root("kill9_loses_no_flushed_write") {
+        return;
+    }
+    let env = Env::new();
+    let dir = env.create("dev", Some(KILL9_SIZE), None);
+    let img = env.path("img");
+    let child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "kill9_loses_no_flushed_write",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_DIR, &dir)
+        .env(CHILD_IMG, &img)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut guard = ChildGuard(child, img.clone());
+    let stdout = guard.0.stdout.take().unwrap();
+    let ready = BufReader::new(stdout)
+        .lines()
+        .map_while(Result::ok)
+        .any(|l| l == READY);
+    assert!(ready, "the serving child did not come up");
+
+    // The writer is another process's view of the image: a client of the daemon.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let w = {
+        let img = img.clone();
+        std::thread::spawn(move || writer(img, tx))
+    };
+    let mut flushed = Vec::new();
+    while flushed.len() < 600 {
+        match rx.recv_timeout(std::time::Duration::from_secs(30)) {
+            Ok(i) => flushed.push(i),
+            Err(e) => panic!(
+                "the writer stopped after {} flushed blocks: {e}",
+                flushed.len()
+            ),
+        }
+    }
+    // SIGKILL while the writer keeps writing.
+    guard.0.kill().unwrap();
+    guard.0.wait().unwrap();
+    let err = w.join().unwrap();
+    eprintln!("writer stopped with: {err}");
+    flushed.extend(rx.try_iter());
+    assert!(
+        clean_stale_mount(&img).unwrap(),
+        "no dead FUSE mount was left"
+    );
+
+    let dev = env.open(&dir);
+    let mut buf = vec![0u8; BLOCK];
+    let last = *flushed.iter().max().unwrap();
+    for &i in &flushed {
+        dev.device.read_at(i * BLOCK as u64, &mut buf).unwrap();
+        assert!(buf == block_pattern(i), "flushed block {i} was lost");
+    }
+    // Blocks after the last flush hold their write or nothing, never anything else.
+    let mut survived = 0;
+    for i in last + 1..last + 64 {
+        dev.device.read_at(i * BLOCK as u64, &mut buf).unwrap();
+        if buf == block_pattern(i) {
+            survived += 1;
+        } else {
+            assert!(buf.iter().all(|&b| b == 0), "block {i} holds garbage");
+        }
+    }
+    eprintln!(
+        "kill -9: {} flushed blocks intact, {survived} unflushed survived, recovery {:?}",
+        flushed.len(),
+        dev.device.upper().unwrap().recovered()
+    );
+}
+
+#[test]
+fn ublk_device_roundtrip() {
+    if !bd::ublk_available() {
+        let _ = std::io::stderr().write_all(
+            b"\n*** SKIPPED: no /dev/ublk-control (no ublk driver in this kernel) ***\n\n",
+        );
+        return;
+    }
+    if !require_root("ublk_device_roundtrip") {
+        return;
+    }
+    let env = Env::new();
+    let dir = env.create("dev", Some(64 << 20), None);
+    let dev = env.open(&dir);
+    let ublk = bd::serve_ublk(dev.device.clone(), &bd::UblkConfig::default()).unwrap();
+    let mut rng = fastrand::Rng::with_seed(9);
+    let mut data = vec![0u8; 1 << 20];
+    rng.fill(&mut data);
+    {
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(ublk.path())
+            .unwrap();
+        f.write_all_at(&data, 3 << 20).unwrap();
+        f.sync_all().unwrap();
+        let mut back = vec![0u8; data.len()];
+        f.read_exact_at(&mut back, 3 << 20).unwrap();
+        assert!(back == data, "read back through /dev/ublkbN differs");
+    }
+    ublk.stop().unwrap();
+    let mut back = vec![0u8; data.len()];
+    dev.device.read_at(3 << 20, &mut back).unwrap();
+    assert!(back == data, "the device does not hold what was written");
+}
