@@ -16,10 +16,8 @@
 mod fs;
 mod table;
 
-use std::ffi::CString;
 use std::fs::OpenOptions;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -31,6 +29,7 @@ use fs_cache::Digest;
 use fuser::{BackgroundSession, INodeNo, Notifier, Session, SessionACL};
 use tokio::runtime::Handle;
 
+use crate::fusemount::{mount_fuse, umount, FuseMount};
 use crate::{Error, Result};
 use fs::{BlobFsImpl, Counters, Negotiated, Options};
 use table::Table;
@@ -157,7 +156,16 @@ impl BlobFs {
             .open("/dev/fuse")
             .map_err(|e| Error::io("open", "/dev/fuse", e))?;
         let dev: OwnedFd = dev.into();
-        mount_fuse(&mountpoint, dev.as_raw_fd(), cfg.max_read)?;
+        mount_fuse(
+            &mountpoint,
+            dev.as_raw_fd(),
+            cfg.max_read,
+            FuseMount {
+                name: "strata-blobfs",
+                file_root: false,
+                read_only: true,
+            },
+        )?;
         // From here on, a failure must not leave the mount behind.
         let detach = |e: Error| {
             let _ = umount(&mountpoint, libc::MNT_DETACH);
@@ -372,59 +380,6 @@ pub fn clean_stale_mount(path: &Path) -> Result<bool> {
         }
         _ => Ok(false),
     }
-}
-
-fn cstring(path: &Path) -> Result<CString> {
-    CString::new(path.as_os_str().as_bytes()).map_err(|_| {
-        Error::io(
-            "use",
-            path,
-            std::io::Error::new(std::io::ErrorKind::InvalidInput, "path contains a NUL byte"),
-        )
-    })
-}
-
-fn umount(path: &Path, flags: libc::c_int) -> std::io::Result<()> {
-    let c = cstring(path).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-    // SAFETY: `c` is a valid NUL-terminated string that outlives the call.
-    let rc = unsafe { libc::umount2(c.as_ptr(), flags) };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
-}
-
-/// mount(2) a FUSE filesystem at `target` served through the device fd `fd`.
-fn mount_fuse(target: &Path, fd: libc::c_int, max_read: u32) -> Result<()> {
-    // SAFETY: geteuid/getegid have no preconditions and cannot fail.
-    let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
-    let opts = format!(
-        "fd={fd},rootmode=40000,user_id={uid},group_id={gid},allow_other,default_permissions,\
-         max_read={max_read}"
-    );
-    let c_target = cstring(target)?;
-    let c_opts = CString::new(opts).map_err(|_| Error::InvalidConfig("mount options".into()))?;
-    let flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_RDONLY | libc::MS_NOATIME;
-    // SAFETY: every pointer is a valid NUL-terminated string that outlives the call; `data`
-    // is the text option string the fuse filesystem expects.
-    let rc = unsafe {
-        libc::mount(
-            c"strata-blobfs".as_ptr(),
-            c_target.as_ptr(),
-            c"fuse.strata-blobfs".as_ptr(),
-            flags,
-            c_opts.as_ptr().cast(),
-        )
-    };
-    if rc != 0 {
-        return Err(Error::io(
-            "mount FUSE on",
-            target,
-            std::io::Error::last_os_error(),
-        ));
-    }
-    Ok(())
 }
 
 /// Set the readahead window of the filesystem mounted at `mountpoint` (the `read_ahead_kb` of

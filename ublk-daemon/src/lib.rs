@@ -28,6 +28,7 @@
 
 pub mod bd;
 pub mod blobfs;
+mod fusemount;
 pub mod node;
 
 pub use blobfs::{clean_stale_mount, set_mount_readahead, BlobFs, BlobFsConfig};

@@ -69,7 +69,9 @@
 //! last chunk went (so that no put can reopen it meanwhile); a second one serializes index
 //! writes, so that a batch of recency updates cannot re-create an entry evicted meanwhile. A
 //! hit is a lookup and list move under the mutex, then a `pread` on a blob file kept open
-//! ([`OPEN_FILES`] of them) and a crc32c per 4 KiB block; the crc32c values come from a memory
+//! ([`OPEN_FILES`] of them), a crc32c per 4 KiB block, and `fadvise(DONTNEED)` of what was
+//! read (the reader keeps the bytes: level 1, or the kernel's page cache above a FUSE file, so
+//! that a byte read through a lazy mount sits in the page cache once); the crc32c values come from a memory
 //! LRU ([`SUMS_CACHED`] chunks) in front of the index. Recency is written to the index in
 //! batches of [`RECENCY_BATCH`] hits (and on flush); losing it in a crash only makes the LRU
 //! order stale. A chunk being put or removed is in flight: a second put of it returns at once,
@@ -738,7 +740,16 @@ impl DiskCache {
         let base = chunk_offset(id.index).unwrap_or(u64::MAX);
         let mut data = Vec::with_capacity(data_len as usize);
         match read_uninit(&file, &mut data, data_len as usize, base + data_at, flags) {
-            Ok(ReadOutcome::Full) => {}
+            Ok(ReadOutcome::Full) => {
+                // Whoever asked keeps the bytes (level 1, or the kernel's page cache above a
+                // FUSE file); a second copy in this file's page cache only crowds out others.
+                let _ = rustix::fs::fadvise(
+                    &*file,
+                    base + data_at,
+                    std::num::NonZeroU64::new(data_len),
+                    rustix::fs::Advice::DontNeed,
+                );
+            }
             Ok(ReadOutcome::WouldBlock) => return Ok(RangeRead::WouldBlock),
             // A blob file shorter than an indexed chunk: damaged behind our back.
             Ok(ReadOutcome::Short) => return Ok(RangeRead::Corrupt),

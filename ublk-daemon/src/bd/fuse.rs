@@ -29,10 +29,9 @@
 //! descriptor; requests up to `max_io` bytes (the kernel caps them at
 //! `fs.fuse.max_pages_limit` pages, 1 MiB by default).
 
-use std::ffi::{CString, OsStr};
+use std::ffi::OsStr;
 use std::fs::OpenOptions;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -47,6 +46,7 @@ use fuser::{
 use overlaybd::Device;
 
 use crate::blobfs::clean_stale_mount;
+use crate::fusemount::{mount_fuse, umount, FuseMount};
 use crate::{Error, Result};
 
 /// `fallocate(2)` mode bits (linux/falloc.h).
@@ -177,7 +177,16 @@ pub fn serve_fuse_with(device: Arc<Device>, file: &Path, cfg: &BdFuseConfig) -> 
         .open("/dev/fuse")
         .map_err(|e| Error::io("open", "/dev/fuse", e))?;
     let dev: OwnedFd = dev.into();
-    mount_fuse_file(&path, dev.as_raw_fd(), cfg.max_io)?;
+    mount_fuse(
+        &path,
+        dev.as_raw_fd(),
+        cfg.max_io,
+        FuseMount {
+            name: "strata-bd",
+            file_root: true,
+            read_only: false,
+        },
+    )?;
     let detach = |e: Error| {
         let _ = umount(&path, libc::MNT_DETACH);
         e
@@ -534,57 +543,4 @@ impl Filesystem for ImageFs {
             reply.data(&[])
         }
     }
-}
-
-fn cstring(path: &Path) -> Result<CString> {
-    CString::new(path.as_os_str().as_bytes()).map_err(|_| {
-        Error::io(
-            "use",
-            path,
-            std::io::Error::new(std::io::ErrorKind::InvalidInput, "path contains a NUL byte"),
-        )
-    })
-}
-
-fn umount(path: &Path, flags: libc::c_int) -> std::io::Result<()> {
-    let c = cstring(path).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-    // SAFETY: `c` is a valid NUL-terminated string that outlives the call.
-    let rc = unsafe { libc::umount2(c.as_ptr(), flags) };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
-}
-
-/// mount(2) a FUSE filesystem whose root is a regular file over the file `target`.
-fn mount_fuse_file(target: &Path, fd: libc::c_int, max_read: u32) -> Result<()> {
-    // SAFETY: geteuid/getegid have no preconditions and cannot fail.
-    let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
-    let opts = format!(
-        "fd={fd},rootmode=100000,user_id={uid},group_id={gid},allow_other,default_permissions,\
-         max_read={max_read}"
-    );
-    let c_target = cstring(target)?;
-    let c_opts = CString::new(opts).map_err(|_| Error::InvalidConfig("mount options".into()))?;
-    let flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOATIME;
-    // SAFETY: every pointer is a valid NUL-terminated string that outlives the call; `data`
-    // is the text option string the fuse filesystem expects.
-    let rc = unsafe {
-        libc::mount(
-            c"strata-bd".as_ptr(),
-            c_target.as_ptr(),
-            c"fuse.strata-bd".as_ptr(),
-            flags,
-            c_opts.as_ptr().cast(),
-        )
-    };
-    if rc != 0 {
-        return Err(Error::io(
-            "mount FUSE on",
-            target,
-            std::io::Error::last_os_error(),
-        ));
-    }
-    Ok(())
 }
