@@ -7,6 +7,8 @@ set -euo pipefail
 
 debs=(
     erofs-utils fuse3 libfuse3-dev attr            # standard tools that judge our images
+    tar gzip zstd                                  # layer tarballs for the tar-input tests
+    e2fsprogs                                      # mkfs.ext4 / e2fsck on block devices
 )
 missing=()
 for p in "${debs[@]}"; do
@@ -18,6 +20,10 @@ if ((${#missing[@]})); then
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+
+# erofs-utils 1.8 (stricter fsck.erofs, erofsfuse with --device) from Debian trixie's source
+# package, into /usr/local/lib/strata/erofs-utils-1.8 (off PATH; ~40 s once, then instant).
+"$(dirname "$0")/build-erofs-utils.sh"
 
 if ! command -v moto_server >/dev/null 2>&1; then
     echo "install-test-deps: installing moto[server] (S3 test server) from PyPI"

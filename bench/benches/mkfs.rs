@@ -1,9 +1,11 @@
-//! Image build, `strata mkfs` (`erofs_builder::build_image`) against `mkfs.erofs`: a scenario
-//! harness, not a micro-benchmark. Prints markdown tables.
+//! Image build, `strata mkfs` (`erofs_builder::build_image`) and lazy layers
+//! (`erofs_builder::build_layer`) against `mkfs.erofs`: a scenario harness, not a
+//! micro-benchmark. Prints markdown tables.
 //!
 //! Each (tree × tool) build runs in **its own child process**, so that its peak RSS is its
 //! own: the harness re-executes itself (`current_exe()`) with [`CHILD_ENV`] set, and that
-//! child calls `build_image` and exits; the peer is `mkfs.erofs OUT SRC`. The harness reaps
+//! child calls `build_image` (or `build_layer`) and exits; the peers are `mkfs.erofs OUT SRC`
+//! and, chunked, `mkfs.erofs --chunksize=262144 --blobdev=BLOB OUT SRC`. The harness reaps
 //! each child with `wait4`, which returns that child's own `rusage` (`ru_maxrss`, user and
 //! system time); wall time runs from just before the spawn to `wait4`'s return.
 //!
@@ -12,18 +14,29 @@
 //! disk. Runs are interleaved (run 1 of every tree × tool, then run 2, …), 3 runs, medians
 //! reported. Tools:
 //!
-//! - `mkfs.erofs`: erofs-utils' full image, no compression, defaults. It does not fsync.
+//! - `mkfs.erofs 1.5` (Debian 12's, on `PATH`) and `mkfs.erofs 1.8` (built by
+//!   `scripts/build-erofs-utils.sh` into [`MKFS18_DEFAULT`], or [`MKFS18_ENV`]; skipped with
+//!   a warning when absent): full image, no compression, defaults. They do not fsync.
 //! - `strata fsync=false`: `BuildOptions { fsync: false, ..default }`: the same work as the
 //!   peer (the headline row).
 //! - `strata fsync=true`: `BuildOptions::default()` (what `strata mkfs` does): adds the
 //!   `fsync` of the image.
+//! - Chunked: both `mkfs.erofs` with `--chunksize=262144 --blobdev=BLOB` (meta image + blob),
+//!   against `strata layer fsync=false`: `build_layer` with `fsync: false`: meta image + data
+//!   blob in 256 KiB chunks, every chunk hashed (blake3) for dedupe, the whole blob hashed
+//!   again for its device tag. Sizes are meta + blob.
+//!
+//! Ratios are against the reference peer of each group: `mkfs.erofs 1.8` when present (the
+//! fairer peer: the current release), else 1.5; the "vs best" column divides by the fastest
+//! peer of the group (the goal: 0.7× of the best wall time).
 //!
 //! Trees: `/usr/lib/x86_64-linux-gnu` as is, and a tree of 100k+ mostly small files
 //! ([`SMALL_ENV`], default `/var/tmp/strata-bench-mkfs/small-files`), created once if missing
 //! by `cp -a` of the running Python installation (`sys.base_prefix`) and `/usr/share`. Images
 //! go to `/var/tmp/strata-bench-mkfs/out` (override: `STRATA_BENCH_DIR`), on the local disk.
-//! After the timed runs every last image is checked once with `fsck.erofs --extract` (reads
-//! and checks every inode and all data; not timed).
+//! After the timed runs every last image is checked once with `fsck.erofs --extract` (1.8 when
+//! present, with `--device=BLOB` for the chunked ones; reads and checks every inode and all
+//! data; not timed).
 //!
 //! `cargo bench -p bench --bench mkfs`. Without `--bench` (as `cargo test --benches` runs it)
 //! a quick smoke run on a tiny tree, without dropping caches.
@@ -44,6 +57,14 @@ const CHILD_ENV: &str = "STRATA_BENCH_MKFS_CHILD";
 const SRC_ENV: &str = "STRATA_BENCH_MKFS_SRC";
 const OUT_ENV: &str = "STRATA_BENCH_MKFS_OUT";
 const FSYNC_ENV: &str = "STRATA_BENCH_MKFS_FSYNC";
+/// Set in the child that builds a layer: the blob's path (the meta image is [`OUT_ENV`]).
+const BLOB_ENV: &str = "STRATA_BENCH_MKFS_BLOB";
+/// The directory holding the erofs-utils 1.8 binaries (`mkfs.erofs`, `fsck.erofs`).
+const MKFS18_ENV: &str = "STRATA_EROFS_UTILS_DIR";
+/// Where `scripts/build-erofs-utils.sh` installs them.
+const MKFS18_DEFAULT: &str = "/usr/local/lib/strata/erofs-utils-1.8/bin";
+/// The chunk size of layers (and of the chunked peer).
+const CHUNK_SIZE: u64 = erofs_builder::layer::CHUNK_SIZE;
 /// The small-files tree (created if missing).
 const SMALL_ENV: &str = "STRATA_BENCH_MKFS_SMALL";
 /// The line the child prints on success, followed by `key=value` pairs.
@@ -52,34 +73,138 @@ const RESULT_TAG: &str = "STRATA_BENCH_MKFS_RESULT";
 const RUNS: usize = 3;
 const SMALL_MIN_ENTRIES: u64 = 100_000;
 
+/// Which `mkfs.erofs`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Peer {
+    /// Debian 12's erofs-utils 1.5, `mkfs.erofs` on `PATH`.
+    V15,
+    /// erofs-utils 1.8 from [`MKFS18_DEFAULT`] (or [`MKFS18_ENV`]).
+    V18,
+}
+
+impl Peer {
+    fn dir18() -> PathBuf {
+        std::env::var_os(MKFS18_ENV)
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(MKFS18_DEFAULT))
+    }
+
+    /// The path of one of its binaries (`mkfs.erofs`, `fsck.erofs`).
+    fn bin(self, name: &str) -> PathBuf {
+        match self {
+            Peer::V15 => PathBuf::from(name),
+            Peer::V18 => Self::dir18().join(name),
+        }
+    }
+
+    /// `mkfs.erofs -V`'s first line, if it runs and is this version.
+    fn version(self) -> Option<String> {
+        let o = Command::new(self.bin("mkfs.erofs"))
+            .arg("-V")
+            .output()
+            .ok()?;
+        let text =
+            String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+        let line = text.lines().next()?.trim().to_owned();
+        let want = match self {
+            Peer::V15 => " 1.5",
+            Peer::V18 => " 1.8",
+        };
+        line.contains(want).then_some(line)
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Tool {
-    Peer,
+    Mkfs { peer: Peer, chunked: bool },
     Strata { fsync: bool },
+    StrataLayer,
 }
 
 impl Tool {
-    const ALL: [Tool; 3] = [
-        Tool::Peer,
-        Tool::Strata { fsync: false },
-        Tool::Strata { fsync: true },
-    ];
+    fn is_peer(self) -> bool {
+        matches!(self, Tool::Mkfs { .. })
+    }
+
+    fn chunked(self) -> bool {
+        matches!(self, Tool::Mkfs { chunked: true, .. } | Tool::StrataLayer)
+    }
 
     fn label(self) -> &'static str {
         match self {
-            Tool::Peer => "mkfs.erofs",
+            Tool::Mkfs {
+                peer: Peer::V15,
+                chunked: false,
+            } => "mkfs.erofs 1.5",
+            Tool::Mkfs {
+                peer: Peer::V18,
+                chunked: false,
+            } => "mkfs.erofs 1.8",
+            Tool::Mkfs {
+                peer: Peer::V15,
+                chunked: true,
+            } => "mkfs.erofs 1.5 --chunksize --blobdev",
+            Tool::Mkfs {
+                peer: Peer::V18,
+                chunked: true,
+            } => "mkfs.erofs 1.8 --chunksize --blobdev",
             Tool::Strata { fsync: false } => "strata fsync=false",
             Tool::Strata { fsync: true } => "strata fsync=true",
+            Tool::StrataLayer => "strata layer fsync=false",
         }
     }
 
     fn file_tag(self) -> &'static str {
         match self {
-            Tool::Peer => "peer",
+            Tool::Mkfs {
+                peer: Peer::V15,
+                chunked: false,
+            } => "peer15",
+            Tool::Mkfs {
+                peer: Peer::V18,
+                chunked: false,
+            } => "peer18",
+            Tool::Mkfs {
+                peer: Peer::V15,
+                chunked: true,
+            } => "peer15-chunked",
+            Tool::Mkfs {
+                peer: Peer::V18,
+                chunked: true,
+            } => "peer18-chunked",
             Tool::Strata { fsync: false } => "strata-nofsync",
             Tool::Strata { fsync: true } => "strata-fsync",
+            Tool::StrataLayer => "strata-layer",
         }
     }
+
+    /// The image (or meta image) and, for chunked tools, the blob.
+    fn outputs(self, out_dir: &Path, tree: &str) -> (PathBuf, Option<PathBuf>) {
+        let base = format!("{tree}-{}", self.file_tag());
+        let blob = self.chunked().then(|| out_dir.join(format!("{base}.blob")));
+        (out_dir.join(format!("{base}.erofs")), blob)
+    }
+}
+
+/// The tools of one run: every peer that is installed, then strata's builds.
+fn tools(peers: &[Peer]) -> Vec<Tool> {
+    let mut v = Vec::new();
+    for &peer in peers {
+        v.push(Tool::Mkfs {
+            peer,
+            chunked: false,
+        });
+    }
+    v.push(Tool::Strata { fsync: false });
+    v.push(Tool::Strata { fsync: true });
+    for &peer in peers {
+        v.push(Tool::Mkfs {
+            peer,
+            chunked: true,
+        });
+    }
+    v.push(Tool::StrataLayer);
+    v
 }
 
 #[derive(Debug)]
@@ -97,8 +222,12 @@ struct Sample {
     maxrss_kib: u64,
     user_s: f64,
     sys_s: f64,
+    /// The image, or for chunked tools the meta image.
     image_bytes: u64,
     image_alloc_bytes: u64,
+    /// The blob of chunked tools (0 otherwise).
+    blob_bytes: u64,
+    blob_alloc_bytes: u64,
     load1: String,
     /// The strata child's own `VmHWM` just before it exits (a cross-check of `ru_maxrss`).
     self_hwm_kib: Option<u64>,
@@ -107,6 +236,10 @@ struct Sample {
 }
 
 impl Sample {
+    fn total_bytes(&self) -> u64 {
+        self.image_bytes + self.blob_bytes
+    }
+
     /// Peak RSS: the strata child's own VmHWM (exact, read in the child just before it
     /// exits; `ru_maxrss` agrees when it is above the floor); for the peer `ru_maxrss`, which
     /// is exact when above the floor and marked otherwise.
@@ -161,16 +294,42 @@ fn main() {
         (vec![tree("smoke", &tiny)], 1, false)
     };
 
-    println!("# mkfs: strata (erofs_builder::build_image) vs mkfs.erofs\n");
+    let mut peers = Vec::new();
+    let mut versions = Vec::new();
+    for peer in [Peer::V15, Peer::V18] {
+        match peer.version() {
+            Some(v) => {
+                peers.push(peer);
+                versions.push(format!("`{}` ({v})", peer.bin("mkfs.erofs").display()));
+            }
+            None => eprintln!(
+                "WARNING: {} (erofs-utils {}) not found or not that version: its rows are skipped{}",
+                peer.bin("mkfs.erofs").display(),
+                if peer == Peer::V15 { "1.5" } else { "1.8" },
+                if peer == Peer::V18 {
+                    " (run scripts/build-erofs-utils.sh as root)"
+                } else {
+                    ""
+                }
+            ),
+        }
+    }
+    assert!(!peers.is_empty(), "no mkfs.erofs to compare with");
+    let tools = tools(&peers);
+    // The reference peer: 1.8 when present.
+    let reference = *peers.last().expect("a peer");
+
+    println!("# mkfs: strata (erofs_builder::build_image / build_layer) vs mkfs.erofs\n");
+    println!("Peers: {}.\n", versions.join(", "));
     print_context(&trees, &out_dir, drop);
 
     // samples[tree][tool] = runs
     let mut samples: Vec<Vec<Vec<Sample>>> = trees
         .iter()
-        .map(|_| Tool::ALL.iter().map(|_| Vec::new()).collect())
+        .map(|_| tools.iter().map(|_| Vec::new()).collect())
         .collect();
     let mut raw = String::new();
-    writeln!(raw, "| run | tree | tool | wall (s) | peak RSS (MiB) | `ru_maxrss` (MiB) | floor (MiB) | user (s) | sys (s) | image (bytes) | load avg (1 min) before |").unwrap();
+    writeln!(raw, "| run | tree | tool | wall (s) | peak RSS (MiB) | `ru_maxrss` (MiB) | floor (MiB) | user (s) | sys (s) | image (+ blob) bytes | load avg (1 min) before |").unwrap();
     writeln!(
         raw,
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
@@ -179,9 +338,9 @@ fn main() {
     let started = Instant::now();
     for run in 0..runs {
         for (t, tr) in trees.iter().enumerate() {
-            for (k, &tool) in Tool::ALL.iter().enumerate() {
-                let out = out_dir.join(format!("{}-{}.erofs", tr.name, tool.file_tag()));
-                let s = measure(tool, &tr.path, &out, drop);
+            for (k, &tool) in tools.iter().enumerate() {
+                let (out, blob) = tool.outputs(&out_dir, &tr.name);
+                let s = measure(tool, &tr.path, &out, blob.as_deref(), drop);
                 writeln!(
                     raw,
                     "| {} | {} | {} | {:.2} | {} | {:.1} | {:.1} | {:.2} | {:.2} | {} | {} |",
@@ -194,7 +353,11 @@ fn main() {
                     s.floor_kib as f64 / 1024.0,
                     s.user_s,
                     s.sys_s,
-                    s.image_bytes,
+                    if tool.chunked() {
+                        format!("{} + {}", s.image_bytes, s.blob_bytes)
+                    } else {
+                        s.image_bytes.to_string()
+                    },
                     s.load1
                 )
                 .unwrap();
@@ -217,74 +380,127 @@ fn main() {
     } else {
         "warm-cache (smoke)"
     };
-    println!("## Medians of {runs} {cache} runs (ratios: strata / mkfs.erofs)\n");
-    println!("| tree | tool | wall (s) | peak RSS (MiB) | user+sys (s) | image size | **wall ratio** | **RSS ratio** | **size ratio** |");
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- |");
-    for (t, tr) in trees.iter().enumerate() {
-        let med = |k: usize, f: &dyn Fn(&Sample) -> f64| {
-            median(&samples[t][k].iter().map(f).collect::<Vec<_>>())
-        };
-        let peer_wall = med(0, &|s| s.wall_s);
-        let peer_rss = med(0, &|s| s.peak_kib() as f64);
-        let peer_size = med(0, &|s| s.image_bytes as f64);
-        for (k, &tool) in Tool::ALL.iter().enumerate() {
-            let wall = med(k, &|s| s.wall_s);
-            let rss = med(k, &|s| s.peak_kib() as f64);
-            let cpu = med(k, &|s| s.user_s + s.sys_s);
-            let size = med(k, &|s| s.image_bytes as f64);
-            let ratios = if tool == Tool::Peer {
-                "1 | 1 | 1".to_owned()
-            } else {
-                format!(
-                    "**{:.2}** | **{:.2}** | **{:.3}**",
-                    wall / peer_wall,
-                    rss / peer_rss,
-                    size / peer_size
-                )
-            };
+    for chunked in [false, true] {
+        let group: Vec<usize> = (0..tools.len())
+            .filter(|&k| tools[k].chunked() == chunked)
+            .collect();
+        let reference_k = group
+            .iter()
+            .copied()
+            .find(|&k| {
+                tools[k]
+                    == Tool::Mkfs {
+                        peer: reference,
+                        chunked,
+                    }
+            })
+            .expect("the reference peer is in every group");
+        if chunked {
+            println!("## Chunked: meta image + blob, medians of {runs} {cache} runs\n");
+            println!("`mkfs.erofs --chunksize={CHUNK_SIZE} --blobdev=BLOB META SRC` vs `erofs_builder::build_layer` (what `strata layer build` runs before pushing; `fsync: false`). Sizes are meta + blob. Ratios: strata / {}; \"vs best\": strata / the fastest peer.\n", tools[reference_k].label());
+        } else {
+            println!("## Full image: medians of {runs} {cache} runs\n");
             println!(
-                "| {} | {} | {:.2} | {:.1} | {:.2} | {:.1} MiB | {} |",
-                tr.name,
-                tool.label(),
-                wall,
-                rss / 1024.0,
-                cpu,
-                size / 1048576.0,
-                ratios
+                "Ratios: strata / {}; \"vs best\": strata / the fastest peer.\n",
+                tools[reference_k].label()
             );
         }
+        println!("| tree | tool | wall (s) | peak RSS (MiB) | user+sys (s) | size (MiB) | **wall ratio** | **RSS ratio** | **size ratio** | wall vs best peer |");
+        println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+        for (t, tr) in trees.iter().enumerate() {
+            let med = |k: usize, f: &dyn Fn(&Sample) -> f64| {
+                median(&samples[t][k].iter().map(f).collect::<Vec<_>>())
+            };
+            let ref_wall = med(reference_k, &|s| s.wall_s);
+            let ref_rss = med(reference_k, &|s| s.peak_kib() as f64);
+            let ref_size = med(reference_k, &|s| s.total_bytes() as f64);
+            let best_wall = group
+                .iter()
+                .filter(|&&k| tools[k].is_peer())
+                .map(|&k| med(k, &|s| s.wall_s))
+                .fold(f64::INFINITY, f64::min);
+            for &k in &group {
+                let tool = tools[k];
+                let wall = med(k, &|s| s.wall_s);
+                let rss = med(k, &|s| s.peak_kib() as f64);
+                let cpu = med(k, &|s| s.user_s + s.sys_s);
+                let size = med(k, &|s| s.total_bytes() as f64);
+                let ratios = format!(
+                    "{:.2} | {:.2} | {:.3} | {:.2}",
+                    wall / ref_wall,
+                    rss / ref_rss,
+                    size / ref_size,
+                    wall / best_wall
+                );
+                let ratios = if tool.is_peer() {
+                    ratios
+                } else {
+                    // Bold: strata's rows.
+                    ratios
+                        .split(" | ")
+                        .map(|r| format!("**{r}**"))
+                        .collect::<Vec<_>>()
+                        .join(" | ")
+                };
+                println!(
+                    "| {} | {} | {:.2} | {:.1} | {:.2} | {:.1} | {} |",
+                    tr.name,
+                    tool.label(),
+                    wall,
+                    rss / 1024.0,
+                    cpu,
+                    size / 1048576.0,
+                    ratios
+                );
+            }
+        }
+        println!();
     }
-    println!("\n`mkfs.erofs --chunksize=262144 --blobdev` (chunked, vs strata's lazy layers): **not yet measured** (this harness does not drive the lazy-layer build yet).\n");
 
     println!("## Every run\n");
     print!("{raw}");
     println!("\nTimed part: {:.0} s.\n", timed.as_secs_f64());
 
     println!("## Image details (last run)\n");
-    println!("| tree | tool | image bytes | allocated bytes | strata child's own VmHWM (MiB) |");
-    println!("| --- | --- | --- | --- | --- |");
+    println!("| tree | tool | image (meta) bytes | allocated | blob bytes | blob allocated | strata child's own VmHWM (MiB) |");
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
     for (t, tr) in trees.iter().enumerate() {
-        for (k, &tool) in Tool::ALL.iter().enumerate() {
+        for (k, &tool) in tools.iter().enumerate() {
             let s = samples[t][k].last().expect("at least one run");
             println!(
-                "| {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} |",
                 tr.name,
                 tool.label(),
                 s.image_bytes,
                 s.image_alloc_bytes,
+                s.blob_bytes,
+                s.blob_alloc_bytes,
                 s.self_hwm_kib
                     .map_or("–".to_owned(), |h| format!("{:.1}", h as f64 / 1024.0))
             );
         }
     }
 
-    println!("\n## fsck.erofs --extract (not timed)\n");
+    let checker = if peers.contains(&Peer::V18) {
+        Peer::V18
+    } else {
+        Peer::V15
+    };
+    println!(
+        "\n## `{} --extract` (not timed)\n",
+        checker.bin("fsck.erofs").display()
+    );
     println!("| tree | tool | result |");
     println!("| --- | --- | --- |");
     for tr in &trees {
-        for tool in Tool::ALL {
-            let out = out_dir.join(format!("{}-{}.erofs", tr.name, tool.file_tag()));
-            println!("| {} | {} | {} |", tr.name, tool.label(), fsck(&out));
+        for &tool in &tools {
+            let (out, blob) = tool.outputs(&out_dir, &tr.name);
+            println!(
+                "| {} | {} | {} |",
+                tr.name,
+                tool.label(),
+                fsck(checker, &out, blob.as_deref())
+            );
         }
     }
     println!(
@@ -293,18 +509,34 @@ fn main() {
     );
 }
 
-/// The child: build one image with `erofs_builder::build_image` and print the result line.
+/// The child: build one image (`build_image`) or one layer (`build_layer`, when
+/// [`BLOB_ENV`] is set) and print the result line.
 fn child_main() {
     let src = PathBuf::from(std::env::var_os(SRC_ENV).expect("source"));
     let out = PathBuf::from(std::env::var_os(OUT_ENV).expect("output"));
     let fsync = std::env::var(FSYNC_ENV).expect("fsync flag") == "1";
+    let blob = std::env::var_os(BLOB_ENV).map(PathBuf::from);
     let mut opts = erofs_builder::BuildOptions::default();
     opts.fsync = fsync;
     let t = Instant::now();
-    match erofs_builder::build_image(&src, &out, &opts) {
-        Ok(stats) => {
+    let built = match &blob {
+        None => erofs_builder::build_image(&src, &out, &opts).map(|s| (s, None)),
+        Some(blob) => {
+            let mut lopts = erofs_builder::LayerOptions::default();
+            lopts.build = opts;
+            erofs_builder::build_layer(&src, &out, blob, &lopts).map(|l| (l.meta.clone(), Some(l)))
+        }
+    };
+    match built {
+        Ok((stats, layer)) => {
+            let layer = layer.map_or(String::new(), |l| {
+                format!(
+                    " blob_bytes={} chunks={} unique_chunks={} hole_chunks={} stored_bytes={}",
+                    l.blob_bytes, l.chunks, l.unique_chunks, l.hole_chunks, l.stored_bytes
+                )
+            });
             println!(
-                "{RESULT_TAG} build_s={:.3} inodes={} files={} dirs={} symlinks={} hardlinks={} data_bytes={} extended_inodes={} image_bytes={} vmhwm_kib={}",
+                "{RESULT_TAG} build_s={:.3} inodes={} files={} dirs={} symlinks={} hardlinks={} data_bytes={} extended_inodes={} image_bytes={} vmhwm_kib={}{layer}",
                 t.elapsed().as_secs_f64(),
                 stats.inodes,
                 stats.files,
@@ -318,23 +550,33 @@ fn child_main() {
             );
         }
         Err(e) => {
-            eprintln!("build_image failed: {e}");
+            eprintln!("build failed: {e}");
             std::process::exit(1);
         }
     }
 }
 
-fn measure(tool: Tool, src: &Path, out: &Path, drop: bool) -> Sample {
-    // Not timed: remove the previous image, write back dirty pages, drop caches.
+fn measure(tool: Tool, src: &Path, out: &Path, blob: Option<&Path>, drop: bool) -> Sample {
+    // Not timed: remove the previous image (and blob), write back dirty pages, drop caches.
     let _ = std::fs::remove_file(out);
+    if let Some(b) = blob {
+        let _ = std::fs::remove_file(b);
+    }
     if drop {
         drop_caches();
     }
     let log_path = out.with_extension("log");
     let log = File::create(&log_path).expect("create the log");
     let mut cmd = match tool {
-        Tool::Peer => {
-            let mut c = Command::new("mkfs.erofs");
+        Tool::Mkfs { peer, chunked } => {
+            let mut c = Command::new(peer.bin("mkfs.erofs"));
+            if chunked {
+                let blob = blob.expect("chunked tools have a blob");
+                // mkfs.erofs 1.8 opens --blobdev without O_CREAT: give it an empty file.
+                File::create(blob).expect("create the blob file");
+                c.arg(format!("--chunksize={CHUNK_SIZE}"))
+                    .arg(format!("--blobdev={}", blob.display()));
+            }
             c.arg(out).arg(src);
             c
         }
@@ -344,6 +586,15 @@ fn measure(tool: Tool, src: &Path, out: &Path, drop: bool) -> Sample {
                 .env(SRC_ENV, src)
                 .env(OUT_ENV, out)
                 .env(FSYNC_ENV, if fsync { "1" } else { "0" });
+            c
+        }
+        Tool::StrataLayer => {
+            let mut c = Command::new(std::env::current_exe().expect("current_exe"));
+            c.env(CHILD_ENV, "1")
+                .env(SRC_ENV, src)
+                .env(OUT_ENV, out)
+                .env(BLOB_ENV, blob.expect("layers have a blob"))
+                .env(FSYNC_ENV, "0");
             c
         }
     };
@@ -370,9 +621,13 @@ fn measure(tool: Tool, src: &Path, out: &Path, drop: bool) -> Sample {
         );
     }
     let meta = std::fs::metadata(out).expect("the image exists");
+    let (blob_bytes, blob_alloc_bytes) = blob.map_or((0, 0), |b| {
+        let m = std::fs::metadata(b).expect("the blob exists");
+        (m.len(), m.blocks() * 512)
+    });
     let self_hwm_kib = match tool {
-        Tool::Peer => None,
-        Tool::Strata { .. } => {
+        Tool::Mkfs { .. } => None,
+        Tool::Strata { .. } | Tool::StrataLayer => {
             // Our own child's log is one line (the peer's can be megabytes: not read).
             let text = std::fs::read_to_string(&log_path).unwrap_or_default();
             let line = text
@@ -385,6 +640,13 @@ fn measure(tool: Tool, src: &Path, out: &Path, drop: bool) -> Sample {
                 meta.len(),
                 "BuildStats::image_bytes vs file size"
             );
+            if tool == Tool::StrataLayer {
+                assert_eq!(
+                    field(line, "blob_bytes"),
+                    Some(blob_bytes),
+                    "LayerStats::blob_bytes vs file size"
+                );
+            }
             field(line, "vmhwm_kib")
         }
     };
@@ -396,6 +658,8 @@ fn measure(tool: Tool, src: &Path, out: &Path, drop: bool) -> Sample {
         sys_s: tv(ru.ru_stime),
         image_bytes: meta.len(),
         image_alloc_bytes: meta.blocks() * 512,
+        blob_bytes,
+        blob_alloc_bytes,
         load1,
         self_hwm_kib,
         floor_kib,
@@ -451,9 +715,13 @@ fn vm_hwm_kib() -> Option<u64> {
         .ok()
 }
 
-fn fsck(image: &Path) -> String {
+fn fsck(checker: Peer, image: &Path, blob: Option<&Path>) -> String {
     let t = Instant::now();
-    match Command::new("fsck.erofs")
+    let mut cmd = Command::new(checker.bin("fsck.erofs"));
+    if let Some(b) = blob {
+        cmd.arg(format!("--device={}", b.display()));
+    }
+    match cmd
         .arg("--extract")
         .arg(image)
         .stdin(Stdio::null())
