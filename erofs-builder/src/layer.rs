@@ -257,6 +257,38 @@ impl BlobWriter {
         f.check_end()
     }
 
+    /// Like [`Self::add_file`] for a file already read whole (small files read ahead): the
+    /// same chunk indexes, holes where a chunk is all zeros.
+    pub(crate) fn add_bytes(
+        &mut self,
+        data: &[u8],
+        idx: &mut Vec<u8>,
+        progress: &ProgressGuard<'_>,
+    ) -> Result<()> {
+        for chunk in data.chunks(CHUNK_SIZE as usize) {
+            let e = match self.store(chunk)? {
+                None => {
+                    self.hole_chunks += 1;
+                    ChunkIndex {
+                        startblk_lo: NULL_ADDR.into(),
+                        ..Default::default()
+                    }
+                }
+                Some(blk) => {
+                    self.chunks += 1;
+                    ChunkIndex {
+                        startblk_hi: 0.into(),
+                        device_id: BLOB_DEVICE_ID.into(),
+                        startblk_lo: blk.into(),
+                    }
+                }
+            };
+            idx.extend_from_slice(e.as_bytes());
+            progress.wrote(0, chunk.len() as u64);
+        }
+        Ok(())
+    }
+
     /// Stores one chunk's bytes (unless all zero: `None`) and returns its start block.
     fn store(&mut self, data: &[u8]) -> Result<Option<u32>> {
         if data.iter().all(|&b| b == 0) {

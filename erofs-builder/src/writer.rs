@@ -973,8 +973,12 @@ fn write_nodes(
                     .as_deref_mut()
                     .ok_or_else(|| Error::Corrupt("chunked inode without a blob".into()))?;
                 rec.resize(rec.len().next_multiple_of(8), 0);
-                let data = DataFile::open(n, w.spool)?;
-                blob.add_file(&data, rec, w.progress)?;
+                if prefetched(n) {
+                    blob.add_bytes(&prefetch.take(i)?, rec, w.progress)?;
+                } else {
+                    let data = DataFile::open(n, w.spool)?;
+                    blob.add_file(&data, rec, w.progress)?;
+                }
                 w.progress.wrote(1, 0);
             }
             Kind::Reg => {
@@ -1032,11 +1036,11 @@ fn write_nodes(
 /// Regular files up to this size are read ahead by [`Prefetch`] reader threads.
 const PREFETCH_MAX: u64 = 1 << 20;
 
-/// Whether node `n`'s data is read ahead: small regular files of a source tree. A tar
-/// spool was just written and is in the page cache: reading it ahead gains nothing and
-/// only parks memory.
+/// Whether node `n`'s data is read ahead: small regular files of a source tree (for full
+/// images and for layers alike). A tar spool was just written and is in the page cache:
+/// reading it ahead gains nothing and only parks memory.
 fn prefetched(n: &Node) -> bool {
-    matches!(n.kind, Kind::Reg) && !n.chunked && n.size <= PREFETCH_MAX && n.spool.is_none()
+    matches!(n.kind, Kind::Reg) && n.size <= PREFETCH_MAX && n.spool.is_none()
 }
 /// Reader threads of [`Prefetch`].
 const PREFETCH_THREADS: usize = 16;
