@@ -1003,7 +1003,13 @@ impl DiskCache {
             .mode(0o644)
             .open(&path)
         {
-            Ok(f) => Arc::new(f),
+            Ok(f) => {
+                // No kernel readahead on blob files: a reader asks for exactly the blocks it
+                // needs (and drops them after), so pages read ahead would only sit in the page
+                // cache beside the copy the reader keeps.
+                let _ = rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::Random);
+                Arc::new(f)
+            }
             Err(e) if e.kind() == io::ErrorKind::NotFound && !create => return Ok(None),
             Err(e) => return Err(Error::io("open blob file", path, e)),
         };
