@@ -16,9 +16,6 @@
 mod fs;
 mod table;
 
-use std::fs::OpenOptions;
-use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -26,10 +23,10 @@ use std::time::SystemTime;
 
 use fs_cache::chunk::ChunkCache;
 use fs_cache::Digest;
-use fuser::{BackgroundSession, INodeNo, Notifier, Session, SessionACL};
+use fuser::{BackgroundSession, INodeNo, Notifier};
 use tokio::runtime::Handle;
 
-use crate::fusemount::{mount_fuse, umount, FuseMount};
+use crate::fusemount::{self, umount, FuseMount};
 use crate::{Error, Result};
 use fs::{BlobFsImpl, Counters, Negotiated, Options};
 use table::Table;
@@ -149,29 +146,6 @@ impl BlobFs {
                 std::io::Error::from_raw_os_error(libc::ENOTDIR),
             ));
         }
-        let dev = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_CLOEXEC)
-            .open("/dev/fuse")
-            .map_err(|e| Error::io("open", "/dev/fuse", e))?;
-        let dev: OwnedFd = dev.into();
-        mount_fuse(
-            &mountpoint,
-            dev.as_raw_fd(),
-            cfg.max_read,
-            FuseMount {
-                name: "strata-blobfs",
-                file_root: false,
-                read_only: true,
-            },
-        )?;
-        // From here on, a failure must not leave the mount behind.
-        let detach = |e: Error| {
-            let _ = umount(&mountpoint, libc::MNT_DETACH);
-            e
-        };
-
         let table = Arc::new(Table::default());
         let negotiated = Arc::new(Negotiated::default());
         let counters = Arc::new(Counters::default());
@@ -188,16 +162,17 @@ impl BlobFs {
             counters: counters.clone(),
             started: SystemTime::now(),
         };
-        let mut config = fuser::Config::default();
-        config.acl = SessionACL::All;
-        config.n_threads = Some(cfg.threads);
-        config.clone_fd = true;
-        // The kernel sent INIT when the mount was made; the handshake answers it.
-        let session = Session::from_fd(fs, dev, SessionACL::All, config)
-            .map_err(|e| detach(Error::io("FUSE handshake on", &mountpoint, e)))?;
-        let session = session
-            .spawn()
-            .map_err(|e| detach(Error::io("start FUSE threads for", &mountpoint, e)))?;
+        let session = fusemount::start(
+            &mountpoint,
+            cfg.max_read,
+            cfg.threads,
+            FuseMount {
+                name: "strata-blobfs",
+                file_root: false,
+                read_only: true,
+            },
+            fs,
+        )?;
         let notifier = session.notifier();
         raise_bdi_readahead(&mountpoint, cfg.max_read);
         Ok(BlobFs {
@@ -334,30 +309,7 @@ impl BlobFs {
         let Some(session) = self.session.take() else {
             return Ok(());
         };
-        match umount(&self.mountpoint, 0) {
-            Ok(()) => {
-                session
-                    .join()
-                    .map_err(|e| Error::io("stop FUSE threads of", &self.mountpoint, e))?;
-                Ok(())
-            }
-            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
-                let detached = umount(&self.mountpoint, libc::MNT_DETACH);
-                // The threads stop on their own when the kernel drops the connection.
-                drop(session);
-                detached.map_err(|e| Error::io("umount2(MNT_DETACH)", &self.mountpoint, e))?;
-                Err(Error::Busy {
-                    path: self.mountpoint.clone(),
-                    what: "still in use; detached lazily".into(),
-                })
-            }
-            Err(e) => {
-                // Not mounted any more (someone unmounted it) or another failure: the session
-                // threads end when the connection does.
-                drop(session);
-                Err(Error::io("umount", &self.mountpoint, e))
-            }
-        }
+        fusemount::stop(&self.mountpoint, session, "still in use; detached lazily")
     }
 }
 

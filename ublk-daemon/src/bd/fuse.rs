@@ -31,7 +31,6 @@
 
 use std::ffi::OsStr;
 use std::fs::OpenOptions;
-use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -41,12 +40,12 @@ use std::time::{Duration, SystemTime};
 use fuser::{
     BackgroundSession, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, INodeNo,
     KernelConfig, LockOwner, OpenAccMode, OpenFlags, ReplyAttr, ReplyData, ReplyEmpty, ReplyOpen,
-    ReplyStatfs, ReplyWrite, Request, Session, SessionACL, WriteFlags,
+    ReplyStatfs, ReplyWrite, Request, WriteFlags,
 };
 use overlaybd::Device;
 
 use crate::blobfs::clean_stale_mount;
-use crate::fusemount::{mount_fuse, umount, FuseMount};
+use crate::fusemount::{self, FuseMount};
 use crate::{Error, Result};
 
 /// `fallocate(2)` mode bits (linux/falloc.h).
@@ -170,27 +169,6 @@ pub fn serve_fuse_with(device: Arc<Device>, file: &Path, cfg: &BdFuseConfig) -> 
     let path = file
         .canonicalize()
         .map_err(|e| Error::io("canonicalize", file, e))?;
-    let dev = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_CLOEXEC)
-        .open("/dev/fuse")
-        .map_err(|e| Error::io("open", "/dev/fuse", e))?;
-    let dev: OwnedFd = dev.into();
-    mount_fuse(
-        &path,
-        dev.as_raw_fd(),
-        cfg.max_io,
-        FuseMount {
-            name: "strata-bd",
-            file_root: true,
-            read_only: false,
-        },
-    )?;
-    let detach = |e: Error| {
-        let _ = umount(&path, libc::MNT_DETACH);
-        e
-    };
     let counters = Arc::new(Counters::default());
     let fs = ImageFs {
         device: device.clone(),
@@ -199,15 +177,17 @@ pub fn serve_fuse_with(device: Arc<Device>, file: &Path, cfg: &BdFuseConfig) -> 
         direct_io: cfg.direct_io,
         started: SystemTime::now(),
     };
-    let mut config = fuser::Config::default();
-    config.acl = SessionACL::All;
-    config.n_threads = Some(cfg.threads);
-    config.clone_fd = true;
-    let session = Session::from_fd(fs, dev, SessionACL::All, config)
-        .map_err(|e| detach(Error::io("FUSE handshake on", &path, e)))?;
-    let session = session
-        .spawn()
-        .map_err(|e| detach(Error::io("start FUSE threads for", &path, e)))?;
+    let session = fusemount::start(
+        &path,
+        cfg.max_io,
+        cfg.threads,
+        FuseMount {
+            name: "strata-bd",
+            file_root: true,
+            read_only: false,
+        },
+        fs,
+    )?;
     Ok(BdFuse {
         path,
         device,
@@ -253,26 +233,11 @@ impl BdFuse {
         };
         // Unmount first: once it succeeds no request can arrive any more, and the flush below
         // covers every write that was acknowledged.
-        let unmounted = match umount(&self.path, 0) {
-            Ok(()) => session
-                .join()
-                .map_err(|e| Error::io("stop FUSE threads of", &self.path, e)),
-            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
-                let detached = umount(&self.path, libc::MNT_DETACH);
-                drop(session);
-                match detached {
-                    Ok(()) => Err(Error::Busy {
-                        path: self.path.clone(),
-                        what: "still in use (a loop device?); detached lazily".into(),
-                    }),
-                    Err(e) => Err(Error::io("umount2(MNT_DETACH)", &self.path, e)),
-                }
-            }
-            Err(e) => {
-                drop(session);
-                Err(Error::io("umount", &self.path, e))
-            }
-        };
+        let unmounted = fusemount::stop(
+            &self.path,
+            session,
+            "still in use (a loop device?); detached lazily",
+        );
         let flushed = self.device.flush();
         unmounted?;
         flushed.map_err(Error::from)
