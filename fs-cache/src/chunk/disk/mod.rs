@@ -100,10 +100,8 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
 use std::io;
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
-use std::str::FromStr;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
 
 use bytes::Bytes;
@@ -115,6 +113,14 @@ use super::{ChunkId, CHUNK_SIZE};
 use crate::error::{Error, Result};
 use crate::store::Digest;
 
+mod files;
+mod index;
+
+use files::*;
+#[doc(hidden)]
+pub use index::fuzz_decode_index;
+use index::*;
+
 /// Hits whose recency is written to the index in one batch.
 pub const RECENCY_BATCH: usize = 1024;
 /// Blob files kept open for reads and writes.
@@ -122,19 +128,12 @@ pub const OPEN_FILES: usize = 256;
 /// Chunks whose crc32c values are kept in memory (at most 256 bytes each).
 pub const SUMS_CACHED: usize = 16384;
 
-const CHUNK_KEY_TAG: u8 = b'c';
-const SUMS_KEY_TAG: u8 = b's';
-const CHUNK_KEY_LEN: usize = 1 + 32 + 8;
-const ENTRY_VERSION: u8 = 2;
-const ENTRY_LEN: usize = 1 + 4 + 8;
 const META_PREFIX: &[u8] = b"m/";
 const META_FORMAT: &[u8] = b"m/format";
 const FORMAT: &[u8] = b"strata-chunk-index v3";
 /// The previous format (a file per chunk under `chunks/`): a cache, so wiped, not migrated.
 const FORMAT_V2: &[u8] = b"strata-chunk-index v2";
 const META_COUNTERS: &[u8] = b"m/counters";
-const COUNTERS_VERSION: u8 = 1;
-const COUNTERS_LEN: usize = 1 + 4 * 8;
 /// Bytes evicted before the one retry of a chunk write that failed with `ENOSPC`.
 const ENOSPC_EVICT: u64 = 4 * CHUNK_SIZE;
 const MIB: u64 = 1 << 20;
@@ -176,9 +175,6 @@ pub enum RangeRead {
     WouldBlock,
 }
 
-const _: () = assert!(CHUNK_KEY_LEN == 41);
-const _: () = assert!(ENTRY_LEN == 13);
-const _: () = assert!(COUNTERS_LEN == 33);
 const _: () = assert!(CHUNK_SIZE <= u32::MAX as u64);
 const _: () = assert!(CHUNK_SIZE % CHECK_BLOCK == 0);
 
@@ -219,13 +215,6 @@ const EVICTIONS: usize = 0;
 const DROPPED_CORRUPT: usize = 1;
 const ENOSPC: usize = 2;
 const RECOVERED_ORPHANS: usize = 3;
-
-/// An indexed chunk.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Entry {
-    size: u32,
-    seq: u64,
-}
 
 /// An index write's failure, and whether it was refused for lack of space (RocksDB untouched).
 type IndexResult = Result<(), (Error, bool)>;
@@ -1341,253 +1330,5 @@ impl Drop for PendingGuard<'_> {
             st.pending -= self.size;
             self.cache.drop_blob_ref(&mut st, &self.id.blob);
         }
-    }
-}
-
-fn key_with(tag: u8, id: &ChunkId) -> [u8; CHUNK_KEY_LEN] {
-    let mut key = [0u8; CHUNK_KEY_LEN];
-    key[0] = tag;
-    key[1..33].copy_from_slice(&id.blob.0);
-    key[33..].copy_from_slice(&id.index.to_be_bytes());
-    key
-}
-
-fn chunk_key(id: &ChunkId) -> [u8; CHUNK_KEY_LEN] {
-    key_with(CHUNK_KEY_TAG, id)
-}
-
-fn sums_key(id: &ChunkId) -> [u8; CHUNK_KEY_LEN] {
-    key_with(SUMS_KEY_TAG, id)
-}
-
-/// A chunk or crc32c key: its tag and chunk.
-fn decode_key(key: &[u8]) -> Option<(u8, ChunkId)> {
-    let key: &[u8; CHUNK_KEY_LEN] = key.try_into().ok()?;
-    matches!(key[0], CHUNK_KEY_TAG | SUMS_KEY_TAG).then_some(())?;
-    let id = ChunkId {
-        blob: Digest(key[1..33].try_into().ok()?),
-        index: u64::from_be_bytes(key[33..].try_into().ok()?),
-    };
-    chunk_offset(id.index)?.checked_add(CHUNK_SIZE)?;
-    Some((key[0], id))
-}
-
-fn encode_entry(entry: Entry) -> [u8; ENTRY_LEN] {
-    let mut v = [0u8; ENTRY_LEN];
-    v[0] = ENTRY_VERSION;
-    v[1..5].copy_from_slice(&entry.size.to_le_bytes());
-    v[5..].copy_from_slice(&entry.seq.to_le_bytes());
-    v
-}
-
-fn decode_entry(v: &[u8]) -> Option<Entry> {
-    let v: &[u8; ENTRY_LEN] = v.try_into().ok()?;
-    let size = u32::from_le_bytes(v[1..5].try_into().ok()?);
-    (v[0] == ENTRY_VERSION && u64::from(size) <= CHUNK_SIZE).then_some(())?;
-    Some(Entry {
-        size,
-        seq: u64::from_le_bytes(v[5..].try_into().ok()?),
-    })
-}
-
-fn encode_counters(c: &[u64; 4]) -> [u8; COUNTERS_LEN] {
-    let mut v = [COUNTERS_VERSION; COUNTERS_LEN];
-    for (slot, n) in v[1..].chunks_exact_mut(8).zip(c) {
-        slot.copy_from_slice(&n.to_le_bytes());
-    }
-    v
-}
-
-fn decode_counters(v: &[u8]) -> Option<[u64; 4]> {
-    let v: &[u8; COUNTERS_LEN] = v.try_into().ok()?;
-    let mut c = [0u64; 4];
-    for (n, slot) in c.iter_mut().zip(v[1..].chunks_exact(8)) {
-        *n = u64::from_le_bytes(slot.try_into().ok()?);
-    }
-    (v[0] == COUNTERS_VERSION).then_some(c)
-}
-
-/// `<blob hex>` in shard directory `shard`, exactly as [`DiskCache`] names it.
-fn parse_blob_name(shard: &str, name: &str) -> Option<Digest> {
-    let blob = Digest::from_str(name).ok()?;
-    (name.starts_with(shard) && blob.to_hex() == name).then_some(blob)
-}
-
-/// Punch out every data range of the blob file at `path` outside the chunks `indexed`;
-/// returns how many chunk ranges were punched.
-fn punch_unindexed(path: &Path, indexed: &HashSet<u64>) -> Result<u64> {
-    use rustix::fs::SeekFrom;
-    let file = (OpenOptions::new().read(true).write(true))
-        .open(path)
-        .map_err(|e| Error::io("open blob file", path, e))?;
-    let len = (file.metadata())
-        .map_err(|e| Error::io("stat blob file", path, e))?
-        .len();
-    let mut punched = 0;
-    let mut at = 0u64;
-    while at < len {
-        let data = match rustix::fs::seek(&file, SeekFrom::Data(at)) {
-            Ok(d) => d,
-            Err(rustix::io::Errno::NXIO) => break,
-            Err(e) => return Err(Error::io("seek blob file", path, e.into())),
-        };
-        let hole = match rustix::fs::seek(&file, SeekFrom::Hole(data)) {
-            Ok(h) => h,
-            Err(e) => return Err(Error::io("seek blob file", path, e.into())),
-        };
-        let mut index = data / CHUNK_SIZE;
-        while index * CHUNK_SIZE < hole {
-            if !indexed.contains(&index) {
-                punch_range(&file, index * CHUNK_SIZE, CHUNK_SIZE)
-                    .map_err(|e| Error::io("punch blob file", path, e))?;
-                punched += 1;
-            }
-            index += 1;
-        }
-        at = hole.max(at + 1);
-    }
-    Ok(punched)
-}
-
-fn punch_range(file: &File, at: u64, len: u64) -> io::Result<()> {
-    use rustix::fs::FallocateFlags;
-    match rustix::fs::fallocate(
-        file,
-        FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
-        at,
-        len,
-    ) {
-        Ok(()) => Ok(()),
-        Err(e) => Err(e.into()),
-    }
-}
-
-fn remove_file(path: &Path) -> Result<()> {
-    match fs::remove_file(path) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(Error::io("remove", path, e)),
-        _ => Ok(()),
-    }
-}
-
-fn sync_dir(dir: &Path) -> Result<()> {
-    (File::open(dir).and_then(|d| d.sync_all())).map_err(|e| Error::io("fsync directory", dir, e))
-}
-
-/// Bytes available on the filesystem holding `path`; `None` if `statvfs` fails.
-fn free_bytes(path: &Path) -> Option<u64> {
-    let vfs = rustix::fs::statvfs(path).ok()?;
-    Some(vfs.f_bavail.saturating_mul(vfs.f_frsize))
-}
-
-/// Bytes of the blocks allocated to a file (not its apparent size): what a sparse blob file
-/// really takes.
-pub fn allocated_bytes(meta: &fs::Metadata) -> u64 {
-    meta.blocks().saturating_mul(512)
-}
-
-fn is_nospace(e: &io::Error) -> bool {
-    let code = e.raw_os_error();
-    code == Some(rustix::io::Errno::NOSPC.raw_os_error())
-        || code == Some(rustix::io::Errno::DQUOT.raw_os_error())
-}
-
-fn is_rocks_nospace(e: &rocksdb::Error) -> bool {
-    let s = e.as_ref();
-    s.contains("No space left") || s.contains("Disk quota") || s.contains("NoSpace")
-}
-
-fn rocks_error(index_dir: &Path, what: &str, e: rocksdb::Error) -> Error {
-    Error::Cache {
-        path: index_dir.to_path_buf(),
-        message: format!("{what}: {e}"),
-        source: Some(Box::new(e)),
-    }
-}
-
-enum ReadOutcome {
-    Full,
-    /// End of file before the buffer was full.
-    Short,
-    /// With `RWF_NOWAIT`, not all of it was in the page cache (read again without the flag).
-    WouldBlock,
-}
-
-/// Read `len` bytes at `at` into `buf`'s spare capacity (no zeroing first).
-fn read_uninit(
-    file: &File,
-    buf: &mut Vec<u8>,
-    len: usize,
-    mut at: u64,
-    flags: rustix::io::ReadWriteFlags,
-) -> io::Result<ReadOutcome> {
-    buf.clear();
-    buf.reserve_exact(len);
-    while buf.len() < len {
-        let want = len - buf.len();
-        let spare = &mut buf.spare_capacity_mut()[..want];
-        let iov = libc::iovec {
-            iov_base: spare.as_mut_ptr().cast(),
-            iov_len: want,
-        };
-        let off = libc::off_t::try_from(at)
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "offset out of range"))?;
-        // SAFETY: `iov` describes `want` bytes of `buf`'s spare capacity, which is writable
-        // and stays alive (and unaliased) for the call; the kernel writes at most that many.
-        let n = unsafe { libc::preadv2(file.as_raw_fd(), &iov, 1, off, flags.bits() as i32) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            match rustix::io::Errno::from_io_error(&e) {
-                Some(rustix::io::Errno::AGAIN | rustix::io::Errno::OPNOTSUPP)
-                    if flags.contains(rustix::io::ReadWriteFlags::NOWAIT) =>
-                {
-                    return Ok(ReadOutcome::WouldBlock)
-                }
-                Some(rustix::io::Errno::INTR) => continue,
-                _ => return Err(e),
-            }
-        }
-        if n == 0 {
-            return Ok(ReadOutcome::Short);
-        }
-        let n = n as usize;
-        // SAFETY: `preadv2` initialised the first `n` (<= `want`) bytes of the spare capacity.
-        unsafe { buf.set_len(buf.len() + n) };
-        at += n as u64;
-    }
-    Ok(ReadOutcome::Full)
-}
-
-/// Fill `buf` from `file` at `at` (an error at end of file).
-fn read_exact_flags(
-    file: &File,
-    buf: &mut [u8],
-    at: u64,
-    flags: rustix::io::ReadWriteFlags,
-) -> io::Result<()> {
-    let mut v = Vec::new();
-    match read_uninit(file, &mut v, buf.len(), at, flags)? {
-        ReadOutcome::Full => {
-            buf.copy_from_slice(&v);
-            Ok(())
-        }
-        _ => Err(io::Error::new(
-            io::ErrorKind::UnexpectedEof,
-            "blob file shorter than its indexed chunks",
-        )),
-    }
-}
-
-/// Decoders of the index's keys and values, exposed for the fuzz target (`fuzz/`): they must
-/// reject any malformed input without panicking.
-#[doc(hidden)]
-pub fn fuzz_decode_index(key: &[u8], value: &[u8]) {
-    if let Some((tag, id)) = decode_key(key) {
-        assert_eq!(key_with(tag, &id)[..], key[..]);
-    }
-    if let Some(entry) = decode_entry(value) {
-        assert_eq!(encode_entry(entry)[..], value[..]);
-    }
-    if let Some(c) = decode_counters(value) {
-        assert_eq!(encode_counters(&c)[..], value[..]);
     }
 }

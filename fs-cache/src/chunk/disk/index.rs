@@ -1,0 +1,119 @@
+//! The level-2 index's byte encoding (RocksDB keys and values; the table is in the module
+//! docs of [`super`]). Decoders return `None` for anything malformed, never panic.
+
+use std::path::Path;
+
+use super::{chunk_offset, CHUNK_SIZE};
+use crate::chunk::ChunkId;
+use crate::error::Error;
+use crate::store::Digest;
+
+pub(super) const CHUNK_KEY_TAG: u8 = b'c';
+pub(super) const SUMS_KEY_TAG: u8 = b's';
+pub(super) const CHUNK_KEY_LEN: usize = 1 + 32 + 8;
+pub(super) const ENTRY_VERSION: u8 = 2;
+pub(super) const ENTRY_LEN: usize = 1 + 4 + 8;
+pub(super) const COUNTERS_VERSION: u8 = 1;
+pub(super) const COUNTERS_LEN: usize = 1 + 4 * 8;
+
+const _: () = assert!(CHUNK_KEY_LEN == 41);
+const _: () = assert!(ENTRY_LEN == 13);
+const _: () = assert!(COUNTERS_LEN == 33);
+
+/// An indexed chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Entry {
+    pub(super) size: u32,
+    pub(super) seq: u64,
+}
+
+pub(super) fn key_with(tag: u8, id: &ChunkId) -> [u8; CHUNK_KEY_LEN] {
+    let mut key = [0u8; CHUNK_KEY_LEN];
+    key[0] = tag;
+    key[1..33].copy_from_slice(&id.blob.0);
+    key[33..].copy_from_slice(&id.index.to_be_bytes());
+    key
+}
+
+pub(super) fn chunk_key(id: &ChunkId) -> [u8; CHUNK_KEY_LEN] {
+    key_with(CHUNK_KEY_TAG, id)
+}
+
+pub(super) fn sums_key(id: &ChunkId) -> [u8; CHUNK_KEY_LEN] {
+    key_with(SUMS_KEY_TAG, id)
+}
+
+/// A chunk or crc32c key: its tag and chunk.
+pub(super) fn decode_key(key: &[u8]) -> Option<(u8, ChunkId)> {
+    let key: &[u8; CHUNK_KEY_LEN] = key.try_into().ok()?;
+    matches!(key[0], CHUNK_KEY_TAG | SUMS_KEY_TAG).then_some(())?;
+    let id = ChunkId {
+        blob: Digest(key[1..33].try_into().ok()?),
+        index: u64::from_be_bytes(key[33..].try_into().ok()?),
+    };
+    chunk_offset(id.index)?.checked_add(CHUNK_SIZE)?;
+    Some((key[0], id))
+}
+
+pub(super) fn encode_entry(entry: Entry) -> [u8; ENTRY_LEN] {
+    let mut v = [0u8; ENTRY_LEN];
+    v[0] = ENTRY_VERSION;
+    v[1..5].copy_from_slice(&entry.size.to_le_bytes());
+    v[5..].copy_from_slice(&entry.seq.to_le_bytes());
+    v
+}
+
+pub(super) fn decode_entry(v: &[u8]) -> Option<Entry> {
+    let v: &[u8; ENTRY_LEN] = v.try_into().ok()?;
+    let size = u32::from_le_bytes(v[1..5].try_into().ok()?);
+    (v[0] == ENTRY_VERSION && u64::from(size) <= CHUNK_SIZE).then_some(())?;
+    Some(Entry {
+        size,
+        seq: u64::from_le_bytes(v[5..].try_into().ok()?),
+    })
+}
+
+pub(super) fn encode_counters(c: &[u64; 4]) -> [u8; COUNTERS_LEN] {
+    let mut v = [COUNTERS_VERSION; COUNTERS_LEN];
+    for (slot, n) in v[1..].chunks_exact_mut(8).zip(c) {
+        slot.copy_from_slice(&n.to_le_bytes());
+    }
+    v
+}
+
+pub(super) fn decode_counters(v: &[u8]) -> Option<[u64; 4]> {
+    let v: &[u8; COUNTERS_LEN] = v.try_into().ok()?;
+    let mut c = [0u64; 4];
+    for (n, slot) in c.iter_mut().zip(v[1..].chunks_exact(8)) {
+        *n = u64::from_le_bytes(slot.try_into().ok()?);
+    }
+    (v[0] == COUNTERS_VERSION).then_some(c)
+}
+
+pub(super) fn is_rocks_nospace(e: &rocksdb::Error) -> bool {
+    let s = e.as_ref();
+    s.contains("No space left") || s.contains("Disk quota") || s.contains("NoSpace")
+}
+
+pub(super) fn rocks_error(index_dir: &Path, what: &str, e: rocksdb::Error) -> Error {
+    Error::Cache {
+        path: index_dir.to_path_buf(),
+        message: format!("{what}: {e}"),
+        source: Some(Box::new(e)),
+    }
+}
+
+/// Decoders of the index's keys and values, exposed for the fuzz target (`fuzz/`): they must
+/// reject any malformed input without panicking.
+#[doc(hidden)]
+pub fn fuzz_decode_index(key: &[u8], value: &[u8]) {
+    if let Some((tag, id)) = decode_key(key) {
+        assert_eq!(key_with(tag, &id)[..], key[..]);
+    }
+    if let Some(entry) = decode_entry(value) {
+        assert_eq!(encode_entry(entry)[..], value[..]);
+    }
+    if let Some(c) = decode_counters(value) {
+        assert_eq!(encode_counters(&c)[..], value[..]);
+    }
+}
