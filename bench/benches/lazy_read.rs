@@ -4,12 +4,14 @@
 //! a local directory. The peer is the same file on the local disk, read in the same run.
 //!
 //! One layer holds one large file of pseudo-random bytes (`STRATA_LAZY_READ_MB`, default 512
-//! MiB; 16 MiB without `--bench`). Page caches are dropped (`sync; echo 3 >
+//! MiB; 16 MiB without `--bench`), read warm `STRATA_LAZY_READ_RUNS` times (default 5; 1
+//! without `--bench`). Page caches are dropped (`sync; echo 3 >
 //! /proc/sys/vm/drop_caches`) before every timed run, so the local file is read from disk and
 //! the lazy file through FUSE from the chunk cache (its level 1 survives: it is process
 //! memory). Figures:
 //!
-//! Each EROFS mount's readahead is set to `STRATA_LAZY_READ_RA_KB` (default 4096 KiB;
+//! Each EROFS mount's readahead is set to `STRATA_LAZY_READ_RA_KB` (default 8192 KiB, as the
+//! node daemon sets it;
 //! the kernel's default for a file-backed EROFS mount is 128 KiB, while the local disk here
 //! has 8 MiB); each blob mount has `STRATA_LAZY_READ_THREADS` FUSE threads (default 8).
 //!
@@ -47,7 +49,7 @@ use ublk_daemon::{BlobFs, BlobFsConfig};
 const SEQ_READ: usize = 1 << 20;
 const RANDOM_READ: u64 = 4096;
 /// The EROFS mounts' readahead (`STRATA_LAZY_READ_RA_KB`); the kernel's default is 128 KiB.
-const DEFAULT_RA_KB: u64 = 4096;
+const DEFAULT_RA_KB: u64 = 8192;
 /// FUSE threads of each blob mount (`STRATA_LAZY_READ_THREADS`).
 const DEFAULT_THREADS: usize = 8;
 
@@ -175,16 +177,6 @@ fn read_random(path: &Path, offsets: &[u64]) -> f64 {
 
 fn mount_erofs(meta: &Path, device: &Path, target: &Path) -> Detach {
     std::fs::create_dir_all(target).expect("create the EROFS mount point");
-    let bdis = || -> Vec<String> {
-        std::fs::read_dir("/sys/class/bdi")
-            .map(|rd| {
-                rd.flatten()
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
-    let before = bdis();
     let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).expect("path");
     let opts = std::ffi::CString::new(format!("device={}", device.display())).expect("opts");
     let (m, t) = (c(meta), c(target));
@@ -203,15 +195,8 @@ fn mount_erofs(meta: &Path, device: &Path, target: &Path) -> Detach {
         .ok()
         .and_then(|v| v.parse::<u64>().ok())
         .unwrap_or(DEFAULT_RA_KB);
-    // A file-backed EROFS mount gets its own bdi named `erofs-N` (not `major:minor`): the
-    // one that appeared with this mount.
-    for b in bdis()
-        .into_iter()
-        .filter(|b| b.starts_with("erofs-") && !before.contains(b))
-    {
-        std::fs::write(format!("/sys/class/bdi/{b}/read_ahead_kb"), ra.to_string())
-            .expect("set the EROFS mount's readahead");
-    }
+    // What the node daemon does for each layer (`NodeConfig::layer_readahead`).
+    ublk_daemon::set_mount_readahead(target, ra << 10).expect("set the EROFS mount's readahead");
     Detach(target.to_owned())
 }
 
@@ -236,17 +221,20 @@ fn main() {
     let mb: Option<u64> = std::env::var("STRATA_LAZY_READ_MB")
         .ok()
         .and_then(|v| v.parse().ok());
+    let runs: Option<usize> = std::env::var("STRATA_LAZY_READ_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok());
     let p = if full {
         Params {
             file_bytes: mb.unwrap_or(512) << 20,
-            runs: 3,
+            runs: runs.unwrap_or(5),
             random_reads: 4000,
             memory_bytes: 256 << 20,
         }
     } else {
         Params {
             file_bytes: mb.unwrap_or(16) << 20,
-            runs: 1,
+            runs: runs.unwrap_or(1),
             random_reads: 200,
             memory_bytes: 256 << 20,
         }
@@ -449,6 +437,34 @@ fn main() {
     let erofs_plain = mount_erofs(&meta, &backend_blob, &root.join("layer-plain"));
     let plain = root.join("layer-plain/big");
 
+    // `STRATA_LAZY_READ_PROFILE=N`: only N warm sequential reads through the cache (for a
+    // profiler), then stop; with 0, print the paths and wait for a line on stdin.
+    if let Some(n) = std::env::var("STRATA_LAZY_READ_PROFILE")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        if n == 0 {
+            println!("lazy {} blob file {}", lazy_w.display(), w_file.display());
+            let _ = std::io::stdin().read_line(&mut String::new());
+        }
+        for _ in 0..n {
+            drop_caches();
+            let (n, s) = read_sequential(&lazy_w);
+            println!("warm sequential through the cache: {:.0} MB/s", mbps(n, s));
+        }
+        let c = cache_w.stats();
+        println!(
+            "{:?}\nhits {} (memory {}, disk {}), misses {}, read ahead from level 2: {} chunks ({} used)",
+            fs_w.stats(),
+            c.hits,
+            c.hits_memory,
+            c.hits_disk,
+            c.misses,
+            c.disk_readahead_chunks,
+            c.disk_readahead_hits
+        );
+        return;
+    }
     // Warm, interleaved runs: local file, lazy through the cache, lazy through passthrough.
     let mut seq: [Vec<f64>; 4] = Default::default();
     let mut rnd: [Vec<f64>; 4] = Default::default();
@@ -501,6 +517,14 @@ fn main() {
     let m = |v: &[Vec<f64>; 4]| v.clone().map(|x| median(&x));
     let (sq, rn) = (m(&seq), m(&rnd));
     println!();
+    println!("warm sequential runs, MB/s (local, lazy, passthrough, EROFS over a local file):");
+    for (name, v) in ["local", "lazy", "passthrough", "EROFS/local file"]
+        .iter()
+        .zip(&seq)
+    {
+        let v: Vec<String> = v.iter().map(|x| format!("{x:.0}")).collect();
+        println!("  {name}: {}", v.join(" "));
+    }
     println!(
         "file {} (meta image {}, blob {}), {} warm runs, page caches dropped before each",
         size_label(p.file_bytes),
@@ -569,8 +593,12 @@ fn main() {
         );
     }
     println!(
-        "warm cache: {} hits ({} memory, {} disk), {} misses",
-        w_cache.hits, w_cache.hits_memory, w_cache.hits_disk, w_cache.misses
+        "warm cache: {} hits ({} memory, {} disk), {} misses, {} chunks read ahead from level 2",
+        w_cache.hits,
+        w_cache.hits_memory,
+        w_cache.hits_disk,
+        w_cache.misses,
+        w_cache.disk_readahead_chunks
     );
 }
 

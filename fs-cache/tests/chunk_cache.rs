@@ -438,3 +438,99 @@ async fn a_fully_cached_blob_can_be_pinned_as_one_local_file() {
     pin.file().read_exact_at(&mut whole, 0).unwrap();
     assert_eq!(whole, f.bytes);
 }
+
+/// Flip bits of the byte at `at` of `path`, in place.
+fn flip(path: &std::path::Path, at: u64, bits: u8) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::options()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    let mut b = [0u8];
+    f.read_exact_at(&mut b, at).unwrap();
+    b[0] ^= bits;
+    f.write_all_at(&b, at).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sequential_readers_of_level_2_are_served_ahead_and_never_get_damaged_bytes() {
+    let f = fixture((40 * CHUNK_SIZE + 4321) as usize).await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = CacheConfig {
+        disk: Some(DiskCacheConfig {
+            dir: dir.path().join("cache"),
+            capacity: 64 * MIB,
+        }),
+        disk_readahead_bytes: 8 * MIB,
+        // Nothing stays in level 1: every warm read comes from level 2.
+        ..memory_only(0)
+    };
+    let cache = Arc::new(ChunkCache::open(f.store.clone(), config).await.unwrap());
+    let size = f.bytes.len() as u64;
+    let mut at = 0;
+    while at < size {
+        at += cache.read(&f.blob, at, 4 * MIB).await.unwrap().len() as u64;
+        cache.flush().await.unwrap();
+    }
+    let fetched = cache.stats().bytes_fetched;
+    assert_eq!(fetched, size);
+
+    // One reader, 1 MiB at a time.
+    let read_all = |cache: Arc<ChunkCache>, blob: Digest| async move {
+        let mut out = Vec::new();
+        while (out.len() as u64) < size {
+            let b = cache.read(&blob, out.len() as u64, MIB).await.unwrap();
+            out.extend_from_slice(&b);
+        }
+        out
+    };
+    assert!(read_all(cache.clone(), f.blob).await == f.bytes);
+    let s = cache.stats();
+    assert!(s.disk_readahead_hits >= 30, "{s:?}");
+    assert!(s.disk_readahead_hits <= s.disk_readahead_chunks, "{s:?}");
+    assert_eq!(s.bytes_fetched, fetched, "warm reads fetch nothing");
+
+    // Once a stream has started (two adjacent reads), four readers of each next 4 MiB in any
+    // order (as FUSE threads serve the kernel's readahead) continue it: still read ahead.
+    let hits = s.disk_readahead_hits;
+    let mut out = vec![0u8; size as usize];
+    for at in [0, MIB] {
+        let b = cache.read(&f.blob, at, MIB).await.unwrap();
+        out[at as usize..][..b.len()].copy_from_slice(&b);
+    }
+    let mut base = 2 * MIB;
+    while base < size {
+        let mut tasks = Vec::new();
+        for k in (0..4u64).rev() {
+            let (c, blob) = (cache.clone(), f.blob);
+            let at = (base + k * MIB).min(size);
+            tasks.push(tokio::spawn(async move {
+                (at, c.read(&blob, at, MIB).await.unwrap())
+            }));
+        }
+        for t in tasks {
+            let (at, b) = t.await.unwrap();
+            out[at as usize..][..b.len()].copy_from_slice(&b);
+        }
+        base += 4 * MIB;
+    }
+    assert!(out == f.bytes);
+    let s = cache.stats();
+    assert!(s.disk_readahead_hits >= hits + 20, "{s:?}");
+
+    // Damage chunk 30 on disk: a reader ahead of the stream finds it damaged, drops it, and the
+    // read that needs it gets the right bytes from the backend (one chunk refetched).
+    let disk = s.disk.unwrap();
+    let hex = f.blob.to_hex();
+    let path = dir.path().join("cache/blobs").join(&hex[..2]).join(&hex);
+    flip(&path, 30 * CHUNK_SIZE + 999, 0x10);
+    assert!(read_all(cache.clone(), f.blob).await == f.bytes);
+    let s = cache.stats();
+    assert_eq!(s.bytes_fetched, fetched + CHUNK_SIZE, "{s:?}");
+    assert_eq!(
+        s.disk.as_ref().unwrap().dropped_corrupt,
+        disk.dropped_corrupt + 1,
+        "{s:?}"
+    );
+}

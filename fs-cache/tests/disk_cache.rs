@@ -820,3 +820,64 @@ fn a_pinned_blob_is_the_blob_and_is_not_evicted() {
     assert!(!cache.contains(&chunks[1].0));
     assert!(!chunk_has_data(&dir, &chunks[1].0));
 }
+
+#[test]
+fn direct_run_reads_return_checked_chunks_and_drop_damaged_ones() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cache");
+    let cache = open(&dir, 64 * MIB);
+    // Chunks 0-2 and 4 (4 absent), the last one short: runs 0..3 and 4..6.
+    let seed = "direct";
+    let sizes = [CHUNK_SIZE, CHUNK_SIZE, CHUNK_SIZE, 0, CHUNK_SIZE, 10_000];
+    for (i, &len) in sizes.iter().enumerate() {
+        if len > 0 {
+            let c = id(seed, i as u64);
+            cache.put(&c, &content(&c, len)).unwrap();
+        }
+    }
+    let blob = id(seed, 0).blob;
+    let got = cache.read_chunks_direct(&blob, 0..8).unwrap();
+    let indexes: Vec<u64> = got.iter().map(|(i, _)| *i).collect();
+    assert_eq!(indexes, [0, 1, 2, 4, 5]);
+    for (i, bytes) in &got {
+        let c = id(seed, *i);
+        assert_eq!(
+            &bytes[..],
+            &content(&c, sizes[*i as usize])[..],
+            "chunk {i}"
+        );
+    }
+    // Nothing of another blob, and an empty range.
+    assert!(cache
+        .read_chunks_direct(&id("other", 0).blob, 0..4)
+        .unwrap()
+        .is_empty());
+    assert!(cache.read_chunks_direct(&blob, 3..4).unwrap().is_empty());
+
+    // A flipped bit in chunk 1: left out and dropped (counted), its neighbours still served.
+    let path = blob_file(&dir, &id(seed, 0));
+    flip(&path, CHUNK_SIZE + 12_345, 2);
+    let got = cache.read_chunks_direct(&blob, 0..3).unwrap();
+    assert_eq!(got.iter().map(|(i, _)| *i).collect::<Vec<_>>(), [0, 2]);
+    assert!(!cache.contains(&id(seed, 1)));
+    assert_eq!(cache.stats().dropped_corrupt, 1);
+    assert!(
+        !chunk_has_data(&dir, &id(seed, 1)),
+        "the damaged chunk is punched out"
+    );
+
+    // A blob file cut short behind the cache's back: the chunks past its end are dropped.
+    fs::File::options()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(4 * CHUNK_SIZE + 100)
+        .unwrap();
+    let got = cache.read_chunks_direct(&blob, 4..6).unwrap();
+    assert!(
+        got.is_empty(),
+        "{:?}",
+        got.iter().map(|(i, _)| *i).collect::<Vec<_>>()
+    );
+    assert!(!cache.contains(&id(seed, 4)) && !cache.contains(&id(seed, 5)));
+}

@@ -334,15 +334,59 @@ pub fn clean_stale_mount(path: &Path) -> Result<bool> {
     }
 }
 
-/// Set the readahead window of the filesystem mounted at `mountpoint` (the `read_ahead_kb` of
-/// the bdi named after its device number, as FUSE and block-device filesystems name theirs),
-/// in bytes rounded down to KiB. Needs root. A file-backed EROFS mount's bdi is named
-/// `erofs-N` instead, which this cannot find from the mount point (see `docs/blobfs.md`).
-pub fn set_mount_readahead(mountpoint: &Path, bytes: u64) -> Result<()> {
+/// `struct fs_sysfs_path` of `FS_IOC_GETFSSYSFSPATH` (Linux 6.10+): the filesystem's
+/// directory under `/sys/fs/`, e.g. `erofs/erofs-776`.
+#[repr(C)]
+struct FsSysfsPath {
+    len: u8,
+    name: [u8; 128],
+}
+const _: () = assert!(std::mem::size_of::<FsSysfsPath>() == 129);
+/// `_IOR(0x15, 1, struct fs_sysfs_path)`.
+const FS_IOC_GETFSSYSFSPATH: libc::c_ulong = (2 << 30) | (129 << 16) | (0x15 << 8) | 1;
+
+/// The name under `/sys/fs/` of the filesystem mounted at `mountpoint`, where it has one.
+fn sysfs_name(mountpoint: &Path) -> Option<String> {
+    let dir = std::fs::File::open(mountpoint).ok()?;
+    let mut out = FsSysfsPath {
+        len: 0,
+        name: [0; 128],
+    };
+    // SAFETY: `dir` is an open descriptor and `out` a writable `struct fs_sysfs_path` that
+    // outlives the call; the kernel writes at most its 129 bytes.
+    let rc = unsafe {
+        libc::ioctl(
+            std::os::fd::AsRawFd::as_raw_fd(&dir),
+            FS_IOC_GETFSSYSFSPATH as _,
+            &mut out,
+        )
+    };
+    let len = usize::from(out.len).min(out.name.len());
+    (rc == 0).then(|| String::from_utf8_lossy(&out.name[..len]).into_owned())
+}
+
+/// The `/sys/class/bdi/` entry of the filesystem mounted at `mountpoint`. Block-device and
+/// FUSE filesystems name their bdi after the device number; a file-backed EROFS mount has its
+/// own, `erofs-N`, the same name as its `/sys/fs/erofs/` directory, which
+/// `FS_IOC_GETFSSYSFSPATH` returns.
+pub fn mount_bdi(mountpoint: &Path) -> Result<PathBuf> {
+    if let Some(name) = sysfs_name(mountpoint) {
+        let last = name.rsplit('/').next().unwrap_or_default();
+        let bdi = Path::new("/sys/class/bdi").join(last);
+        if !last.is_empty() && bdi.is_dir() {
+            return Ok(bdi);
+        }
+    }
     let st = rustix::fs::stat(mountpoint)
         .map_err(|e| Error::io("stat", mountpoint, std::io::Error::from(e)))?;
     let (major, minor) = (rustix::fs::major(st.st_dev), rustix::fs::minor(st.st_dev));
-    let path = PathBuf::from(format!("/sys/class/bdi/{major}:{minor}/read_ahead_kb"));
+    Ok(PathBuf::from(format!("/sys/class/bdi/{major}:{minor}")))
+}
+
+/// Set the readahead window of the filesystem mounted at `mountpoint` (its bdi's
+/// `read_ahead_kb`, see [`mount_bdi`]), in bytes rounded down to KiB. Needs root.
+pub fn set_mount_readahead(mountpoint: &Path, bytes: u64) -> Result<()> {
+    let path = mount_bdi(mountpoint)?.join("read_ahead_kb");
     std::fs::write(&path, format!("{}", bytes / 1024)).map_err(|e| Error::io("write", &path, e))
 }
 

@@ -31,7 +31,7 @@ pub mod blobfs;
 mod fusemount;
 pub mod node;
 
-pub use blobfs::{clean_stale_mount, set_mount_readahead, BlobFs, BlobFsConfig};
+pub use blobfs::{clean_stale_mount, mount_bdi, set_mount_readahead, BlobFs, BlobFsConfig};
 
 use std::path::PathBuf;
 

@@ -282,6 +282,18 @@ async fn real_tree(store: Store, label: &str, budget: u64) {
         0,
         "mounting fetched file data"
     );
+    // The layer's EROFS mount reads ahead further than the kernel's 128 KiB default.
+    let bdi = ublk_daemon::mount_bdi(&mp).unwrap();
+    assert!(
+        bdi.file_name().unwrap().to_string_lossy().starts_with("erofs-"),
+        "{}",
+        bdi.display()
+    );
+    let ra = std::fs::read_to_string(bdi.join("read_ahead_kb")).unwrap();
+    assert_eq!(
+        ra.trim(),
+        (ublk_daemon::node::DEFAULT_LAYER_READAHEAD >> 10).to_string()
+    );
     let (entries, bytes) = tokio::task::spawn_blocking({
         let (src, mp) = (src.clone(), mp.clone());
         move || compare_trees(&src, &mp)

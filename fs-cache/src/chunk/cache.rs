@@ -16,8 +16,11 @@
 //!    with a request for that chunk alone, then reported as [`Error::Corrupt`] and counted.
 //!    Backend errors are retried with backoff up to a deadline ([`RetryPolicy`]); a read that
 //!    still fails gets the error, and the cache stays usable.
-//! 5. A read that starts where the previous read of the same blob ended is sequential: it
-//!    triggers readahead of the next `readahead_bytes`, in the background, at prefetch priority.
+//! 5. A read that starts where the previous read of the same blob ended (or inside the window
+//!    readahead already covers: concurrent readers finish out of order) is sequential: it
+//!    triggers readahead of the next `readahead_bytes`, in the background, at prefetch
+//!    priority, and level-2 readahead of the next `disk_readahead_bytes` (the cached chunks'
+//!    pages are read ahead, so that a sequential reader of level 2 keeps the disk busy).
 //!
 //! Fetches run in their own tasks, so a reader that gives up (a cancelled future) never leaves
 //! other readers waiting on a request nobody finishes. Prefetches wait while any demand fetch
@@ -35,6 +38,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{watch, Notify, Semaphore};
 
 use super::disk::{BlobPin, DiskCache, DiskCacheConfig, DiskStats, RangeRead};
+use super::stage::Staging;
 use super::table::ChunkTable;
 use super::ChunkId;
 use crate::backend::retry::RetryContext;
@@ -51,8 +55,11 @@ pub struct CacheConfig {
     pub disk: Option<DiskCacheConfig>,
     /// The largest single backend request (adjacent misses are coalesced up to this).
     pub max_request_bytes: u64,
-    /// Readahead after a sequential read (0: none).
+    /// Readahead after a sequential read (0: none): chunks in neither level are fetched.
     pub readahead_bytes: u64,
+    /// Level-2 readahead after a sequential read (0: none): chunks on local disk are read
+    /// ahead of the reader into a small staging area (see [`DiskCache::read_chunks_direct`]).
+    pub disk_readahead_bytes: u64,
     /// Prefetch requests in flight at once.
     pub prefetch_concurrency: usize,
     /// Retries of backend requests.
@@ -68,6 +75,7 @@ impl Default for CacheConfig {
             disk: None,
             max_request_bytes: 4 << 20,
             readahead_bytes: 1 << 20,
+            disk_readahead_bytes: 8 << 20,
             prefetch_concurrency: 2,
             retry: RetryPolicy::default(),
             stats_file: None,
@@ -100,6 +108,12 @@ pub struct CacheStats {
     pub corrupt_errors: u64,
     pub backend_errors: u64,
     pub readahead_chunks: u64,
+    /// Level-2 chunks read ahead of a sequential reader, and how many of them were then read
+    /// (the rest were pushed out unread, or read before they arrived).
+    #[serde(default)]
+    pub disk_readahead_chunks: u64,
+    #[serde(default)]
+    pub disk_readahead_hits: u64,
     pub prefetch_chunks: u64,
     /// Fetched chunks not kept on local disk because too many writes were pending.
     #[serde(default)]
@@ -128,6 +142,8 @@ struct Counters {
     corrupt_errors: AtomicU64,
     backend_errors: AtomicU64,
     readahead_chunks: AtomicU64,
+    disk_readahead_chunks: AtomicU64,
+    disk_readahead_hits: AtomicU64,
     prefetch_chunks: AtomicU64,
     disk_writes_skipped: AtomicU64,
     latency: [AtomicU64; LATENCY_BUCKETS],
@@ -165,13 +181,19 @@ impl Boost {
     }
 }
 
-/// Per-blob sequential-read state: where the last read ended, and how far readahead has
-/// already been issued.
+/// Per-blob sequential-read state: where the stream's reads have reached, and how far
+/// backend and level-2 readahead have already been issued.
 #[derive(Clone, Copy, Default)]
 struct Sequential {
     last_end: u64,
     ahead_until: u64,
+    disk_ahead_until: u64,
 }
+
+/// The staging area holds this many `disk_readahead_bytes` windows (several streams at once).
+const STAGED_WINDOWS: u64 = 4;
+/// Chunks per level-2 readahead read (2 MiB): a window is read as several such runs at once.
+const DISK_RUN_CHUNKS: u64 = 8;
 
 /// Fetched chunks waiting to be written to level 2 in the background; past this, new chunks
 /// are served but not kept on disk (and counted).
@@ -192,6 +214,7 @@ struct Inner {
     disk: Option<Arc<DiskCache>>,
     inflight: Mutex<HashMap<ChunkId, InFlight>>,
     sequential: Mutex<HashMap<Digest, Sequential>>,
+    staging: Arc<Staging>,
     disk_writes: Arc<Semaphore>,
     counters: Counters,
     demand_active: AtomicUsize,
@@ -238,6 +261,9 @@ impl ChunkCache {
             },
             None => CacheStats::default(),
         };
+        let staging = Arc::new(Staging::new(
+            STAGED_WINDOWS.saturating_mul(config.disk_readahead_bytes),
+        ));
         Ok(Self {
             inner: Arc::new(Inner {
                 store,
@@ -251,6 +277,7 @@ impl ChunkCache {
                 disk,
                 inflight: Mutex::new(HashMap::new()),
                 sequential: Mutex::new(HashMap::new()),
+                staging,
                 disk_writes: Arc::new(Semaphore::new(MAX_PENDING_DISK_WRITES)),
                 counters: Counters::default(),
                 demand_active: AtomicUsize::new(0),
@@ -334,32 +361,49 @@ impl ChunkCache {
             let r = table.chunk_range(i);
             (offset.max(r.start) - r.start)..(end.min(r.end) - r.start)
         };
-        let parts = self
-            .inner
-            .read_parts(&table, first..last + 1, &part)
-            .await?;
 
-        // Sequential detection and readahead: once a reader is sequential, keep a window of
-        // `readahead_bytes` ahead of it, issued as one request whenever less than half of the
-        // window is left (so readahead requests are whole windows, not single chunks).
-        let window = self.inner.config.readahead_bytes;
-        let ahead = {
+        // Sequential detection and readahead. A read continues a stream when it starts where
+        // the last one ended, or inside what readahead already covers and at most a window
+        // behind the furthest end (FUSE serves the kernel's readahead on several threads, so
+        // a stream's reads finish out of order). A stream keeps `readahead_bytes` ahead of it
+        // fetched from the backend and `disk_readahead_bytes` read ahead from level 2, each
+        // issued as a whole window whenever less than half of it is left.
+        let cfg = &self.inner.config;
+        let windows = [cfg.readahead_bytes, cfg.disk_readahead_bytes];
+        let (ahead, disk_ahead) = {
             let mut seq = lock(&self.inner.sequential);
             let state = seq.entry(*blob).or_default();
-            let is_sequential = offset > 0 && state.last_end == offset;
-            state.last_end = end;
-            let mut ahead = None;
-            if is_sequential && window > 0 && end < table.blob_size {
-                let from = state.ahead_until.max((last + 1) * table.chunk_size);
-                if from < table.blob_size && from.saturating_sub(end) < window / 2 {
-                    let to = (from + window).min(table.blob_size);
-                    state.ahead_until = to;
-                    ahead = Some(from / table.chunk_size..to.div_ceil(table.chunk_size));
-                }
-            } else if !is_sequential {
-                state.ahead_until = 0;
+            let frontier = state.ahead_until.max(state.disk_ahead_until);
+            let lag = windows[0].max(windows[1]);
+            let in_stream = offset > 0
+                && (offset == state.last_end
+                    || (offset < frontier && offset.saturating_add(lag) >= state.last_end));
+            if in_stream {
+                state.last_end = state.last_end.max(end);
+                let next = (last + 1) * table.chunk_size;
+                let size = table.blob_size;
+                let advance = |until: &mut u64, window: u64| {
+                    let from = (*until).max(next);
+                    if window == 0 || from >= size || from.saturating_sub(end) >= window / 2 {
+                        return None;
+                    }
+                    let to = from.saturating_add(window).min(size);
+                    *until = to;
+                    Some(from / table.chunk_size..to.div_ceil(table.chunk_size))
+                };
+                let ahead = advance(&mut state.ahead_until, windows[0]);
+                let disk_ahead = match self.inner.disk {
+                    Some(_) => advance(&mut state.disk_ahead_until, windows[1]),
+                    None => None,
+                };
+                (ahead, disk_ahead)
+            } else {
+                *state = Sequential {
+                    last_end: end,
+                    ..Sequential::default()
+                };
+                (None, None)
             }
-            ahead
         };
         if let Some(ra) = ahead {
             let inner = self.inner.clone();
@@ -368,6 +412,14 @@ impl ChunkCache {
                 let _ = inner.warm(&t, ra, Priority::Readahead).await;
             });
         }
+        if let (Some(ra), Some(disk)) = (disk_ahead, self.inner.disk.clone()) {
+            self.inner.stage(&disk, table.blob, ra);
+        }
+
+        let parts = self
+            .inner
+            .read_parts(&table, first..last + 1, &part)
+            .await?;
 
         let out = if parts.len() == 1 {
             parts.into_iter().next().unwrap_or_default()
@@ -440,6 +492,8 @@ impl ChunkCache {
             corrupt_errors: b.corrupt_errors + g(&c.corrupt_errors),
             backend_errors: b.backend_errors + g(&c.backend_errors),
             readahead_chunks: b.readahead_chunks + g(&c.readahead_chunks),
+            disk_readahead_chunks: b.disk_readahead_chunks + g(&c.disk_readahead_chunks),
+            disk_readahead_hits: b.disk_readahead_hits + g(&c.disk_readahead_hits),
             prefetch_chunks: b.prefetch_chunks + g(&c.prefetch_chunks),
             disk_writes_skipped: b.disk_writes_skipped + g(&c.disk_writes_skipped),
             read_latency_us: latency,
@@ -515,6 +569,38 @@ impl Inner {
         }
     }
 
+    /// Read `chunks` of `blob` from level 2 into the staging area ([`Staging`]), in the
+    /// background: runs of [`DISK_RUN_CHUNKS`], each claimed now (readers of its chunks wait
+    /// for it) and read on a blocking thread, so that a window's runs are in flight at once.
+    fn stage(self: &Arc<Self>, disk: &Arc<DiskCache>, blob: Digest, chunks: Range<u64>) {
+        let mut at = chunks.start;
+        while at < chunks.end {
+            let run = at..(at + DISK_RUN_CHUNKS).min(chunks.end);
+            at = run.end;
+            let ids = run.map(|index| ChunkId { blob, index });
+            let in_memory = |id: &ChunkId| lock(&self.memory).lru.contains(id);
+            let Some(claim) = self.staging.claim(ids, in_memory) else {
+                continue;
+            };
+            let (inner, disk) = (self.clone(), disk.clone());
+            tokio::task::spawn_blocking(move || {
+                let ids = claim.ids();
+                let (first, last) = (ids[0].index, ids[ids.len() - 1].index);
+                match disk.read_chunks_direct(&blob, first..last + 1) {
+                    Ok(read) => {
+                        add(&inner.counters.disk_readahead_chunks, read.len() as u64);
+                        claim.fill(
+                            read.into_iter()
+                                .map(|(index, b)| (ChunkId { blob, index }, b))
+                                .collect(),
+                        );
+                    }
+                    Err(e) => tracing::debug!(error = %e, "level-2 readahead failed"),
+                }
+            });
+        }
+    }
+
     fn verify(table: &ChunkTable, index: u64, data: &[u8]) -> bool {
         let r = table.chunk_range(index);
         data.len() as u64 == r.end - r.start
@@ -537,14 +623,16 @@ impl Inner {
         };
         let mut missing = Vec::new();
         for i in range.clone() {
-            match self.memory_get(&id(i)) {
-                Some(b) => {
-                    add(&self.counters.hits_memory, 1);
-                    let p = part(i);
-                    parts[(i - range.start) as usize] =
-                        Some(b.slice(p.start as usize..p.end as usize));
-                }
-                None => missing.push(i),
+            let p = part(i);
+            if let Some(b) = self.memory_get(&id(i)) {
+                add(&self.counters.hits_memory, 1);
+                parts[(i - range.start) as usize] = Some(b.slice(p.start as usize..p.end as usize));
+            } else if let Some(b) = self.staging.take(&id(i), p.end).await {
+                add(&self.counters.hits_disk, 1);
+                add(&self.counters.disk_readahead_hits, 1);
+                parts[(i - range.start) as usize] = Some(b.slice(p.start as usize..p.end as usize));
+            } else {
+                missing.push(i);
             }
         }
         if let (false, Some(disk)) = (missing.is_empty(), self.disk.clone()) {

@@ -6,9 +6,11 @@
 //!   survives restarts.
 //! - [`cache`]: the cache itself: level 1 in memory, misses coalesced into ranged backend
 //!   requests, concurrent misses shared, every chunk verified before it is kept or served.
+//! - `stage`: chunks read ahead from level 2 for sequential readers.
 
 pub mod cache;
 pub mod disk;
+mod stage;
 pub mod table;
 
 pub use cache::{CacheConfig, CacheStats, ChunkCache};

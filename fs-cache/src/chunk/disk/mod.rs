@@ -113,6 +113,7 @@ use super::{ChunkId, CHUNK_SIZE};
 use crate::error::{Error, Result};
 use crate::store::Digest;
 
+mod direct;
 mod files;
 mod index;
 
@@ -789,18 +790,25 @@ impl DiskCache {
             }
         }
         let pin_ids: Vec<ChunkId> = pinned.iter().map(|(id, _)| *id).collect();
-        match self.open_blob(blob, false) {
-            Ok(Some(file)) => Ok(Some(BlobPin {
+        // A file description of its own: the cache's shared one is advised `RANDOM` (no
+        // kernel readahead), which would also hold for whoever reads through the pin (FUSE
+        // passthrough reads through this very description).
+        let path = self.blob_path(blob);
+        match File::open(&path) {
+            Ok(file) => Ok(Some(BlobPin {
                 cache: self.clone(),
                 blob: *blob,
                 chunks: pinned,
-                file,
+                file: Arc::new(file),
             })),
-            other => {
+            Err(e) => {
                 for id in &pin_ids {
                     self.release(id);
                 }
-                other.map(|_| None)
+                match e.kind() {
+                    io::ErrorKind::NotFound => Ok(None),
+                    _ => Err(Error::io("open", &path, e)),
+                }
             }
         }
     }

@@ -1,0 +1,153 @@
+//! Level-2 readahead for sequential readers: runs of cached chunks read with `O_DIRECT`.
+//!
+//! A sequential reader of level 2 through the page cache costs, per byte, a page-cache
+//! insertion, a copy out, a removal (level 2 keeps no pages, see the module docs) and one
+//! 256 KiB read at a time. Read ahead instead, the next chunks of the stream are read in runs
+//! (one `pread` per run of adjacent cached chunks) with `O_DIRECT`: the device writes straight
+//! into the returned buffer, several runs are in flight at once, and the page cache is not
+//! touched. Every 4 KiB block is still checked against its crc32c before the chunk is handed
+//! out, so a damaged chunk is dropped (and refetched by whoever reads it), never served.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::ops::Range;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+
+use bytes::Bytes;
+
+use super::{chunk_offset, ChunkId, DiskCache, ReadPin, CHECK_BLOCK, DROPPED_CORRUPT};
+use crate::error::{Error, Result};
+use crate::store::Digest;
+
+/// Buffer and offset alignment for `O_DIRECT` (a multiple of any logical block size here).
+const DIRECT_ALIGN: usize = 4096;
+
+impl DiskCache {
+    /// Read the cached chunks among `chunks` of `blob` (one `O_DIRECT` read per run of
+    /// adjacent ones), each checked against its crc32c: the verified chunks, whole, in order.
+    /// Absent chunks are skipped; a chunk that fails its check is dropped (counted in
+    /// `dropped_corrupt`) and left out. The chunks are marked used.
+    pub fn read_chunks_direct(
+        &self,
+        blob: &Digest,
+        chunks: Range<u64>,
+    ) -> Result<Vec<(u64, Bytes)>> {
+        // Pin what is cached now (no eviction until read), grouped into runs.
+        let mut pins = Vec::new();
+        let mut runs: Vec<Vec<(u64, u64, u64)>> = Vec::new(); // (index, size, seq)
+        {
+            let mut st = self.lock();
+            for index in chunks {
+                let id = ChunkId { blob: *blob, index };
+                let Some(entry) = st.touch(&id) else {
+                    continue;
+                };
+                st.pin(&id);
+                pins.push(ReadPin { cache: self, id });
+                let size = u64::from(entry.size);
+                match runs.last_mut() {
+                    Some(run)
+                        if run
+                            .last()
+                            .is_some_and(|&(i, s, _)| i + 1 == index && s == super::CHUNK_SIZE) =>
+                    {
+                        run.push((index, size, entry.seq))
+                    }
+                    _ => runs.push(vec![(index, size, entry.seq)]),
+                }
+            }
+        }
+        if runs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let path = self.blob_path(blob);
+        // Pinned chunks keep the blob file linked.
+        let file = match OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&path)
+        {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(Error::io("open (O_DIRECT)", &path, e)),
+        };
+        let mut out = Vec::new();
+        for run in runs {
+            let (first, ..) = run[0];
+            let at = chunk_offset(first).unwrap_or(u64::MAX);
+            let len: u64 = run.iter().map(|&(_, s, _)| s).sum();
+            let buf = read_direct(&file, at, len as usize)
+                .map_err(|e| Error::io("read chunks (O_DIRECT)", &path, e))?;
+            let mut from = 0usize;
+            for (index, size, seq) in run {
+                let id = ChunkId { blob: *blob, index };
+                let to = from + size as usize;
+                let ok = match (buf.get(from..to), self.sums_of_opt(&id, size)?) {
+                    (Some(data), Some(sums)) => data
+                        .chunks(CHECK_BLOCK as usize)
+                        .zip(sums.chunks_exact(4))
+                        .all(|(block, sum)| crc32c::crc32c(block).to_le_bytes() == sum),
+                    _ => false,
+                };
+                if ok {
+                    out.push((index, buf.slice(from..to)));
+                } else {
+                    tracing::warn!(blob = %blob, chunk = index, "chunk on local disk failed its check; dropped");
+                    // Dropped once this read's pin goes.
+                    self.forget(&id, Some(seq), Some(DROPPED_CORRUPT))?;
+                }
+                from = to;
+            }
+        }
+        drop(pins);
+        Ok(out)
+    }
+}
+
+/// `len` bytes of `file` (opened with `O_DIRECT`) at `at` (aligned), fewer at end of file.
+fn read_direct(file: &File, at: u64, len: usize) -> io::Result<Bytes> {
+    let want = len.next_multiple_of(DIRECT_ALIGN);
+    let mut v: Vec<u8> = Vec::with_capacity(want + DIRECT_ALIGN);
+    let pad = v.as_ptr().align_offset(DIRECT_ALIGN);
+    let mut got = 0usize;
+    while got < want {
+        let spare = &mut v.spare_capacity_mut()[pad + got..pad + want];
+        let off = libc::off_t::try_from(at + got as u64)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "offset out of range"))?;
+        // SAFETY: `spare` is writable spare capacity of `v` (at least `want - got` bytes,
+        // starting at an address aligned to `DIRECT_ALIGN` plus a multiple of it), alive and
+        // unaliased for the call; the kernel writes at most `spare.len()` bytes into it.
+        let n = unsafe {
+            libc::pread(
+                file.as_raw_fd(),
+                spare.as_mut_ptr().cast(),
+                spare.len(),
+                off,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            break;
+        }
+        got += n as usize;
+        if got % DIRECT_ALIGN != 0 {
+            // Only the end of the file ends a direct read off a block boundary.
+            break;
+        }
+    }
+    // SAFETY: `pread` initialised bytes `pad..pad + got` of the spare capacity; the `pad`
+    // bytes before them are set here first.
+    unsafe {
+        std::ptr::write_bytes(v.as_mut_ptr(), 0, pad);
+        v.set_len(pad + got);
+    }
+    let b = Bytes::from(v);
+    Ok(b.slice(pad..pad + got.min(len)))
+}
