@@ -285,7 +285,10 @@ async fn real_tree(store: Store, label: &str, budget: u64) {
     // The layer's EROFS mount reads ahead further than the kernel's 128 KiB default.
     let bdi = ublk_daemon::mount_bdi(&mp).unwrap();
     assert!(
-        bdi.file_name().unwrap().to_string_lossy().starts_with("erofs-"),
+        bdi.file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with("erofs-"),
         "{}",
         bdi.display()
     );
