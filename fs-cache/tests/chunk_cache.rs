@@ -1,6 +1,10 @@
 //! The chunk cache against a real store (in-memory backend behind the fault-injecting wrapper,
 //! and level 2 on real local disk).
 
+#[path = "common/damage.rs"]
+mod damage;
+use damage::flip;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -437,20 +441,6 @@ async fn a_fully_cached_blob_can_be_pinned_as_one_local_file() {
     let mut whole = vec![0u8; size as usize];
     pin.file().read_exact_at(&mut whole, 0).unwrap();
     assert_eq!(whole, f.bytes);
-}
-
-/// Flip bits of the byte at `at` of `path`, in place.
-fn flip(path: &std::path::Path, at: u64, bits: u8) {
-    use std::os::unix::fs::FileExt;
-    let f = std::fs::File::options()
-        .read(true)
-        .write(true)
-        .open(path)
-        .unwrap();
-    let mut b = [0u8];
-    f.read_exact_at(&mut b, at).unwrap();
-    b[0] ^= bits;
-    f.write_all_at(&b, at).unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -1,6 +1,10 @@
 //! Level 2 of the chunk cache on real files: restarts, bounded usage, `kill -9` mid-fill,
 //! corruption behind the cache's back, and a full disk (a small tmpfs; needs root).
 
+#[path = "common/damage.rs"]
+mod damage;
+use damage::flip;
+
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -408,20 +412,6 @@ fn kill_9_mid_fill_never_leaves_a_bad_entry() {
         seen_chunks += found;
     }
     assert!(seen_chunks > 0, "the filler never got to write anything");
-}
-
-/// Flip bits of the byte at `at` of `path`, in place (a sparse file stays sparse).
-fn flip(path: &Path, at: u64, bits: u8) {
-    use std::os::unix::fs::FileExt;
-    let f = fs::File::options()
-        .read(true)
-        .write(true)
-        .open(path)
-        .unwrap();
-    let mut b = [0u8];
-    f.read_exact_at(&mut b, at).unwrap();
-    b[0] ^= bits;
-    f.write_all_at(&b, at).unwrap();
 }
 
 #[test]
