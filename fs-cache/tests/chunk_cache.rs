@@ -320,18 +320,7 @@ async fn level_two_survives_a_restart_and_drops_damaged_chunks() {
     // served.
     let hex = f.blob.to_hex();
     let blob_file = dir.path().join("cache/blobs").join(&hex[..2]).join(&hex);
-    {
-        use std::os::unix::fs::FileExt;
-        let file = std::fs::File::options()
-            .read(true)
-            .write(true)
-            .open(&blob_file)
-            .unwrap();
-        let at = 3 * CHUNK_SIZE + 100;
-        let mut b = [0u8];
-        file.read_exact_at(&mut b, at).unwrap();
-        file.write_all_at(&[b[0] ^ 0x40], at).unwrap();
-    }
+    flip(&blob_file, 3 * CHUNK_SIZE + 100, 0x40);
     f.faulty.set(FaultConfig::default());
     let cache = ChunkCache::open(f.store.clone(), config()).await.unwrap();
     let got = cache.read(&f.blob, 0, 4 * MIB).await.unwrap();

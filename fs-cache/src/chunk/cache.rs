@@ -578,15 +578,15 @@ impl Inner {
             let run = at..(at + DISK_RUN_CHUNKS).min(chunks.end);
             at = run.end;
             let ids = run.map(|index| ChunkId { blob, index });
-            let in_memory = |id: &ChunkId| lock(&self.memory).lru.contains(id);
-            let Some(claim) = self.staging.claim(ids, in_memory) else {
+            // Chunks in memory need no read; chunks not on local disk cannot be read ahead.
+            let skip = |id: &ChunkId| lock(&self.memory).lru.contains(id) || !disk.contains(id);
+            let Some(claim) = self.staging.claim(ids, skip) else {
                 continue;
             };
             let (inner, disk) = (self.clone(), disk.clone());
             tokio::task::spawn_blocking(move || {
-                let ids = claim.ids();
-                let (first, last) = (ids[0].index, ids[ids.len() - 1].index);
-                match disk.read_chunks_direct(&blob, first..last + 1) {
+                let indexes = claim.ids().iter().map(|id| id.index);
+                match disk.read_chunks_direct(&blob, indexes) {
                     Ok(read) => {
                         add(&inner.counters.disk_readahead_chunks, read.len() as u64);
                         claim.fill(

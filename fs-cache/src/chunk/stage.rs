@@ -9,25 +9,20 @@
 //! wakes the waiters, who then read level 2 themselves. Every staged chunk was checked
 //! against its crc32c when read, so the area never holds a wrong byte.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use bytes::Bytes;
+use lru::LruCache;
 use tokio::sync::Notify;
 
 use super::ChunkId;
 
-enum Slot {
-    /// Being read by a claim; its readers wait on the claim's notify.
-    Pending(Arc<Notify>),
-    Ready(Bytes),
-}
-
-#[derive(Default)]
 struct State {
-    slots: HashMap<ChunkId, Slot>,
-    /// Ready chunks, oldest first (may name chunks already taken out).
-    order: VecDeque<ChunkId>,
+    /// Chunks being read by a claim; their readers wait on the claim's notify.
+    pending: HashMap<ChunkId, Arc<Notify>>,
+    /// Filled chunks, oldest first out.
+    ready: LruCache<ChunkId, Bytes>,
     /// Bytes of the ready chunks.
     bytes: u64,
 }
@@ -48,7 +43,11 @@ pub(super) struct Claim {
 impl Staging {
     pub(super) fn new(capacity: u64) -> Self {
         Self {
-            state: Mutex::new(State::default()),
+            state: Mutex::new(State {
+                pending: HashMap::new(),
+                ready: LruCache::unbounded(),
+                bytes: 0,
+            }),
             capacity,
         }
     }
@@ -69,13 +68,13 @@ impl Staging {
         let mut st = self.lock();
         let ids: Vec<ChunkId> = ids
             .into_iter()
-            .filter(|id| !st.slots.contains_key(id) && !skip(id))
+            .filter(|id| !st.pending.contains_key(id) && !st.ready.contains(id) && !skip(id))
             .collect();
         if ids.is_empty() {
             return None;
         }
         for id in &ids {
-            st.slots.insert(*id, Slot::Pending(notify.clone()));
+            st.pending.insert(*id, notify.clone());
         }
         Some(Claim {
             staging: self.clone(),
@@ -92,21 +91,16 @@ impl Staging {
             let notified;
             {
                 let mut st = self.lock();
-                match st.slots.get(id)? {
-                    Slot::Ready(b) => {
-                        let b = b.clone();
-                        if end >= b.len() as u64 {
-                            st.slots.remove(id);
-                            st.bytes -= b.len() as u64;
-                        }
-                        return Some(b);
+                if let Some(b) = st.ready.peek(id).cloned() {
+                    if end >= b.len() as u64 {
+                        st.ready.pop(id);
+                        st.bytes -= b.len() as u64;
                     }
-                    Slot::Pending(n) => {
-                        notify = n.clone();
-                        // Created under the lock: the claim's wake-up cannot be missed.
-                        notified = notify.notified();
-                    }
+                    return Some(b);
                 }
+                notify = st.pending.get(id)?.clone();
+                // Created under the lock: the claim's wake-up cannot be missed.
+                notified = notify.notified();
             }
             notified.await;
         }
@@ -130,27 +124,19 @@ impl Claim {
         let staging = &self.staging;
         let mut st = staging.lock();
         for (id, bytes) in read {
-            match st.slots.get(&id) {
-                Some(Slot::Pending(n)) if Arc::ptr_eq(n, &self.notify) => {}
+            match st.pending.get(&id) {
+                Some(n) if Arc::ptr_eq(n, &self.notify) => {}
                 _ => continue,
             }
+            st.pending.remove(&id);
             st.bytes += bytes.len() as u64;
-            st.slots.insert(id, Slot::Ready(bytes));
-            st.order.push_back(id);
+            st.ready.push(id, bytes);
         }
         while st.bytes > staging.capacity {
-            let Some(old) = st.order.pop_front() else {
+            let Some((_, old)) = st.ready.pop_lru() else {
                 break;
             };
-            if let Some(Slot::Ready(b)) = st.slots.get(&old) {
-                st.bytes -= b.len() as u64;
-                st.slots.remove(&old);
-            }
-        }
-        // Keep `order` from growing with chunks already taken out.
-        if st.order.len() > 2 * st.slots.len() + 64 {
-            let State { slots, order, .. } = &mut *st;
-            order.retain(|k| matches!(slots.get(k), Some(Slot::Ready(_))));
+            st.bytes -= old.len() as u64;
         }
         // Drop (below) releases what was not filled and wakes the waiters.
     }
@@ -161,10 +147,12 @@ impl Drop for Claim {
         {
             let mut st = self.staging.lock();
             for id in &self.ids {
-                if let Some(Slot::Pending(n)) = st.slots.get(id) {
-                    if Arc::ptr_eq(n, &self.notify) {
-                        st.slots.remove(id);
-                    }
+                if st
+                    .pending
+                    .get(id)
+                    .is_some_and(|n| Arc::ptr_eq(n, &self.notify))
+                {
+                    st.pending.remove(id);
                 }
             }
         }

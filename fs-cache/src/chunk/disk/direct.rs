@@ -10,13 +10,11 @@
 
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::ops::Range;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 
 use bytes::Bytes;
 
-use super::{chunk_offset, ChunkId, DiskCache, ReadPin, CHECK_BLOCK, DROPPED_CORRUPT};
+use super::{blocks_match, chunk_offset, ChunkId, DiskCache, ReadPin, DROPPED_CORRUPT};
 use crate::error::{Error, Result};
 use crate::store::Digest;
 
@@ -24,14 +22,14 @@ use crate::store::Digest;
 const DIRECT_ALIGN: usize = 4096;
 
 impl DiskCache {
-    /// Read the cached chunks among `chunks` of `blob` (one `O_DIRECT` read per run of
-    /// adjacent ones), each checked against its crc32c: the verified chunks, whole, in order.
-    /// Absent chunks are skipped; a chunk that fails its check is dropped (counted in
-    /// `dropped_corrupt`) and left out. The chunks are marked used.
+    /// Read the cached chunks among `chunks` (ascending indexes) of `blob`, one `O_DIRECT`
+    /// read per run of adjacent ones, each checked against its crc32c: the verified chunks,
+    /// whole, in order. Absent chunks are skipped; a chunk that fails its check is dropped
+    /// (counted in `dropped_corrupt`) and left out. The chunks are marked used.
     pub fn read_chunks_direct(
         &self,
         blob: &Digest,
-        chunks: Range<u64>,
+        chunks: impl IntoIterator<Item = u64>,
     ) -> Result<Vec<(u64, Bytes)>> {
         // Pin what is cached now (no eviction until read), grouped into runs.
         let mut pins = Vec::new();
@@ -65,7 +63,7 @@ impl DiskCache {
         // Pinned chunks keep the blob file linked.
         let file = match OpenOptions::new()
             .read(true)
-            .custom_flags(libc::O_DIRECT)
+            .custom_flags(rustix::fs::OFlags::DIRECT.bits() as i32)
             .open(&path)
         {
             Ok(f) => f,
@@ -84,10 +82,7 @@ impl DiskCache {
                 let id = ChunkId { blob: *blob, index };
                 let to = from + size as usize;
                 let ok = match (buf.get(from..to), self.sums_of_opt(&id, size)?) {
-                    (Some(data), Some(sums)) => data
-                        .chunks(CHECK_BLOCK as usize)
-                        .zip(sums.chunks_exact(4))
-                        .all(|(block, sum)| crc32c::crc32c(block).to_le_bytes() == sum),
+                    (Some(data), Some(sums)) => blocks_match(data, &sums),
                     _ => false,
                 };
                 if ok {
@@ -109,34 +104,16 @@ impl DiskCache {
 fn read_direct(file: &File, at: u64, len: usize) -> io::Result<Bytes> {
     let want = len.next_multiple_of(DIRECT_ALIGN);
     let mut v: Vec<u8> = Vec::with_capacity(want + DIRECT_ALIGN);
+    // The buffer must start on an aligned address: skip `pad` bytes of the allocation.
     let pad = v.as_ptr().align_offset(DIRECT_ALIGN);
     let mut got = 0usize;
     while got < want {
         let spare = &mut v.spare_capacity_mut()[pad + got..pad + want];
-        let off = libc::off_t::try_from(at + got as u64)
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "offset out of range"))?;
-        // SAFETY: `spare` is writable spare capacity of `v` (at least `want - got` bytes,
-        // starting at an address aligned to `DIRECT_ALIGN` plus a multiple of it), alive and
-        // unaliased for the call; the kernel writes at most `spare.len()` bytes into it.
-        let n = unsafe {
-            libc::pread(
-                file.as_raw_fd(),
-                spare.as_mut_ptr().cast(),
-                spare.len(),
-                off,
-            )
-        };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if n == 0 {
+        let (n, _) = rustix::io::pread(file, spare, at + got as u64)?;
+        if n.is_empty() {
             break;
         }
-        got += n as usize;
+        got += n.len();
         if got % DIRECT_ALIGN != 0 {
             // Only the end of the file ends a direct read off a block boundary.
             break;

@@ -142,23 +142,3 @@ pub(super) fn read_uninit(
     }
     Ok(ReadOutcome::Full)
 }
-
-/// Fill `buf` from `file` at `at` (an error at end of file).
-pub(super) fn read_exact_flags(
-    file: &File,
-    buf: &mut [u8],
-    at: u64,
-    flags: rustix::io::ReadWriteFlags,
-) -> io::Result<()> {
-    let mut v = Vec::new();
-    match read_uninit(file, &mut v, buf.len(), at, flags)? {
-        ReadOutcome::Full => {
-            buf.copy_from_slice(&v);
-            Ok(())
-        }
-        _ => Err(io::Error::new(
-            io::ErrorKind::UnexpectedEof,
-            "blob file shorter than its indexed chunks",
-        )),
-    }
-}

@@ -72,7 +72,9 @@
 //! ([`OPEN_FILES`] of them), a crc32c per 4 KiB block, and `fadvise(DONTNEED)` of what was
 //! read (the reader keeps the bytes: level 1, or the kernel's page cache above a FUSE file, so
 //! that a byte read through a lazy mount sits in the page cache once); the crc32c values come from a memory
-//! LRU ([`SUMS_CACHED`] chunks) in front of the index. Recency is written to the index in
+//! LRU ([`SUMS_CACHED`] chunks) in front of the index. A sequential stream's readahead reads
+//! runs of adjacent chunks instead, one `O_DIRECT` `pread` per run and no page cache
+//! ([`DiskCache::read_chunks_direct`], `direct.rs`). Recency is written to the index in
 //! batches of [`RECENCY_BATCH`] hits (and on flush); losing it in a crash only makes the LRU
 //! order stale. A chunk being put or removed is in flight: a second put of it returns at once,
 //! and it is not evicted meanwhile. Indexed bytes (each chunk rounded up to 4 KiB) plus bytes
@@ -149,6 +151,15 @@ fn sums_len(size: u64) -> u64 {
 /// Bytes a chunk of `size` bytes is charged: its blocks.
 fn cost(size: u64) -> u64 {
     size.next_multiple_of(CHECK_BLOCK)
+}
+
+/// Whether `sums` holds exactly the crc32c values of `data`'s 4 KiB blocks.
+fn blocks_match(data: &[u8], sums: &[u8]) -> bool {
+    sums.len() as u64 == 4 * (data.len() as u64).div_ceil(CHECK_BLOCK)
+        && data
+            .chunks(CHECK_BLOCK as usize)
+            .zip(sums.chunks_exact(4))
+            .all(|(block, sum)| crc32c::crc32c(block).to_le_bytes() == sum)
 }
 
 /// The crc32c values of `data`, one per 4 KiB block.
@@ -381,11 +392,10 @@ impl BlobPin {
             let sums = self.cache.sums_of(id, *size)?;
             let data = &mut buf[..*size as usize];
             let at = chunk_offset(id.index).unwrap_or(u64::MAX);
-            match read_exact_flags(&self.file, data, at, rustix::io::ReadWriteFlags::empty()) {
-                Ok(_) => {}
-                Err(e) => return Err(Error::io("read chunk", self.cache.blob_path(&self.blob), e)),
-            }
-            if block_sums(data)[..] != sums[..] {
+            self.file
+                .read_exact_at(data, at)
+                .map_err(|e| Error::io("read chunk", self.cache.blob_path(&self.blob), e))?;
+            if !blocks_match(data, &sums) {
                 self.cache.drop_corrupt(id)?;
                 return Ok(false);
             }
@@ -507,7 +517,8 @@ impl DiskCache {
             Err(e) => return Err(self.rocks_error("cannot read the index", e)),
         }
         let mut entries = Vec::new();
-        let mut with_sums = HashSet::new();
+        // Chunk → length of its crc32c value (one `s` key per chunk).
+        let mut with_sums: HashMap<ChunkId, u64> = HashMap::new();
         let mut bad_keys = Vec::new();
         let (mut orphans, mut corrupt) = (0u64, 0u64);
         for item in self.db.full_iterator(IteratorMode::Start) {
@@ -524,7 +535,7 @@ impl DiskCache {
                     }
                 },
                 Some((_, id)) => {
-                    with_sums.insert((id, value.len() as u64));
+                    with_sums.insert(id, value.len() as u64);
                 }
                 None => {
                     bad_keys.push(key);
@@ -553,11 +564,11 @@ impl DiskCache {
             };
             let end = chunk_offset(id.index).and_then(|o| o.checked_add(size));
             let whole = matches!((len, end), (Some(len), Some(end)) if end <= len);
-            if whole && with_sums.remove(&(id, sums_len(size))) {
+            let sums_ok = with_sums.remove(&id) == Some(sums_len(size));
+            if whole && sums_ok {
                 kept.push((id, entry));
                 continue;
             }
-            with_sums.retain(|(sid, _)| *sid != id);
             bad_keys.push(key);
             bad_keys.push(sums_key(&id).to_vec().into_boxed_slice());
             if whole || len.is_none() {
@@ -567,7 +578,7 @@ impl DiskCache {
             }
         }
         // crc32c values without their entry.
-        for (id, _) in with_sums {
+        for id in with_sums.into_keys() {
             bad_keys.push(sums_key(&id).to_vec().into_boxed_slice());
         }
         if !bad_keys.is_empty() {
@@ -745,11 +756,8 @@ impl DiskCache {
             Ok(ReadOutcome::Short) => return Ok(RangeRead::Corrupt),
             Err(e) => return Err(Error::io("read chunk", self.blob_path(&id.blob), e)),
         }
-        let sums = &sums[4 * first as usize..4 * last as usize];
-        for (block, sum) in data.chunks(CHECK_BLOCK as usize).zip(sums.chunks_exact(4)) {
-            if crc32c::crc32c(block).to_le_bytes() != sum {
-                return Ok(RangeRead::Corrupt);
-            }
+        if !blocks_match(&data, &sums[4 * first as usize..4 * last as usize]) {
+            return Ok(RangeRead::Corrupt);
         }
         let data = Bytes::from(data);
         Ok(RangeRead::Hit(data.slice(
