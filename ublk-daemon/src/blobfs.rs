@@ -326,7 +326,7 @@ impl Drop for BlobFs {
 pub fn clean_stale_mount(path: &Path) -> Result<bool> {
     match rustix::fs::stat(path) {
         Err(rustix::io::Errno::NOTCONN) => {
-            umount(path, libc::MNT_DETACH)
+            umount(path, rustix::mount::UnmountFlags::DETACH)
                 .map_err(|e| Error::io("umount2(MNT_DETACH)", path, e))?;
             Ok(true)
         }

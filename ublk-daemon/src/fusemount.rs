@@ -2,8 +2,9 @@
 //! (no `fusermount`, no libfuse), and umount2.
 
 use std::ffi::CString;
-use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
+
+use rustix::mount::{MountFlags, UnmountFlags};
 
 use crate::{Error, Result};
 
@@ -18,26 +19,9 @@ pub(crate) struct FuseMount {
     pub read_only: bool,
 }
 
-pub(crate) fn cstring(path: &Path) -> Result<CString> {
-    CString::new(path.as_os_str().as_bytes()).map_err(|_| {
-        Error::io(
-            "use",
-            path,
-            std::io::Error::new(std::io::ErrorKind::InvalidInput, "path contains a NUL byte"),
-        )
-    })
-}
-
 /// umount2(`path`, `flags`).
-pub(crate) fn umount(path: &Path, flags: libc::c_int) -> std::io::Result<()> {
-    let c = cstring(path).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-    // SAFETY: `c` is a valid NUL-terminated string that outlives the call.
-    let rc = unsafe { libc::umount2(c.as_ptr(), flags) };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
+pub(crate) fn umount(path: &Path, flags: UnmountFlags) -> std::io::Result<()> {
+    rustix::mount::unmount(path, flags).map_err(std::io::Error::from)
 }
 
 /// mount(2) a FUSE filesystem at `target`, served through the `/dev/fuse` descriptor `fd`,
@@ -55,33 +39,19 @@ pub(crate) fn mount_fuse(
         "fd={fd},rootmode={rootmode},user_id={uid},group_id={gid},allow_other,\
          default_permissions,max_read={max_read}"
     );
-    let c_target = cstring(target)?;
-    let c_opts = CString::new(opts).map_err(|_| Error::InvalidConfig("mount options".into()))?;
-    let c_source = CString::new(how.name).map_err(|_| Error::InvalidConfig("mount name".into()))?;
-    let c_type = CString::new(format!("fuse.{}", how.name))
-        .map_err(|_| Error::InvalidConfig("mount name".into()))?;
-    let mut flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOATIME;
+    let opts = CString::new(opts).map_err(|_| Error::InvalidConfig("mount options".into()))?;
+    let mut flags = MountFlags::NOSUID | MountFlags::NODEV | MountFlags::NOATIME;
     if how.read_only {
-        flags |= libc::MS_RDONLY;
+        flags |= MountFlags::RDONLY;
     }
-    // SAFETY: every pointer is a valid NUL-terminated string that outlives the call; `data`
-    // is the text option string the fuse filesystem expects.
-    let rc = unsafe {
-        libc::mount(
-            c_source.as_ptr(),
-            c_target.as_ptr(),
-            c_type.as_ptr(),
-            flags,
-            c_opts.as_ptr().cast(),
-        )
-    };
-    if rc != 0 {
-        return Err(Error::io(
-            "mount FUSE on",
-            target,
-            std::io::Error::last_os_error(),
-        ));
-    }
+    rustix::mount::mount(
+        how.name,
+        target,
+        format!("fuse.{}", how.name),
+        flags,
+        Some(opts.as_c_str()),
+    )
+    .map_err(|e| Error::io("mount FUSE on", target, e.into()))?;
     Ok(())
 }
 
@@ -106,11 +76,10 @@ pub(crate) fn start<FS: fuser::Filesystem + Send + Sync + 'static>(
     mount_fuse(target, dev.as_raw_fd(), max_read, how)?;
     // From here on, a failure must not leave the mount behind.
     let detach = |e: Error| {
-        let _ = umount(target, libc::MNT_DETACH);
+        let _ = umount(target, UnmountFlags::DETACH);
         e
     };
     let mut config = fuser::Config::default();
-    config.acl = fuser::SessionACL::All;
     config.n_threads = Some(threads);
     config.clone_fd = true;
     // The kernel sent INIT when the mount was made; the handshake answers it.
@@ -125,12 +94,12 @@ pub(crate) fn start<FS: fuser::Filesystem + Send + Sync + 'static>(
 /// it lazily (the threads serve the remaining users, then end) and return [`Error::Busy`]
 /// saying `busy`.
 pub(crate) fn stop(target: &Path, session: fuser::BackgroundSession, busy: &str) -> Result<()> {
-    match umount(target, 0) {
+    match umount(target, UnmountFlags::empty()) {
         Ok(()) => session
             .join()
             .map_err(|e| Error::io("stop FUSE threads of", target, e)),
         Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
-            let detached = umount(target, libc::MNT_DETACH);
+            let detached = umount(target, UnmountFlags::DETACH);
             // The threads stop on their own when the kernel drops the connection.
             drop(session);
             detached.map_err(|e| Error::io("umount2(MNT_DETACH)", target, e))?;

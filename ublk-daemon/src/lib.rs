@@ -30,10 +30,22 @@ pub mod bd;
 pub mod blobfs;
 mod fusemount;
 pub mod node;
+mod signal;
 
 pub use blobfs::{clean_stale_mount, mount_bdi, set_mount_readahead, BlobFs, BlobFsConfig};
 
-use std::path::PathBuf;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// Replace `path` with `bytes` atomically: write `tmp`, fsync it, rename it over `path`, fsync
+/// the directory.
+pub(crate) fn write_atomic(path: &Path, tmp: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let mut f = std::fs::File::create(tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    std::fs::rename(tmp, path)?;
+    std::fs::File::open(path.parent().unwrap_or(Path::new(".")))?.sync_all()
+}
 
 /// What went wrong in a frontend.
 #[derive(Debug, thiserror::Error)]

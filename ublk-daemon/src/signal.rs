@@ -1,5 +1,5 @@
-//! Waiting for SIGTERM/SIGINT (`strata bd serve` runs until one arrives, then flushes and
-//! unmounts).
+//! Waiting for SIGTERM/SIGINT: `strata daemon` and `strata bd serve` run until one arrives,
+//! then shut down cleanly (one set of handlers for the whole process).
 //!
 //! The handler only stores to a static atomic (async-signal-safe); waiters poll it. Polling
 //! every 100 ms keeps this free of self-pipes and of tokio's `signal` feature.

@@ -302,6 +302,11 @@ impl ImageFs {
     }
 }
 
+thread_local! {
+    /// The read buffer of each FUSE thread (`Device::read_at` fills every byte it is given).
+    static READ_BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 impl Filesystem for ImageFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
         if let Err(max) = config.set_max_write(self.max_io) {
@@ -384,11 +389,17 @@ impl Filesystem for ImageFs {
         }
         let len = u64::from(size.min(self.max_io)).min(dev_size - offset);
         self.counters.reads.fetch_add(1, Ordering::Relaxed);
-        let mut buf = vec![0u8; len as usize];
-        match self.device.read_at(offset, &mut buf) {
-            Ok(()) => reply.data(&buf),
-            Err(e) => reply.error(self.failed("read", offset, len, &e)),
-        }
+        // One buffer per FUSE thread, grown to the largest request seen (at most `max_io`).
+        READ_BUF.with_borrow_mut(|buf| {
+            if buf.len() < len as usize {
+                buf.resize(len as usize, 0);
+            }
+            let buf = &mut buf[..len as usize];
+            match self.device.read_at(offset, buf) {
+                Ok(()) => reply.data(buf),
+                Err(e) => reply.error(self.failed("read", offset, len, &e)),
+            }
+        })
     }
 
     fn write(
@@ -484,10 +495,6 @@ impl Filesystem for ImageFs {
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
         let blocks = self.device.size().div_ceil(4096);
         reply.statfs(blocks, 0, 0, 1, 0, 4096, 255, 4096);
-    }
-
-    fn access(&self, _req: &Request, _ino: INodeNo, _mask: fuser::AccessFlags, reply: ReplyEmpty) {
-        reply.ok();
     }
 
     fn getxattr(

@@ -33,11 +33,9 @@
 //! - Each kernel error number comes from [`overlaybd::Error::errno`] (or [`Error::errno`]).
 
 pub mod fuse;
-mod signal;
 pub mod ublk;
 
 use std::fs::{File, OpenOptions};
-use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -47,9 +45,9 @@ use fs_cache::{LayerRef, Store};
 use overlaybd::{Device, PushedLayer, Upper};
 use serde::{Deserialize, Serialize};
 
+pub use crate::signal::StopSignal;
 pub use fuse::{serve_fuse, serve_fuse_with, BdFuse, BdFuseConfig};
 pub use overlaybd;
-pub use signal::StopSignal;
 pub use ublk::{serve_ublk, ublk_available, BdUblk, IoDesc, UblkConfig};
 
 use crate::{Error, Result};
@@ -114,15 +112,7 @@ impl Descriptor {
             path: path.clone(),
             reason: e.to_string(),
         })?;
-        let mut f = File::create(&tmp).map_err(|e| Error::io("create", &tmp, e))?;
-        f.write_all(&body)
-            .and_then(|()| f.sync_all())
-            .map_err(|e| Error::io("write", &tmp, e))?;
-        std::fs::rename(&tmp, &path).map_err(|e| Error::io("rename", &path, e))?;
-        if let Ok(d) = File::open(dir) {
-            let _ = d.sync_all();
-        }
-        Ok(())
+        crate::write_atomic(&path, &tmp, &body).map_err(|e| Error::io("write", &path, e))
     }
 }
 

@@ -142,6 +142,8 @@ pub fn handle_io(device: &Device, iod: &IoDesc, buf: &mut [u8]) -> i32 {
         return -libc::EINVAL;
     };
     let len = u64::from(iod.nr_sectors) * SECTOR;
+    // A forced-unit-access write or discard is durable before it completes.
+    let fua = || if iod.fua() { device.flush() } else { Ok(()) };
     match iod.op() {
         sys::UBLK_IO_OP_READ | sys::UBLK_IO_OP_WRITE => {
             let Some(data) = buf.get_mut(..len as usize) else {
@@ -150,13 +152,7 @@ pub fn handle_io(device: &Device, iod: &IoDesc, buf: &mut [u8]) -> i32 {
             let done = if iod.op() == sys::UBLK_IO_OP_READ {
                 device.read_at(offset, data)
             } else {
-                device.write_at(offset, data).and_then(|()| {
-                    if iod.fua() {
-                        device.flush()
-                    } else {
-                        Ok(())
-                    }
-                })
+                device.write_at(offset, data).and_then(|()| fua())
             };
             match done {
                 Ok(()) => len as i32,
@@ -168,13 +164,7 @@ pub fn handle_io(device: &Device, iod: &IoDesc, buf: &mut [u8]) -> i32 {
             Err(e) => fail(e),
         },
         sys::UBLK_IO_OP_DISCARD | sys::UBLK_IO_OP_WRITE_ZEROES => {
-            let done = device.discard(offset, len).and_then(|()| {
-                if iod.fua() {
-                    device.flush()
-                } else {
-                    Ok(())
-                }
-            });
+            let done = device.discard(offset, len).and_then(|()| fua());
             match done {
                 Ok(()) => 0,
                 Err(e) => fail(e),

@@ -38,7 +38,6 @@ pub(crate) struct Options {
 #[derive(Debug, Default)]
 pub(crate) struct Negotiated {
     pub(crate) passthrough: AtomicBool,
-    pub(crate) max_readahead: AtomicU64,
 }
 
 /// Per-mount counters.
@@ -132,16 +131,9 @@ impl BlobFsImpl {
 impl Filesystem for BlobFsImpl {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
         // Readahead only matters without direct_io; take the most the kernel offers.
-        let ra = match config.set_max_readahead(u32::MAX) {
-            Ok(_) => u32::MAX,
-            Err(max) => {
-                let _ = config.set_max_readahead(max);
-                max
-            }
-        };
-        self.negotiated
-            .max_readahead
-            .store(u64::from(ra), Ordering::Relaxed);
+        if let Err(max) = config.set_max_readahead(u32::MAX) {
+            let _ = config.set_max_readahead(max);
+        }
         // Many reads in flight at once (EROFS submits its reads asynchronously).
         let _ = config.set_max_background(256);
         let _ = config.set_congestion_threshold(192);
@@ -313,11 +305,6 @@ impl Filesystem for BlobFsImpl {
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
         let (files, bytes) = self.table.totals();
         reply.statfs(bytes.div_ceil(4096), 0, 0, files + 1, 0, 4096, 255, 4096);
-    }
-
-    fn access(&self, _req: &Request, _ino: INodeNo, _mask: fuser::AccessFlags, reply: ReplyEmpty) {
-        // default_permissions: the kernel checks modes itself.
-        reply.ok();
     }
 
     fn getxattr(

@@ -52,6 +52,11 @@ use crate::blobfs::{BlobFs, BlobFsConfig};
 use proto::{ApiError, ErrorKind, LayerInfo, MountInfo, Pong, Request, Status};
 use state::{LayerState, MountState, State};
 
+/// The API socket of the node whose run directory is `run_dir`.
+pub fn socket_path(run_dir: &Path) -> PathBuf {
+    run_dir.join("strata.sock")
+}
+
 /// The default [`NodeConfig::layer_readahead`]: eight of the blob mount's 1 MiB reads in
 /// flight for a sequential reader (`cargo bench -p bench --bench lazy_read`).
 pub const DEFAULT_LAYER_READAHEAD: u64 = 8 << 20;
@@ -219,9 +224,8 @@ impl Node {
                 m.display()
             );
         }
+        // (`detach_stale` took the blob mount too; `BlobFs::mount` checks its path again.)
         let blobs_dir = run_dir.join("blobs");
-        crate::blobfs::clean_stale_mount(&blobs_dir)
-            .map_err(|e| internal(format!("clean up {}", blobs_dir.display()), e))?;
 
         let state_path = run_dir.join("state.json");
         let previous = match State::load(&state_path) {
@@ -344,7 +348,7 @@ impl Node {
     }
 
     pub fn socket_path(&self) -> PathBuf {
-        self.config.run_dir.join("strata.sock")
+        socket_path(&self.config.run_dir)
     }
 
     fn save(&self, inner: &Inner) -> Result<()> {

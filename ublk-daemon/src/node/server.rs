@@ -3,7 +3,6 @@
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
-use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
 
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -28,75 +27,16 @@ pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
 
 /// Serve `node` on `listener` until SIGTERM or SIGINT, then shut the node down.
 pub async fn serve_until_signal(node: Arc<Node>, listener: UnixListener) -> Result<(), ApiError> {
-    let signal = stop_signal()
+    let stop = crate::signal::StopSignal::install()
         .map_err(|e| ApiError::new(ErrorKind::Internal, format!("catch SIGTERM/SIGINT: {e}")))?;
     tokio::select! {
-        why = signal => tracing::info!("{}: stopping", why.unwrap_or("signal")),
+        s = stop.wait() => {
+            tracing::info!("{}: stopping", if s == libc::SIGINT { "SIGINT" } else { "SIGTERM" })
+        }
         () = serve(node.clone(), listener) => {}
     }
     let _ = std::fs::remove_file(node.socket_path());
     node.shutdown().await
-}
-
-/// The write end of the self-pipe the signal handler writes to (-1: none).
-static SIGNAL_PIPE: AtomicI32 = AtomicI32::new(-1);
-
-extern "C" fn on_signal(signo: libc::c_int) {
-    let fd = SIGNAL_PIPE.load(Ordering::SeqCst);
-    if fd >= 0 {
-        let byte = signo as u8;
-        // SAFETY: write(2) is async-signal-safe; `byte` lives for the call; the fd is the
-        // pipe's write end, kept open for the rest of the process.
-        unsafe {
-            libc::write(fd, (&raw const byte).cast(), 1);
-        }
-    }
-}
-
-/// Resolves with the name of the first SIGTERM or SIGINT received (a self-pipe: the handler
-/// writes the signal number, a thread reads it). Tokio's signal support would need a tokio
-/// feature the rest of the workspace does not build with.
-fn stop_signal() -> std::io::Result<tokio::sync::oneshot::Receiver<&'static str>> {
-    let (read_end, write_end) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
-    let write_fd = std::os::fd::IntoRawFd::into_raw_fd(write_end);
-    let previous = SIGNAL_PIPE.swap(write_fd, Ordering::SeqCst);
-    if previous >= 0 {
-        // SAFETY: `previous` was a pipe write end owned by this module, now replaced.
-        unsafe { libc::close(previous) };
-    }
-    for signo in [libc::SIGTERM, libc::SIGINT] {
-        // SAFETY: a zeroed sigaction is valid; the handler only calls async-signal-safe
-        // functions; SA_RESTART keeps other threads' system calls from failing with EINTR.
-        unsafe {
-            let mut action: libc::sigaction = std::mem::zeroed();
-            action.sa_sigaction = on_signal as *const () as libc::sighandler_t;
-            action.sa_flags = libc::SA_RESTART;
-            libc::sigemptyset(&mut action.sa_mask);
-            if libc::sigaction(signo, &action, std::ptr::null_mut()) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-        }
-    }
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new()
-        .name("strata-signals".into())
-        .spawn(move || {
-            let mut byte = [0u8; 1];
-            loop {
-                match rustix::io::read(&read_end, &mut byte) {
-                    Ok(1) => break,
-                    Err(rustix::io::Errno::INTR) => continue,
-                    _ => return,
-                }
-            }
-            let name = if i32::from(byte[0]) == libc::SIGINT {
-                "SIGINT"
-            } else {
-                "SIGTERM"
-            };
-            let _ = tx.send(name);
-        })?;
-    Ok(rx)
 }
 
 /// Accept connections forever, one task per connection.

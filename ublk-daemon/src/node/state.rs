@@ -29,7 +29,6 @@
 //! any point leaves either the old or the new state.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use fs_cache::BlobRef;
@@ -138,14 +137,9 @@ impl State {
 
     /// Replace the state file atomically.
     pub fn save(&self, path: &Path) -> std::io::Result<()> {
-        let dir = path.parent().unwrap_or(Path::new("."));
-        let tmp = path.with_extension("json.tmp");
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(&serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?)?;
-        f.write_all(b"\n")?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        std::fs::File::open(dir)?.sync_all()
+        let mut body = serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?;
+        body.push(b'\n');
+        crate::write_atomic(path, &path.with_extension("json.tmp"), &body)
     }
 }
 
