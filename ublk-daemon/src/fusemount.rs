@@ -94,7 +94,19 @@ pub(crate) fn start<FS: fuser::Filesystem + Send + Sync + 'static>(
 /// it lazily (the threads serve the remaining users, then end) and return [`Error::Busy`]
 /// saying `busy`.
 pub(crate) fn stop(target: &Path, session: fuser::BackgroundSession, busy: &str) -> Result<()> {
-    match umount(target, UnmountFlags::empty()) {
+    // A mount can be busy for a moment only: a child another thread of this process is
+    // spawning holds copies of its descriptors until it execs. Try a few times first.
+    let mut tries = 0;
+    let unmounted = loop {
+        match umount(target, UnmountFlags::empty()) {
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) && tries < 5 => {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            other => break other,
+        }
+    };
+    match unmounted {
         Ok(()) => session
             .join()
             .map_err(|e| Error::io("stop FUSE threads of", target, e)),

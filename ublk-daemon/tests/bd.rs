@@ -16,10 +16,10 @@
 //!
 //! Mounts, loop devices and child processes are cleaned up by Drop guards even on failure.
 
+mod common;
+
 use std::collections::BTreeMap;
-use std::ffi::CString;
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -30,23 +30,9 @@ use fs_cache::{LayerRef, PosixBackend, Store};
 use ublk_daemon::bd;
 use ublk_daemon::clean_stale_mount;
 
-const SIZE: u64 = 96 << 20;
+use common::{require_root, Detach};
 
-fn require_root(test: &str) -> bool {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } == 0 {
-        return true;
-    }
-    let _ = std::io::stderr().write_all(
-        format!("\n*** SKIPPED {test}: needs root (mount(2), /dev/fuse, loop devices) ***\n\n")
-            .as_bytes(),
-    );
-    assert!(
-        std::env::var("CI").as_deref() != Ok("true"),
-        "{test} must run as root under CI"
-    );
-    false
-}
+const SIZE: u64 = 96 << 20;
 
 fn try_run(cmd: &mut Command) -> Result<String, String> {
     let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
@@ -67,18 +53,6 @@ fn run(cmd: &mut Command) -> String {
 
 fn fsck(image: &Path) {
     run(Command::new("e2fsck").arg("-fn").arg(image));
-}
-
-/// Lazily detaches a mount when dropped.
-struct Detach(PathBuf);
-
-impl Drop for Detach {
-    fn drop(&mut self) {
-        if let Ok(c) = CString::new(self.0.as_os_str().as_bytes()) {
-            // SAFETY: `c` is a valid NUL-terminated path.
-            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
-        }
-    }
 }
 
 /// A loop device over an image file, detached when dropped.

@@ -4,6 +4,8 @@
 //! file in the mount, and detaching a dead FUSE mount. Prints SKIPPED when not root (and
 //! fails under CI=true).
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::ffi::CString;
 use std::fs::File;
@@ -17,48 +19,16 @@ use std::sync::Arc;
 use fs_cache::chunk::disk::DiskCacheConfig;
 use fs_cache::chunk::{CacheConfig, ChunkCache};
 use fs_cache::{Digest, FaultConfig, FaultyBackend, PosixBackend, RetryPolicy, Store};
+use ublk_daemon::node::sys;
 use ublk_daemon::{clean_stale_mount, set_mount_readahead, BlobFs, BlobFsConfig, Error};
 
-fn require_root(test: &str) -> bool {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } == 0 {
-        return true;
-    }
-    let _ = std::io::stderr().write_all(
-        format!("\n*** SKIPPED {test}: needs root (mount(2), /dev/fuse) ***\n\n").as_bytes(),
-    );
-    assert!(
-        std::env::var("CI").as_deref() != Ok("true"),
-        "{test} must run as root under CI"
-    );
-    false
-}
+use common::{require_root, Detach};
 
 fn random_bytes(seed: u64, n: usize) -> Vec<u8> {
     let mut rng = fastrand::Rng::with_seed(seed);
     let mut v = vec![0u8; n];
     rng.fill(&mut v);
     v
-}
-
-/// Whether `path` is a mount point (listed in this process's mountinfo).
-fn is_mount_point(path: &Path) -> bool {
-    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-    let p = path.to_str().unwrap();
-    info.lines()
-        .any(|l| l.split(' ').nth(4).is_some_and(|m| m == p))
-}
-
-/// Lazily detaches a mount when dropped (for kernel mounts made by the tests).
-struct Detach(PathBuf);
-
-impl Drop for Detach {
-    fn drop(&mut self) {
-        if let Ok(c) = CString::new(self.0.as_os_str().as_bytes()) {
-            // SAFETY: `c` is a valid NUL-terminated path.
-            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
-        }
-    }
 }
 
 /// A store on a POSIX directory behind a fault injector, a chunk cache over it, a runtime, and
@@ -128,6 +98,60 @@ impl Env {
     fn add(&self, d: Digest) -> PathBuf {
         self.rt.block_on(self.fs().add_blob(d)).unwrap()
     }
+
+    /// Build a layer of [`make_tree`] files under `<dir>/layer`, store its blob and list it
+    /// in the mount.
+    fn layer(&self) -> Layer {
+        let work = self.dir.path().join("layer");
+        let src = work.join("src");
+        std::fs::create_dir_all(&src).unwrap();
+        let files = make_tree(&src);
+        let (meta, blob) = (work.join("meta.erofs"), work.join("blob"));
+        let stats = erofs_builder::build_layer(&src, &meta, &blob, &Default::default()).unwrap();
+        let digest = self
+            .rt
+            .block_on(self.store.put_blob_file(&blob))
+            .unwrap()
+            .digest;
+        let blob_file = self.add(digest);
+        Layer {
+            work,
+            src,
+            files,
+            meta,
+            blob,
+            stats,
+            digest,
+            blob_file,
+        }
+    }
+}
+
+/// A layer built by [`Env::layer`]: its source tree (`files` files), meta image and blob, and
+/// the blob's file in the blob mount.
+struct Layer {
+    work: PathBuf,
+    src: PathBuf,
+    files: usize,
+    meta: PathBuf,
+    blob: PathBuf,
+    stats: erofs_builder::LayerStats,
+    digest: Digest,
+    blob_file: PathBuf,
+}
+
+impl Layer {
+    /// Mount the meta image with kernel EROFS at `<work>/mnt`, its `device=` the blob file in
+    /// the blob mount (a file-backed EROFS mount: mount(2) directly, as util-linux would insert
+    /// a loop device); the guard detaches it.
+    fn mount_erofs(&self) -> (PathBuf, Detach) {
+        let mnt = self.work.join("mnt");
+        std::fs::create_dir(&mnt).unwrap();
+        sys::mount_erofs(&self.meta, std::slice::from_ref(&self.blob_file), &mnt)
+            .unwrap_or_else(|e| panic!("mount erofs: {e}"));
+        let guard = Detach(mnt.clone());
+        (mnt, guard)
+    }
 }
 
 fn listing(dir: &Path) -> Vec<String> {
@@ -153,7 +177,7 @@ fn serves_blobs_listing_sizes_and_concurrent_reads() {
         .map(|b| (env.put(b), b))
         .collect();
     let mnt = env.fs().mountpoint().to_path_buf();
-    assert!(is_mount_point(&mnt));
+    assert!(sys::is_mount_point(&mnt).unwrap());
     // The mount's readahead (its bdi is named after its device number).
     set_mount_readahead(&mnt, 2 << 20).unwrap();
     let dev = std::fs::metadata(&mnt).unwrap().dev();
@@ -262,7 +286,10 @@ fn serves_blobs_listing_sizes_and_concurrent_reads() {
     let held = File::open(&paths[1]).unwrap();
     let fs = env.fs.take().unwrap();
     assert!(matches!(fs.unmount(), Err(Error::Busy { .. })));
-    assert!(!is_mount_point(&mnt), "detached mount still listed");
+    assert!(
+        !sys::is_mount_point(&mnt).unwrap(),
+        "detached mount still listed"
+    );
     let mut buf = vec![0u8; odd.len()];
     held.read_exact_at(&mut buf, 0).unwrap();
     assert!(buf == odd);
@@ -347,43 +374,17 @@ fn kernel_erofs_mount_reads_its_blob_through_the_mount() {
         return;
     }
     let env = Env::new(true, |_| {});
-    let work = env.dir.path().join("layer");
-    let src = work.join("src");
-    std::fs::create_dir_all(&src).unwrap();
-    let files = make_tree(&src);
-    let (meta, blob) = (work.join("meta.erofs"), work.join("blob"));
-    let stats = erofs_builder::build_layer(&src, &meta, &blob, &Default::default()).unwrap();
-    let put = env.rt.block_on(env.store.put_blob_file(&blob)).unwrap();
-    assert_eq!(put.digest.0, stats.blob_blake3);
-    let blob_file = env.add(put.digest);
+    let layer = env.layer();
+    assert_eq!(layer.digest.0, layer.stats.blob_blake3);
     let fetched_before = env.cache.stats().bytes_fetched;
 
-    let mnt = work.join("mnt");
-    std::fs::create_dir(&mnt).unwrap();
-    let opts = CString::new(format!("device={}", blob_file.display())).unwrap();
-    let (c_meta, c_mnt) = (
-        CString::new(meta.as_os_str().as_bytes()).unwrap(),
-        CString::new(mnt.as_os_str().as_bytes()).unwrap(),
-    );
-    // SAFETY: valid NUL-terminated strings that outlive the call. A file-backed EROFS mount
-    // (mount(2) directly: util-linux would insert a loop device).
-    let rc = unsafe {
-        libc::mount(
-            c_meta.as_ptr(),
-            c_mnt.as_ptr(),
-            c"erofs".as_ptr(),
-            libc::MS_RDONLY,
-            opts.as_ptr().cast(),
-        )
-    };
-    assert_eq!(rc, 0, "mount erofs: {}", std::io::Error::last_os_error());
-    let erofs = Detach(mnt.clone());
+    let (mnt, erofs) = layer.mount_erofs();
     // Mounting reads the meta image only: no data byte was fetched yet.
     assert_eq!(env.cache.stats().bytes_fetched, fetched_before);
 
-    assert_eq!(compare_tree(&src, &mnt), files);
+    assert_eq!(compare_tree(&layer.src, &mnt), layer.files);
     assert!(env.fs().stats().read_bytes > 0);
-    assert!(env.cache.stats().bytes_fetched >= stats.blob_bytes);
+    assert!(env.cache.stats().bytes_fetched >= layer.stats.blob_bytes);
     // The blob file is busy while EROFS uses it; once EROFS is gone the mount unmounts.
     drop(erofs);
     let mut env = env;
@@ -436,7 +437,7 @@ fn clean_stale_mount_detaches_a_dead_fuse_mount() {
     );
     assert!(clean_stale_mount(&mnt).unwrap());
     assert!(std::fs::metadata(&mnt).unwrap().is_dir());
-    assert!(!is_mount_point(&mnt));
+    assert!(!sys::is_mount_point(&mnt).unwrap());
     assert!(!clean_stale_mount(&mnt).unwrap());
 
     // Mounting over a dead mount cleans it first.
@@ -457,7 +458,7 @@ fn clean_stale_mount_detaches_a_dead_fuse_mount() {
     assert!(std::fs::metadata(&mnt).unwrap().is_dir());
     assert!(listing(&mnt).is_empty());
     fs.unmount().unwrap();
-    assert!(!is_mount_point(&mnt));
+    assert!(!sys::is_mount_point(&mnt).unwrap());
 }
 
 #[test]
@@ -513,18 +514,11 @@ fn passthrough_serves_the_level2_file_without_the_daemon() {
         );
         return;
     }
-    let work = env.dir.path().join("layer");
-    let src = work.join("src");
-    std::fs::create_dir_all(&src).unwrap();
-    let files = make_tree(&src);
-    let (meta, blob) = (work.join("meta.erofs"), work.join("blob"));
-    erofs_builder::build_layer(&src, &meta, &blob, &Default::default()).unwrap();
-    let put = env.rt.block_on(env.store.put_blob_file(&blob)).unwrap();
-    let blob_file = env.add(put.digest);
-    let want = std::fs::read(&blob).unwrap();
+    let layer = env.layer();
+    let want = std::fs::read(&layer.blob).unwrap();
 
     // Before: served through the cache.
-    assert!(std::fs::read(&blob_file).unwrap() == want);
+    assert!(std::fs::read(&layer.blob_file).unwrap() == want);
     let reads = env.fs().stats().reads;
     assert!(reads > 0);
 
@@ -539,36 +533,18 @@ fn passthrough_serves_the_level2_file_without_the_daemon() {
     env.rt.block_on(env.cache.flush()).unwrap();
     assert!(env
         .rt
-        .block_on(env.fs().enable_passthrough(&put.digest))
+        .block_on(env.fs().enable_passthrough(&layer.digest))
         .unwrap());
 
     // After: opens are passthrough; the bytes are the same and no read reaches the daemon.
-    assert!(std::fs::read(&blob_file).unwrap() == want);
-    let f = File::open(&blob_file).unwrap();
+    assert!(std::fs::read(&layer.blob_file).unwrap() == want);
+    let f = File::open(&layer.blob_file).unwrap();
     let mut buf = vec![0u8; 10_000];
     f.read_exact_at(&mut buf, 123_456).unwrap();
     assert!(buf == want[123_456..133_456]);
     // The kernel EROFS mount reads through the passthrough file.
-    let mnt = work.join("mnt");
-    std::fs::create_dir(&mnt).unwrap();
-    let opts = CString::new(format!("device={}", blob_file.display())).unwrap();
-    let (c_meta, c_mnt) = (
-        CString::new(meta.as_os_str().as_bytes()).unwrap(),
-        CString::new(mnt.as_os_str().as_bytes()).unwrap(),
-    );
-    // SAFETY: valid NUL-terminated strings that outlive the call.
-    let rc = unsafe {
-        libc::mount(
-            c_meta.as_ptr(),
-            c_mnt.as_ptr(),
-            c"erofs".as_ptr(),
-            libc::MS_RDONLY,
-            opts.as_ptr().cast(),
-        )
-    };
-    assert_eq!(rc, 0, "mount erofs: {}", std::io::Error::last_os_error());
-    let erofs = Detach(mnt.clone());
-    assert_eq!(compare_tree(&src, &mnt), files);
+    let (mnt, erofs) = layer.mount_erofs();
+    assert_eq!(compare_tree(&layer.src, &mnt), layer.files);
     assert_eq!(
         env.fs().stats().reads,
         reads,
@@ -578,8 +554,8 @@ fn passthrough_serves_the_level2_file_without_the_daemon() {
     drop(f);
 
     // Off again: later opens go through the cache.
-    assert!(env.fs().disable_passthrough(&put.digest).unwrap());
-    assert!(std::fs::read(&blob_file).unwrap() == want);
+    assert!(env.fs().disable_passthrough(&layer.digest).unwrap());
+    assert!(std::fs::read(&layer.blob_file).unwrap() == want);
     assert!(env.fs().stats().reads > reads);
-    assert!(!env.fs().disable_passthrough(&put.digest).unwrap());
+    assert!(!env.fs().disable_passthrough(&layer.digest).unwrap());
 }

@@ -4,6 +4,7 @@
 //!
 //! Every test detaches whatever it mounted in a guard, also when it fails.
 
+mod common;
 #[path = "../../fs-cache/tests/common/moto.rs"]
 mod moto;
 
@@ -21,6 +22,8 @@ use fs_cache::{BlobRef, FaultConfig, FaultyBackend, LayerRef, Manifest, PosixBac
 use ublk_daemon::node::proto::ErrorKind;
 use ublk_daemon::node::{sys, Node, NodeConfig};
 
+use common::{require_root, Detach};
+
 /// Bytes copied from the system's own trees into the "real tree" test source (POSIX).
 const REAL_TREE_BYTES: u64 = 200 << 20;
 /// The same over S3 (moto on 127.0.0.1). The local test server is slow (Python; about a
@@ -28,31 +31,16 @@ const REAL_TREE_BYTES: u64 = 200 << 20;
 /// hundred MB over S3 as well.
 const REAL_TREE_BYTES_S3: u64 = 200 << 20;
 
-fn require_root(test: &str) -> bool {
-    if rustix::process::geteuid().is_root() {
-        return true;
-    }
-    let _ = std::io::stderr().write_all(
-        format!("\n*** SKIPPED {test}: needs root (mount(2), FUSE, mknod) ***\n\n").as_bytes(),
-    );
-    assert!(
-        std::env::var("CI").as_deref() != Ok("true"),
-        "{test} must run as root under CI"
-    );
-    false
-}
-
 /// Detaches every mount made from `run_dir` (and the listed mountpoints) when dropped.
 struct MountGuard {
     run_dir: PathBuf,
-    extra: Vec<PathBuf>,
+    extra: Vec<Detach>,
 }
 
 impl Drop for MountGuard {
     fn drop(&mut self) {
-        for p in &self.extra {
-            let _ = rustix::mount::unmount(p, rustix::mount::UnmountFlags::DETACH);
-        }
+        // The listed mountpoints first, then the run directory's.
+        self.extra.clear();
         let _ = sys::detach_stale(&self.run_dir);
     }
 }
@@ -460,7 +448,7 @@ async fn three_layers_with_an_upper() {
     let upper = tmp.path().join("upper");
     let _guard = MountGuard {
         run_dir: run_dir.clone(),
-        extra: vec![mp.clone(), single.clone()],
+        extra: vec![Detach(mp.clone()), Detach(single.clone())],
     };
     std::fs::create_dir(&mp).unwrap();
     std::fs::create_dir(&single).unwrap();
@@ -598,7 +586,7 @@ async fn a_failing_backend_fails_that_read_only() {
     let mp = tmp.path().join("mnt");
     let _guard = MountGuard {
         run_dir: run_dir.clone(),
-        extra: vec![mp.clone()],
+        extra: vec![Detach(mp.clone())],
     };
     std::fs::create_dir(&mp).unwrap();
     let node = start(&run_dir, &tmp.path().join("cache"), store).await;
@@ -666,7 +654,7 @@ async fn the_api_socket_speaks_versioned_json_lines() {
     let mp = tmp.path().join("mnt");
     let _guard = MountGuard {
         run_dir: run_dir.clone(),
-        extra: vec![mp.clone()],
+        extra: vec![Detach(mp.clone())],
     };
     std::fs::create_dir(&mp).unwrap();
     let node = start(&run_dir, &tmp.path().join("cache"), store.clone()).await;
