@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The README's main command: build a lazy layer from a real directory into the embedded store,
 # mount it lazily through the node daemon, read part of it, and print the bytes fetched from
-# the store against the size of the image. Run as root:
+# the store against the size of the image. At the end it stops its daemon, removes the layer
+# it built and its scratch directory (the layer's blobs stay in the store until a later
+# `strata gc`, whose one-hour grace protects concurrent pushes). Run as root:
 #   ./scripts/demo.sh [DIR]        (default: /usr/share)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +25,7 @@ export STRATA_RUN_DIR="$WORK/run"      # a private daemon, stopped at the end
 export STRATA_CACHE_DIR="$WORK/cache"  # a cold cache, so every byte read is fetched
 MNT="$WORK/mnt"
 mkdir -p "$MNT"
+REF="base/demo:$(date +%Y%m%d%H%M%S)"
 cleanup() {
     "$BIN" umount "$MNT" >/dev/null 2>&1 || true
     if [ -f "$STRATA_RUN_DIR/strata.pid" ]; then
@@ -30,12 +33,12 @@ cleanup() {
         kill -TERM "$pid" 2>/dev/null || true
         while kill -0 "$pid" 2>/dev/null; do sleep 0.1; done
     fi
+    "$BIN" layer rm "$REF" >/dev/null 2>&1 || true
     rm -rf "$WORK"
 }
 trap cleanup EXIT
 
 num() { grep -o "\"$1\": [0-9]*" | head -n 1 | awk '{print $2}'; }
-REF="base/demo:$(date +%Y%m%d%H%M%S)"
 echo "== strata layer build $SRC --name $REF (into the embedded store)"
 BUILT="$("$BIN" --json layer build "$SRC" --name "$REF")"
 META=$(echo "$BUILT" | num meta_bytes)

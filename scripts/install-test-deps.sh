@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what Strata's tests need on Debian 12 (run as root): Debian packages and an
-# S3-compatible test server from PyPI. Idempotent and quick when everything is present.
+# S3-compatible test server (moto) from PyPI, in its own virtualenv because Debian 12's system
+# Python refuses `pip install` (PEP 668). Idempotent and quick when everything is present.
 set -euo pipefail
 
 "$(dirname "$0")/install-build-deps.sh"
@@ -9,6 +10,7 @@ debs=(
     erofs-utils fuse3 libfuse3-dev attr            # standard tools that judge our images
     tar gzip zstd                                  # layer tarballs for the tar-input tests
     e2fsprogs                                      # mkfs.ext4 / e2fsck on block devices
+    python3 python3-venv                           # scripts/test.sh; the moto virtualenv
 )
 missing=()
 for p in "${debs[@]}"; do
@@ -25,10 +27,20 @@ fi
 # package, into /usr/local/lib/strata/erofs-utils-1.8 (off PATH; ~40 s once, then instant).
 "$(dirname "$0")/build-erofs-utils.sh"
 
-if ! command -v moto_server >/dev/null 2>&1; then
-    echo "install-test-deps: installing moto[server] (S3 test server) from PyPI"
-    python3 -m pip install --quiet --disable-pip-version-check 'moto[server]>=5,<6'
-    hash -r
+# moto in /usr/local/lib/strata/moto, linked as /usr/local/bin/moto_server (tests start
+# `moto_server` from PATH). Debian's /usr/bin/python3 is preferred so that the virtualenv does
+# not depend on a pyenv or other user-installed interpreter that may come first on PATH.
+moto_venv=/usr/local/lib/strata/moto
+if [[ ! -x "$moto_venv/bin/moto_server" ]]; then
+    py=/usr/bin/python3
+    [[ -x "$py" ]] || py="$(command -v python3)"
+    echo "install-test-deps: installing moto[server] (S3 test server) from PyPI into $moto_venv"
+    rm -rf "$moto_venv"
+    mkdir -p "$(dirname "$moto_venv")"
+    "$py" -m venv "$moto_venv"
+    "$moto_venv/bin/pip" install --quiet --disable-pip-version-check 'moto[server]>=5,<6'
 fi
+ln -sf "$moto_venv/bin/moto_server" /usr/local/bin/moto_server
+hash -r
 command -v moto_server >/dev/null || { echo "install-test-deps: moto_server is not on PATH after install" >&2; exit 1; }
 echo "install-test-deps: ok"

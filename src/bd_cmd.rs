@@ -222,11 +222,7 @@ pub async fn run(
                 parent: pushed.manifest.parents.first().map(|p| p.to_string()),
                 blob: pushed.blob.digest.to_hex(),
                 size: pushed.blob.size,
-                layer_id: pushed
-                    .manifest
-                    .source
-                    .trim_start_matches(bd::overlaybd::publish::SOURCE_PREFIX)
-                    .to_owned(),
+                layer_id: pushed.id.to_hex(),
             };
             if json {
                 print_json(&c)?;

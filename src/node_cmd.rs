@@ -121,8 +121,21 @@ pub async fn daemon(args: DaemonArgs, url: &str, cache: &CacheOpts, home: &Path)
         .map_err(explain)
 }
 
+impl NodeOpts {
+    /// The options as a command line without `--run-dir` gives them: `$STRATA_RUN_DIR`, else
+    /// the default.
+    fn from_env() -> Result<Self> {
+        #[derive(clap::Parser)]
+        struct Only {
+            #[command(flatten)]
+            node: NodeOpts,
+        }
+        Ok(<Only as clap::Parser>::try_parse_from(["strata"])?.node)
+    }
+}
+
 fn socket(node: &NodeOpts) -> PathBuf {
-    node.run_dir.join("strata.sock")
+    ublk_daemon::node::socket_path(&node.run_dir)
 }
 
 /// Connect to a running daemon; `Ok(None)` if none is running.
@@ -343,9 +356,7 @@ pub fn status(args: StatusArgs, json: bool) -> Result<()> {
 /// The cache counters of a daemon running on `$STRATA_RUN_DIR` (default `/run/strata`), if
 /// one runs: while it does, it holds the cache open, so `strata cache stats` asks it.
 pub fn running_daemon_cache_stats() -> Option<fs_cache::chunk::CacheStats> {
-    let run_dir = std::env::var_os("STRATA_RUN_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/run/strata"));
-    let mut client = Client::connect(&run_dir.join("strata.sock")).ok()?;
+    let node = NodeOpts::from_env().ok()?;
+    let mut client = connect(&node).ok()??;
     client.call::<Status>(Request::Stats).ok().map(|s| s.cache)
 }

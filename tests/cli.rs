@@ -12,6 +12,13 @@ fn strata(store: &Path, args: &[&str]) -> Output {
         .expect("run strata")
 }
 
+/// `strata --store <store>` with `STRATA_HOME=<home>`.
+fn strata_cmd(home: &Path, store: &Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_strata"));
+    c.env("STRATA_HOME", home).arg("--store").arg(store);
+    c
+}
+
 fn ok(out: Output) -> String {
     assert!(
         out.status.success(),
@@ -162,15 +169,7 @@ fn cat_reads_through_the_node_cache_and_stats_count_it() {
     let data: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
     let file = tmp.path().join("big");
     std::fs::write(&file, &data).unwrap();
-    let run = |args: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_strata"))
-            .env("STRATA_HOME", &home)
-            .arg("--store")
-            .arg(&store)
-            .args(args)
-            .output()
-            .unwrap()
-    };
+    let run = |args: &[&str]| strata_cmd(&home, &store).args(args).output().unwrap();
     let put: serde_json::Value =
         serde_json::from_str(&ok(run(&["--json", "blob", "put", file.to_str().unwrap()]))).unwrap();
     let digest = put["entries"][0]["digest"].as_str().unwrap().to_owned();
@@ -288,16 +287,9 @@ fn layer_build_pushes_a_lazy_layer_that_reads_back() {
     let big: Vec<u8> = (0..700_000u32).map(|i| (i % 253) as u8).collect();
     std::fs::write(src.join("d/big"), &big).unwrap();
     std::fs::write(src.join("small"), b"small file").unwrap();
-    let run = |args: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_strata"))
-            .env("STRATA_HOME", tmp.path().join("home"))
-            .arg("--store")
-            .arg(&store)
-            .args(args)
-            .output()
-            .unwrap()
-    };
-    let built = json(run(&[
+    let home = tmp.path().join("home");
+    let run = |args: &[&str]| strata_cmd(&home, &store).args(args).output().unwrap();
+    let build = [
         "--json",
         "layer",
         "build",
@@ -306,19 +298,11 @@ fn layer_build_pushes_a_lazy_layer_that_reads_back() {
         "workspace/w:1",
         "--timestamp",
         "1700000000",
-    ]));
+    ];
+    let built = json(run(&build));
     assert_eq!(built["outcome"], "created", "{built}");
     // Rebuilding the same tree is reproducible: the same version is accepted as unchanged.
-    let again = json(run(&[
-        "--json",
-        "layer",
-        "build",
-        src.to_str().unwrap(),
-        "--name",
-        "workspace/w:1",
-        "--timestamp",
-        "1700000000",
-    ]));
+    let again = json(run(&build));
     assert_eq!(again["outcome"], "unchanged", "{again}");
 
     let m = json(run(&["--json", "layer", "inspect", "workspace/w:1"]));
@@ -449,12 +433,10 @@ fn mount_umount_status_crash_and_sigterm() {
     std::fs::write(src.join("big.bin"), &big).unwrap();
     std::fs::write(src.join("sub/hello.txt"), b"hello").unwrap();
     std::os::unix::fs::symlink("sub/hello.txt", src.join("link")).unwrap();
+    let home = tmp.path().join("home");
     let cmd = || {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_strata"));
-        c.env("STRATA_HOME", tmp.path().join("home"))
-            .env("STRATA_RUN_DIR", &run_dir)
-            .arg("--store")
-            .arg(&store);
+        let mut c = strata_cmd(&home, &store);
+        c.env("STRATA_RUN_DIR", &run_dir);
         c
     };
     let run = |args: &[&str]| cmd().args(args).output().unwrap();
@@ -603,12 +585,10 @@ fn tar_input_from_a_file_and_stdin_and_chunk_size_checks() {
         .expect("GNU tar");
     assert!(made.success());
     let store = tmp.path().join("store");
+    let home = tmp.path().join("home");
     let run = |args: &[&str], stdin: Option<&Path>| {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_strata"));
-        c.env("STRATA_HOME", tmp.path().join("home"))
-            .arg("--store")
-            .arg(&store)
-            .args(args);
+        let mut c = strata_cmd(&home, &store);
+        c.args(args);
         if let Some(p) = stdin {
             c.stdin(std::fs::File::open(p).unwrap());
         }

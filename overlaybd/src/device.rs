@@ -182,12 +182,18 @@ impl Device {
         // Read-modify-write of the sectors the write touches.
         let lo = offset / SECTOR * SECTOR;
         let hi = end.div_ceil(SECTOR) * SECTOR;
+        // Only the partially written first and last sectors need their old bytes, and a write
+        // inside one sector needs that sector once.
         let mut buf = vec![0u8; (hi - lo) as usize];
-        let head = lo..(lo + SECTOR).min(hi);
-        let tail = (hi - SECTOR).max(lo)..hi;
-        self.read_at(head.start, &mut buf[..(head.end - lo) as usize])?;
-        let t0 = (tail.start - lo) as usize;
-        self.read_at(tail.start, &mut buf[t0..])?;
+        let head_read = offset != lo;
+        if head_read {
+            self.read_at(lo, &mut buf[..SECTOR as usize])?;
+        }
+        let tail = hi - SECTOR;
+        if end != hi && !(head_read && tail == lo) {
+            let t0 = (tail - lo) as usize;
+            self.read_at(tail, &mut buf[t0..])?;
+        }
         buf[(offset - lo) as usize..(end - lo) as usize].copy_from_slice(data);
         upper.write_at(lo, &buf)
     }

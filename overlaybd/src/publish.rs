@@ -26,6 +26,8 @@ pub const SOURCE_PREFIX: &str = "overlaybd:";
 /// What [`push_layer`] stored.
 #[derive(Clone, Debug)]
 pub struct PushedLayer {
+    /// The pushed file's layer id (also in the manifest's `source`).
+    pub id: LayerId,
     pub manifest: Manifest,
     pub pushed: Pushed,
     pub blob: BlobRef,
@@ -77,6 +79,7 @@ pub async fn push_layer(
     manifest.parents = parent.into_iter().cloned().collect();
     let pushed = store.push_manifest(&manifest).await?;
     Ok(PushedLayer {
+        id: layer.id(),
         manifest,
         pushed,
         blob,

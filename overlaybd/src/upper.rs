@@ -257,15 +257,21 @@ impl Upper {
                 break;
             }
         }
-        let last_barrier = records.iter().rposition(|r| {
-            r.kind.get() == KIND_BARRIER
-                && r.crc.get() == crc32c::crc32c(&r.as_bytes()[..RECORD_SIZE - 4])
-        });
+        // Each record's own checksum, computed once: it finds the last barrier and is
+        // checked again by `check_record`.
+        let crc_ok: Vec<bool> = records
+            .iter()
+            .map(|r| r.crc.get() == crc32c::crc32c(&r.as_bytes()[..RECORD_SIZE - 4]))
+            .collect();
+        let last_barrier = records
+            .iter()
+            .zip(&crc_ok)
+            .rposition(|(r, &ok)| ok && r.kind.get() == KIND_BARRIER);
         let mut map = ExtentMap::new();
         let mut valid = 0usize;
-        for (i, r) in records.iter().enumerate() {
+        for (i, (r, &ok)) in records.iter().zip(&crc_ok).enumerate() {
             let trusted = last_barrier.is_some_and(|b| i <= b);
-            match check_record(r, device_size, data_len, &data, trusted) {
+            match check_record(r, ok, device_size, data_len, &data, trusted) {
                 Ok(()) => {}
                 Err(reason) if trusted => {
                     return Err(Error::corrupt(
@@ -379,21 +385,20 @@ impl Upper {
     /// Write `data` at device `offset` (both sector-aligned). Not durable until [`flush`](Self::flush).
     pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<()> {
         self.check_io(offset, data.len() as u64)?;
+        // Checksum before taking the append lock: other writers need not wait for it.
+        let crcs: Vec<u32> = data
+            .chunks(MAX_EXTENT_LEN as usize)
+            .map(crc32c::crc32c)
+            .collect();
         let mut a = lock(&self.append);
-        for (i, piece) in data.chunks(MAX_EXTENT_LEN as usize).enumerate() {
+        for (i, (piece, crc)) in data.chunks(MAX_EXTENT_LEN as usize).zip(crcs).enumerate() {
             let dev = offset + i as u64 * MAX_EXTENT_LEN;
             let at = a.data_len;
             self.data
                 .write_all_at(piece, at)
                 .map_err(|e| Error::io("write", self.dir.join(DATA_FILE), e))?;
             a.data_len += piece.len() as u64;
-            let r = RawRecord::new(
-                KIND_WRITE,
-                dev,
-                at,
-                piece.len() as u64,
-                crc32c::crc32c(piece),
-            );
+            let r = RawRecord::new(KIND_WRITE, dev, at, piece.len() as u64, crc);
             self.append_record(&mut a, &r)?;
             self.map.write().unwrap_or_else(|p| p.into_inner()).insert(
                 dev,
@@ -460,15 +465,17 @@ impl Upper {
     }
 }
 
-/// Check one record; `trusted` (before the last barrier) skips the data checksum.
+/// Check one record whose own checksum matched iff `crc_ok`; `trusted` (before the last
+/// barrier) skips the data checksum.
 fn check_record(
     r: &RawRecord,
+    crc_ok: bool,
     device_size: u64,
     data_len: u64,
     data: &File,
     trusted: bool,
 ) -> Result<(), String> {
-    if r.crc.get() != crc32c::crc32c(&r.as_bytes()[..RECORD_SIZE - 4]) {
+    if !crc_ok {
         return Err("record checksum mismatch".into());
     }
     let (dev, doff, len) = (
