@@ -207,10 +207,6 @@ impl BlobWriter {
         let size = f.size;
         let read_ctx = || format!("read {}", f.path.display());
         let nchunks = size.div_ceil(CHUNK_SIZE);
-        let hole = ChunkIndex {
-            startblk_lo: NULL_ADDR.into(),
-            ..Default::default()
-        };
         let mut c = 0u64;
         while c < nchunks {
             let start = c * CHUNK_SIZE;
@@ -223,10 +219,7 @@ impl BlobWriter {
             };
             if next_data >= start + len {
                 let next = (next_data / CHUNK_SIZE).clamp(c + 1, nchunks);
-                for _ in c..next {
-                    idx.extend_from_slice(hole.as_bytes());
-                }
-                self.hole_chunks += next - c;
+                self.add_holes(next - c, idx);
                 progress.wrote(0, (next * CHUNK_SIZE).min(size) - start);
                 c = next;
                 continue;
@@ -234,23 +227,9 @@ impl BlobWriter {
             let mut buf = std::mem::take(&mut self.buf);
             let r = f
                 .read_exact_at(&mut buf[..len as usize], start)
-                .and_then(|()| self.store(&buf[..len as usize]));
+                .and_then(|()| self.add_chunk(&buf[..len as usize], idx));
             self.buf = buf;
-            match r? {
-                None => {
-                    idx.extend_from_slice(hole.as_bytes());
-                    self.hole_chunks += 1;
-                }
-                Some(blk) => {
-                    let e = ChunkIndex {
-                        startblk_hi: 0.into(),
-                        device_id: BLOB_DEVICE_ID.into(),
-                        startblk_lo: blk.into(),
-                    };
-                    idx.extend_from_slice(e.as_bytes());
-                    self.chunks += 1;
-                }
-            }
+            r?;
             progress.wrote(0, len);
             c += 1;
         }
@@ -266,27 +245,40 @@ impl BlobWriter {
         progress: &ProgressGuard<'_>,
     ) -> Result<()> {
         for chunk in data.chunks(CHUNK_SIZE as usize) {
-            let e = match self.store(chunk)? {
-                None => {
-                    self.hole_chunks += 1;
-                    ChunkIndex {
-                        startblk_lo: NULL_ADDR.into(),
-                        ..Default::default()
-                    }
-                }
-                Some(blk) => {
-                    self.chunks += 1;
-                    ChunkIndex {
-                        startblk_hi: 0.into(),
-                        device_id: BLOB_DEVICE_ID.into(),
-                        startblk_lo: blk.into(),
-                    }
-                }
-            };
-            idx.extend_from_slice(e.as_bytes());
+            self.add_chunk(chunk, idx)?;
             progress.wrote(0, chunk.len() as u64);
         }
         Ok(())
+    }
+
+    /// Stores one chunk (see [`Self::store`]) and appends its index to `idx`: the hole
+    /// marker if it is all zeros, else its place in the blob.
+    fn add_chunk(&mut self, data: &[u8], idx: &mut Vec<u8>) -> Result<()> {
+        match self.store(data)? {
+            None => self.add_holes(1, idx),
+            Some(blk) => {
+                let e = ChunkIndex {
+                    startblk_hi: 0.into(),
+                    device_id: BLOB_DEVICE_ID.into(),
+                    startblk_lo: blk.into(),
+                };
+                idx.extend_from_slice(e.as_bytes());
+                self.chunks += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Appends `n` hole chunk indexes (`NULL_ADDR`: the chunk reads as zeros) to `idx`.
+    fn add_holes(&mut self, n: u64, idx: &mut Vec<u8>) {
+        let hole = ChunkIndex {
+            startblk_lo: NULL_ADDR.into(),
+            ..Default::default()
+        };
+        for _ in 0..n {
+            idx.extend_from_slice(hole.as_bytes());
+        }
+        self.hole_chunks += n;
     }
 
     /// Stores one chunk's bytes (unless all zero: `None`) and returns its start block.

@@ -71,6 +71,10 @@ pub struct TarOptions {
     pub max_depth: usize,
     /// Most segments in one sparse file's map. Default 1,048,576.
     pub max_sparse_segments: u64,
+    /// Largest total of the regular files' sizes (holes included, each file's start
+    /// aligned to 4 KiB; replaced entries still count) in one archive. Default 16 TiB. It
+    /// bounds the spool's apparent size and a layer's chunk indexes (8 bytes per 256 KiB).
+    pub max_total_size: u64,
 }
 
 impl Default for TarOptions {
@@ -81,6 +85,7 @@ impl Default for TarOptions {
             max_meta_size: 1 << 20,
             max_depth: 1024,
             max_sparse_segments: 1 << 20,
+            max_total_size: 1 << 44,
         }
     }
 }

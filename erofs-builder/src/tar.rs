@@ -526,11 +526,17 @@ impl<'a> Builder<'a> {
         Ok(Some(cur))
     }
 
-    /// Places a new inode at `comps` (replacing what was there).
+    /// Places a new inode at `comps` (replacing what was there). A directory over a
+    /// directory (the root included: empty `comps`) only updates its attributes.
     fn insert(&mut self, comps: &[Vec<u8>], raw: &[u8], inode: TInode) -> Result<()> {
-        let parent = self.parent(comps, raw)?;
-        let name = comps.last().cloned().unwrap_or_default();
-        let old = self.children(parent)?.get(&name).copied();
+        let (parent, name, old) = match comps.last() {
+            None => (0, Vec::new(), Some(0)),
+            Some(name) => {
+                let parent = self.parent(comps, raw)?;
+                let old = self.children(parent)?.get(name).copied();
+                (parent, name.clone(), old)
+            }
+        };
         if let (Some(i), TKind::Dir(_)) = (old, &inode.kind) {
             if matches!(self.inodes[i].kind, TKind::Dir(_)) {
                 // Directory over directory: attributes only.
@@ -544,17 +550,28 @@ impl<'a> Builder<'a> {
                 return Ok(());
             }
         }
+        if comps.is_empty() {
+            return Err(unsafe_entry(raw, "the root must be a directory"));
+        }
         let idx = self.inodes.len();
         self.inodes.push(inode);
         self.children(parent)?.insert(name, idx);
         Ok(())
     }
 
-    /// Reserves `size` bytes of spool at a 4 KiB-aligned offset.
-    fn alloc(&mut self, size: u64) -> u64 {
-        let base = self.spool_end.next_multiple_of(4096);
-        self.spool_end = base + size;
-        base
+    /// Reserves `size` bytes of spool at a 4 KiB-aligned offset for the entry `raw`, within
+    /// [`TarOptions::max_total_size`] (the spool's end, alignment included).
+    fn alloc(&mut self, size: u64, raw: &[u8]) -> Result<u64> {
+        let max = self.tar().max_total_size;
+        let base = self
+            .spool_end
+            .checked_next_multiple_of(4096)
+            .ok_or_else(|| limit(raw, "total size", max))?;
+        self.spool_end = base
+            .checked_add(size)
+            .filter(|&end| end <= max)
+            .ok_or_else(|| limit(raw, "total size", max))?;
+        Ok(base)
     }
 
     /// Copies `len` bytes of the stream into the spool at `at` (zero blocks skipped).
@@ -667,8 +684,10 @@ pub(crate) fn read_tar(
     let root = b.implied_dir(Vec::new());
     b.inodes.push(root);
     let tar = opts.tar.clone();
-    let mut global: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+    let mut global = Globals::default();
     let mut local: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+    // Bytes (key + value) of the pending `x` records and of every `g` record so far.
+    let (mut local_held, mut global_held) = (0u64, 0u64);
     let mut long_name: Option<Vec<u8>> = None;
     let mut long_link: Option<Vec<u8>> = None;
     let mut h = [0u8; BLOCK];
@@ -709,17 +728,24 @@ pub(crate) fn read_tar(
             let mut data = vec![0u8; size as usize];
             s.exact(&mut data, &hname)?;
             s.skip(padding(size), &hname)?;
+            let held = |recs: &[(Vec<u8>, Vec<u8>)]| -> u64 {
+                recs.iter().map(|(k, v)| (k.len() + v.len()) as u64).sum()
+            };
             match typeflag {
                 b'L' => long_name = Some(cstr(&data).to_vec()),
                 b'K' => long_link = Some(cstr(&data).to_vec()),
-                b'g' => global.extend(parse_pax(&data, off, &hname)?),
-                _ => local.extend(parse_pax(&data, off, &hname)?),
+                b'g' => {
+                    let recs = parse_pax(&data, off, &hname)?;
+                    global_held += held(&recs);
+                    global.merge(recs, off, &hname)?;
+                }
+                _ => {
+                    let recs = parse_pax(&data, off, &hname)?;
+                    local_held += held(&recs);
+                    local.extend(recs);
+                }
             }
-            let held = local
-                .iter()
-                .chain(global.iter())
-                .map(|(k, v)| k.len() + v.len());
-            if held.sum::<usize>() as u64 > tar.max_meta_size.saturating_mul(4) {
+            if local_held + global_held > tar.max_meta_size.saturating_mul(4) {
                 return Err(limit(&hname, "extended header size", tar.max_meta_size));
             }
             continue;
@@ -789,9 +815,10 @@ pub(crate) fn read_tar(
             }
             e.sparse = Some(sp);
         }
-        apply_pax(&mut e, &global, true, off, &hname, &tar)?;
-        apply_pax(&mut e, &local, false, off, &hname, &tar)?;
+        global.apply(&mut e, b.opts.xattrs);
+        apply_pax(&mut e, &local, off, &hname, &tar)?;
         local.clear();
+        local_held = 0;
         add_entry(&mut b, &mut s, e, off)?;
         progress.scanned(1, s.pos - reported);
         reported = s.pos;
@@ -810,11 +837,77 @@ pub(crate) fn read_tar(
     Ok(flatten(b.inodes))
 }
 
-/// Applies PAX records (global ones: only mtime, uid, gid and xattrs).
+/// The xattr a `SCHILY.xattr.NAME` or `LIBARCHIVE.xattr.NAME` record sets, if it is one.
+fn pax_xattr(key: &[u8], v: &[u8], off: u64, raw: &[u8]) -> Result<Option<(Vec<u8>, Vec<u8>)>> {
+    if let Some(name) = key.strip_prefix(b"SCHILY.xattr.") {
+        return Ok(Some((name.to_vec(), v.to_vec())));
+    }
+    let Some(name) = key.strip_prefix(b"LIBARCHIVE.xattr.") else {
+        return Ok(None);
+    };
+    let name = percent_decode(name).ok_or_else(|| bad(off, raw, "bad LIBARCHIVE.xattr name"))?;
+    let value = base64_decode(v).ok_or_else(|| bad(off, raw, "bad LIBARCHIVE.xattr value"))?;
+    Ok(Some((name, value)))
+}
+
+fn pax_mtime(v: &[u8], off: u64, raw: &[u8]) -> Result<(i64, u32)> {
+    pax_time(v).ok_or_else(|| bad(off, raw, "bad PAX mtime"))
+}
+
+/// What the global (`g`) PAX records read so far set: mtime, uid, gid and xattrs (the
+/// other keys are ignored). Records are merged as they are read (a later one replaces what
+/// an earlier one set, which is what applying them all in order gives), so each entry costs
+/// O(distinct names), not O(records).
+#[derive(Default)]
+struct Globals {
+    mtime: Option<(i64, u32)>,
+    uid: Option<u64>,
+    gid: Option<u64>,
+    /// By decoded xattr name.
+    xattrs: BTreeMap<Vec<u8>, Vec<u8>>,
+}
+
+impl Globals {
+    /// Merges the records of one `g` header (at `off`, named `raw`).
+    fn merge(&mut self, recs: Vec<(Vec<u8>, Vec<u8>)>, off: u64, raw: &[u8]) -> Result<()> {
+        for (k, v) in recs {
+            match k.as_slice() {
+                b"mtime" => self.mtime = Some(pax_mtime(&v, off, raw)?),
+                b"uid" => self.uid = Some(pax_u64(&v, "uid", off, raw)?),
+                b"gid" => self.gid = Some(pax_u64(&v, "gid", off, raw)?),
+                key => {
+                    if let Some((name, value)) = pax_xattr(key, &v, off, raw)? {
+                        self.xattrs.insert(name, value);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sets what the global records set on `e` (before its own `x` records are applied);
+    /// the xattrs only if they are kept.
+    fn apply(&self, e: &mut Entry, xattrs: bool) {
+        if let Some(t) = self.mtime {
+            (e.mtime, e.nsec) = t;
+        }
+        if let Some(uid) = self.uid {
+            e.uid = uid;
+        }
+        if let Some(gid) = self.gid {
+            e.gid = gid;
+        }
+        if xattrs {
+            e.xattrs
+                .extend(self.xattrs.iter().map(|(n, v)| (n.clone(), v.clone())));
+        }
+    }
+}
+
+/// Applies an entry's own (`x`) PAX records.
 fn apply_pax(
     e: &mut Entry,
     recs: &[(Vec<u8>, Vec<u8>)],
-    global: bool,
     off: u64,
     raw: &[u8],
     tar: &TarOptions,
@@ -822,23 +915,14 @@ fn apply_pax(
     let mut sparse_offsets: Vec<u64> = Vec::new();
     for (k, v) in recs {
         let key = k.as_slice();
+        if let Some(x) = pax_xattr(key, v, off, raw)? {
+            e.xattrs.push(x);
+            continue;
+        }
         match key {
-            b"mtime" => {
-                (e.mtime, e.nsec) = pax_time(v).ok_or_else(|| bad(off, raw, "bad PAX mtime"))?
-            }
+            b"mtime" => (e.mtime, e.nsec) = pax_mtime(v, off, raw)?,
             b"uid" => e.uid = pax_u64(v, "uid", off, raw)?,
             b"gid" => e.gid = pax_u64(v, "gid", off, raw)?,
-            _ if key.starts_with(b"SCHILY.xattr.") => {
-                e.xattrs.push((key[13..].to_vec(), v.clone()));
-            }
-            _ if key.starts_with(b"LIBARCHIVE.xattr.") => {
-                let name = percent_decode(&key[17..])
-                    .ok_or_else(|| bad(off, raw, "bad LIBARCHIVE.xattr name"))?;
-                let value =
-                    base64_decode(v).ok_or_else(|| bad(off, raw, "bad LIBARCHIVE.xattr value"))?;
-                e.xattrs.push((name, value));
-            }
-            _ if global => {}
             b"path" => e.path = v.clone(),
             b"linkpath" => e.link = v.clone(),
             b"size" => e.size = pax_u64(v, "size", off, raw)?,
@@ -913,7 +997,7 @@ fn os_path(b: &[u8]) -> PathBuf {
 /// Adds one member to the tree and consumes its data (into the spool or skipped).
 fn add_entry(b: &mut Builder<'_>, s: &mut Stream, mut e: Entry, off: u64) -> Result<()> {
     let raw = e.path.clone();
-    let tar = b.opts.tar.clone();
+    let (max_file_size, max_sparse_segments) = (b.tar().max_file_size, b.tar().max_sparse_segments);
     let skip_all = |s: &mut Stream, size: u64| -> Result<()> {
         s.skip(size, &raw)?;
         s.skip(padding(size), &raw)
@@ -978,15 +1062,15 @@ fn add_entry(b: &mut Builder<'_>, s: &mut Stream, mut e: Entry, off: u64) -> Res
         }
         b'0' | 0 | b'7' | b'S' if raw.ends_with(b"/") && e.sparse.is_none() => {
             inode.kind = TKind::Dir(BTreeMap::new());
-            add_dir(b, &comps, &raw, inode)?;
+            b.insert(&comps, &raw, inode)?;
             skip_all(s, e.size)
         }
         b'0' | 0 | b'7' | b'S' => {
             let Some(sp) = e.sparse.take() else {
-                if e.size > tar.max_file_size {
-                    return Err(limit(&raw, "file size", tar.max_file_size));
+                if e.size > max_file_size {
+                    return Err(limit(&raw, "file size", max_file_size));
                 }
-                let base = b.alloc(e.size);
+                let base = b.alloc(e.size, &raw)?;
                 b.copy(s, e.size, base, &raw)?;
                 s.skip(padding(e.size), &raw)?;
                 inode.size = e.size;
@@ -996,16 +1080,16 @@ fn add_entry(b: &mut Builder<'_>, s: &mut Stream, mut e: Entry, off: u64) -> Res
             let real = sp
                 .real_size
                 .ok_or_else(|| bad(off, &raw, "sparse file without a real size"))?;
-            if real > tar.max_file_size {
-                return Err(limit(&raw, "file size", tar.max_file_size));
+            if real > max_file_size {
+                return Err(limit(&raw, "file size", max_file_size));
             }
             let (map, map_bytes) = if sp.map_in_data {
-                read_map_in_data(s, tar.max_sparse_segments, e.size, &raw)?
+                read_map_in_data(s, max_sparse_segments, e.size, &raw)?
             } else {
                 (sp.map, 0)
             };
             check_map(&map, real, e.size - map_bytes, off, &raw)?;
-            let base = b.alloc(real);
+            let base = b.alloc(real, &raw)?;
             for (o, l) in map {
                 b.copy(s, l, base + o, &raw)?;
             }
@@ -1069,7 +1153,7 @@ fn add_entry(b: &mut Builder<'_>, s: &mut Stream, mut e: Entry, off: u64) -> Res
         b'5' | b'D' => {
             skip_all(s, e.size)?;
             inode.kind = TKind::Dir(BTreeMap::new());
-            add_dir(b, &comps, &raw, inode)
+            b.insert(&comps, &raw, inode)
         }
         b'V' => skip_all(s, e.size),
         t => Err(bad(
@@ -1078,20 +1162,6 @@ fn add_entry(b: &mut Builder<'_>, s: &mut Stream, mut e: Entry, off: u64) -> Res
             format!("unsupported entry type {:?}", char::from(t)),
         )),
     }
-}
-
-fn add_dir(b: &mut Builder<'_>, comps: &[Vec<u8>], raw: &[u8], inode: TInode) -> Result<()> {
-    if comps.is_empty() {
-        let root = &mut b.inodes[0];
-        root.perm = inode.perm;
-        root.uid = inode.uid;
-        root.gid = inode.gid;
-        root.mtime = inode.mtime;
-        root.nsec = inode.nsec;
-        root.xattrs = inode.xattrs;
-        return Ok(());
-    }
-    b.insert(comps, raw, inode)
 }
 
 /// Turns the arena into the writer's nodes: breadth first from the root, children in name

@@ -129,7 +129,7 @@ pub(crate) struct Node {
 }
 
 impl Node {
-    /// A node for a tree that does not come from a directory walk (tar input).
+    /// A node with one link and no layout yet (`spool`: where a tar entry's data starts).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         path: PathBuf,
@@ -431,25 +431,17 @@ fn new_node(
         Vec::new()
     };
     let mtime_nsec = u32::try_from(meta.mtime_nsec()).map_err(|_| unsupported("bad mtime nsec"))?;
-    Ok(Node {
-        path: path.to_path_buf(),
+    Ok(Node::new(
+        path.to_path_buf(),
         kind,
         mode,
-        uid: meta.uid(),
-        gid: meta.gid(),
-        mtime: meta.mtime(),
-        mtime_nsec,
+        (meta.uid(), meta.gid()),
+        (meta.mtime(), mtime_nsec),
         size,
         rdev,
-        nlink: 1,
         xattrs,
-        spool: None,
-        extended: false,
-        inline: false,
-        chunked: false,
-        pos: 0,
-        blkaddr: 0,
-    })
+        None,
+    ))
 }
 
 trait IntoVec {
@@ -799,7 +791,7 @@ fn write_image(
         .filter(|(_, n)| prefetched(n))
         .map(|(i, _)| i)
         .collect();
-    let prefetch = Prefetch::new(nodes, &jobs, w.spool);
+    let prefetch = Prefetch::new(nodes, &jobs);
     std::thread::scope(|s| {
         let _stop = prefetch.stop_guard();
         for _ in 0..PREFETCH_THREADS.min(jobs.len()) {
@@ -1053,7 +1045,6 @@ const PREFETCH_BUDGET: u64 = 32 << 20;
 /// job the writer needs next, so memory stays bounded and no deadlock is possible.
 struct Prefetch<'a> {
     nodes: &'a [Node],
-    spool: Option<&'a File>,
     jobs: &'a [usize],
     state: std::sync::Mutex<PrefetchState>,
     /// Signalled when the writer consumes a result or on stop (readers wait on it).
@@ -1085,10 +1076,9 @@ impl Drop for StopGuard<'_, '_> {
 }
 
 impl<'a> Prefetch<'a> {
-    fn new(nodes: &'a [Node], jobs: &'a [usize], spool: Option<&'a File>) -> Self {
+    fn new(nodes: &'a [Node], jobs: &'a [usize]) -> Self {
         Prefetch {
             nodes,
-            spool,
             jobs,
             state: std::sync::Mutex::default(),
             readers: std::sync::Condvar::new(),
@@ -1124,7 +1114,7 @@ impl<'a> Prefetch<'a> {
             }
             st.in_flight += size;
             drop(st);
-            let result = read_small_file(&self.nodes[self.jobs[j]], self.spool);
+            let result = read_small_file(&self.nodes[self.jobs[j]]);
             self.lock().done.insert(j, result);
             self.writer.notify_one();
         }
@@ -1186,8 +1176,9 @@ fn open_source(n: &Node) -> Result<File> {
 
 /// Reads a whole small regular file with the same checks as [`copy_file`]: it must still
 /// be a regular file of the scanned size. Holes read as zeros (and are skipped on write).
-fn read_small_file(n: &Node, spool: Option<&File>) -> Result<Vec<u8>> {
-    let f = DataFile::open(n, spool)?;
+/// Only files of a source tree are prefetched ([`prefetched`]), never tar spool ranges.
+fn read_small_file(n: &Node) -> Result<Vec<u8>> {
+    let f = DataFile::open(n, None)?;
     let mut data = vec![0u8; n.size as usize];
     f.read_exact_at(&mut data, 0)?;
     f.check_end()?;

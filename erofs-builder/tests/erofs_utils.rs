@@ -12,16 +12,15 @@ mod common;
 mod tools;
 
 use std::fs::File;
-use std::io::Write;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use common::{make_tree, mount_erofs, require_root, run};
+use common::{fsck, make_tree, mount_erofs, require_root, run, write, Check};
 use erofs_builder::layer::CHUNK_SIZE;
 use erofs_builder::{build_image, build_layer, BuildOptions, LayerOptions, LayerStats};
-use tools::{Check, FuseMount, Tools};
+use tools::{FuseMount, Tools};
 
 /// Entries in the varied tree's `many/` directory.
 const MANY: usize = 2_000;
@@ -55,7 +54,7 @@ const FUSE_CHECK: Check = Check {
 /// * A file ending in unmapped chunks (hole chunk indexes) comes out short: it `lseek`s over
 ///   holes and never truncates the file to `i_size`. Every byte it lacks must be zero.
 ///
-/// [`Report`]: tools::Report
+/// [`Report`]: common::Report
 const EXTRACT_CHECK: Check = Check {
     perm_mask: 0o7777,
     owners: true,
@@ -75,10 +74,6 @@ struct Fixture {
     meta: PathBuf,
     blob: PathBuf,
     layer: LayerStats,
-}
-
-fn write(p: &Path, data: &[u8]) {
-    File::create(p).unwrap().write_all(data).unwrap();
 }
 
 /// The varied tree of `common::make_tree` (every file type, xattrs incl. security.capability
@@ -139,33 +134,18 @@ fn setup(test: &str) -> Option<(Tools, &'static Fixture)> {
     Some((t, fixture()))
 }
 
-fn fsck(t: &Tools, image: &Path, devices: &[&Path], extra: &[String]) {
-    let mut cmd = Command::new(&t.fsck);
-    for d in devices {
-        cmd.arg(format!("--device={}", d.display()));
-    }
-    cmd.args(extra).arg(image);
-    let (ok, text) = run(&mut cmd);
-    assert!(
-        ok,
-        "{} {extra:?} {} failed:\n{text}",
-        t.version,
-        image.display()
-    );
-}
-
 /// `fsck.erofs --extract=DIR --xattrs` (as root: owners and exact permissions preserved),
 /// then the extracted tree against the source.
 fn extract_and_compare(t: &Tools, image: &Path, devices: &[&Path], f: &Fixture, name: &str) {
     let out = f.dir.path().join(format!("extract-{name}"));
     let _ = std::fs::remove_dir_all(&out);
     fsck(
-        t,
+        &t.fsck,
         image,
         devices,
         &[format!("--extract={}", out.display()), "--xattrs".into()],
     );
-    let r = tools::compare(&f.src, &out, EXTRACT_CHECK);
+    let r = common::compare(&f.src, &out, EXTRACT_CHECK);
     eprintln!("{} --extract of {name}: {r:?}", t.version);
     assert!(
         r.entries > MANY && r.xattrs >= 5 && r.nsec_mtimes > MANY / 2,
@@ -192,7 +172,7 @@ fn fsck_1_8_accepts_full_image_and_extract_reproduces_the_tree() {
     let Some((t, f)) = setup("fsck_1_8_accepts_full_image_and_extract_reproduces_the_tree") else {
         return;
     };
-    fsck(&t, &f.image, &[], &[]);
+    fsck(&t.fsck, &f.image, &[], &[]);
     extract_and_compare(&t, &f.image, &[], f, "full");
 }
 
@@ -202,7 +182,7 @@ fn fsck_1_8_accepts_layer_with_device_and_extract_reproduces_the_tree() {
     else {
         return;
     };
-    fsck(&t, &f.meta, &[&f.blob], &[]);
+    fsck(&t.fsck, &f.meta, &[&f.blob], &[]);
     extract_and_compare(&t, &f.meta, &[&f.blob], f, "layer");
     // Without its blob the layer's data is unreachable: fsck must not pass it.
     let (ok, _) = run(Command::new(&t.fsck).arg("--extract").arg(&f.meta));
@@ -216,7 +196,7 @@ fn fuse_compare(t: &Tools, image: &Path, devices: &[&Path], f: &Fixture, name: &
     let mnt = f.dir.path().join(format!("fuse-{name}"));
     std::fs::create_dir_all(&mnt).unwrap();
     let m = FuseMount::mount(t, image, devices, &mnt);
-    let r = tools::compare(&f.src, &mnt, FUSE_CHECK);
+    let r = common::compare(&f.src, &mnt, FUSE_CHECK);
     eprintln!("erofsfuse of {name} ({}): {r:?}", t.version);
     // Every xattr of the tree (9), security.capability and both ACLs included.
     assert!(r.entries > MANY && r.xattrs == 9, "{r:?}");
@@ -346,5 +326,5 @@ fn directory_with_100k_entries_fsck_1_8() {
         return;
     };
     let h = huge();
-    fsck(&t, &h.image, &[], &["--extract".into()]);
+    fsck(&t.fsck, &h.image, &[], &["--extract".into()]);
 }

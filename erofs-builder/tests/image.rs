@@ -4,11 +4,14 @@
 
 mod common;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use common::{compare_image, compare_trees, make_tree, mount_erofs, require_root, run, Strictness};
+use common::{
+    compare_image, compare_trees, fsck, make_tree, mount_erofs, require_root, run, EXACT,
+    FSCK15_EXTRACT,
+};
 use erofs_builder::{build_image, reader::fuzz_read_all, BuildOptions, Image};
 
 const MANY: usize = 10_000;
@@ -44,8 +47,7 @@ fn fsck_erofs_accepts_our_image() {
         return;
     }
     let f = fixture();
-    let (ok, text) = run(Command::new("fsck.erofs").arg(&f.image));
-    assert!(ok, "fsck.erofs failed:\n{text}");
+    fsck(Path::new("fsck.erofs"), &f.image, &[], &[]);
 }
 
 #[test]
@@ -56,23 +58,15 @@ fn fsck_erofs_extract_reproduces_the_tree() {
     let f = fixture();
     let out = tempfile::tempdir().unwrap();
     let dst = out.path().join("x");
-    let (ok, text) = run(Command::new("fsck.erofs")
-        .arg(format!("--extract={}", dst.display()))
-        .arg(&f.image));
-    assert!(ok, "fsck.erofs --extract failed:\n{text}");
-    let n = compare_trees(
-        &f.src,
-        &dst,
-        Strictness {
-            perm_mask: 0o1777,
-            owners_times_xattrs: false,
-            nlink: false,
-        },
+    fsck(
+        Path::new("fsck.erofs"),
+        &f.image,
+        &[],
+        &[format!("--extract={}", dst.display())],
     );
+    let n = compare_trees(&f.src, &dst, FSCK15_EXTRACT);
     assert!(n > MANY, "compared {n} entries");
 }
-
-/// Unmounts (lazily if busy) when dropped, even when the test panics.
 
 #[test]
 fn kernel_mounts_our_image_and_it_matches_the_source() {
@@ -82,12 +76,7 @@ fn kernel_mounts_our_image_and_it_matches_the_source() {
     let f = fixture();
     let mnt = tempfile::tempdir().unwrap();
     let _guard = mount_erofs(&f.image, &[], mnt.path());
-    let strict = Strictness {
-        perm_mask: 0o7777,
-        owners_times_xattrs: true,
-        nlink: true,
-    };
-    let n = compare_trees(&f.src, mnt.path(), strict);
+    let n = compare_trees(&f.src, mnt.path(), EXACT);
     assert!(n > MANY, "compared {n} entries");
     // The root itself.
     use std::os::unix::fs::MetadataExt;

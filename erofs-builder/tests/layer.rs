@@ -6,13 +6,15 @@
 mod common;
 
 use std::fs::File;
-use std::io::Write;
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use common::{compare_image, compare_trees, make_tree, mount_erofs, require_root, run, Strictness};
+use common::{
+    compare_image, compare_trees, fsck, make_tree, mount_erofs, require_root, run, write, EXACT,
+    FSCK15_EXTRACT,
+};
 use erofs_builder::layer::CHUNK_SIZE;
 use erofs_builder::{build_layer, Image, LayerOptions, LayerStats};
 
@@ -26,10 +28,6 @@ struct Fixture {
     meta: PathBuf,
     blob: PathBuf,
     stats: LayerStats,
-}
-
-fn write(p: &Path, data: &[u8]) {
-    File::create(p).unwrap().write_all(data).unwrap();
 }
 
 /// Files that exercise chunks: several chunks with a tail, repeated chunks, a zero chunk
@@ -139,12 +137,7 @@ fn kernel_mounts_layer_with_blob_device_and_it_matches_the_source() {
     let f = fixture();
     let mnt = tempfile::tempdir().unwrap();
     let _guard = mount_erofs(&f.meta, &[&f.blob], mnt.path());
-    let strict = Strictness {
-        perm_mask: 0o7777,
-        owners_times_xattrs: true,
-        nlink: true,
-    };
-    let n = compare_trees(&f.src, mnt.path(), strict);
+    let n = compare_trees(&f.src, mnt.path(), EXACT);
     assert!(n > MANY, "compared {n} entries");
     let big = File::open(mnt.path().join("chunks/sparse5g")).unwrap();
     assert_eq!(big.metadata().unwrap().len(), BIG);
@@ -176,15 +169,7 @@ fn kernel_mounts_meta_and_blob_concatenated_without_device() {
     ));
     let mnt = tempfile::tempdir().unwrap();
     let _guard = mount_erofs(&flat, &[], mnt.path());
-    let n = compare_trees(
-        &f.src,
-        mnt.path(),
-        Strictness {
-            perm_mask: 0o7777,
-            owners_times_xattrs: true,
-            nlink: true,
-        },
-    );
+    let n = compare_trees(&f.src, mnt.path(), EXACT);
     assert!(n > MANY, "compared {n} entries");
 }
 
@@ -194,10 +179,7 @@ fn fsck_erofs_accepts_layer_with_device() {
         return;
     }
     let f = fixture();
-    let (ok, text) = run(Command::new("fsck.erofs")
-        .arg(format!("--device={}", f.blob.display()))
-        .arg(&f.meta));
-    assert!(ok, "fsck.erofs --device failed:\n{text}");
+    fsck(Path::new("fsck.erofs"), &f.meta, &[&f.blob], &[]);
     // fsck.erofs 1.5 --extract drops hole chunks (NULL_ADDR) instead of seeking over them
     // (mkfs.erofs 1.5 never writes them), so extraction is compared on a tree without holes.
     let dir = tempfile::tempdir().unwrap();
@@ -211,25 +193,15 @@ fn fsck_erofs_accepts_layer_with_device() {
     let (meta, blob) = (dir.path().join("meta"), dir.path().join("blob"));
     let stats = build_layer(&src, &meta, &blob, &LayerOptions::default()).unwrap();
     assert_eq!(stats.hole_chunks, 0);
-    let (ok, text) = run(Command::new("fsck.erofs")
-        .arg(format!("--device={}", blob.display()))
-        .arg(&meta));
-    assert!(ok, "fsck.erofs --device failed:\n{text}");
+    fsck(Path::new("fsck.erofs"), &meta, &[&blob], &[]);
     let dst = dir.path().join("x");
-    let (ok, text) = run(Command::new("fsck.erofs")
-        .arg(format!("--device={}", blob.display()))
-        .arg(format!("--extract={}", dst.display()))
-        .arg(&meta));
-    assert!(ok, "fsck.erofs --extract failed:\n{text}");
-    let n = compare_trees(
-        &src,
-        &dst,
-        Strictness {
-            perm_mask: 0o1777,
-            owners_times_xattrs: false,
-            nlink: false,
-        },
+    fsck(
+        Path::new("fsck.erofs"),
+        &meta,
+        &[&blob],
+        &[format!("--extract={}", dst.display())],
     );
+    let n = compare_trees(&src, &dst, FSCK15_EXTRACT);
     assert!(n > MANY, "compared {n} entries");
 }
 

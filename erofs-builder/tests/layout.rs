@@ -7,17 +7,11 @@ mod common;
 use std::path::Path;
 use std::process::Command;
 
-use common::{compare_image, compare_trees, require_root, Strictness};
+use common::{compare_image, compare_trees, fsck, require_root, EXACT};
 use erofs_builder::{build_image, BuildOptions, Image};
 
 fn check_image(src: &Path, image: &Path) {
-    let out = Command::new("fsck.erofs").arg(image).output().unwrap();
-    assert!(
-        out.status.success(),
-        "fsck.erofs: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    fsck(Path::new("fsck.erofs"), image, &[], &[]);
     let img = Image::open(image).unwrap();
     compare_image(src, &img, true);
     let mnt = tempfile::tempdir().unwrap();
@@ -36,12 +30,7 @@ fn check_image(src: &Path, image: &Path) {
         }
     }
     let _g = Guard(mnt.path());
-    let strict = Strictness {
-        perm_mask: 0o7777,
-        owners_times_xattrs: true,
-        nlink: true,
-    };
-    compare_trees(src, mnt.path(), strict);
+    compare_trees(src, mnt.path(), EXACT);
 }
 
 #[test]

@@ -8,11 +8,14 @@ mod common;
 
 use std::fs;
 use std::io::Cursor;
-use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{compare_trees, mount_erofs, require_root, run, xattrs_of, Strictness};
+use common::{
+    chmod, collect, compare_trees, fsck, mknod, mount_erofs, require_root, run, setx, skip,
+    xattrs_of, EXACT,
+};
 use erofs_builder::{
     build_image_from, build_layer_from, BuildOptions, Error, Image, LayerOptions, Phase, Progress,
     Source,
@@ -47,11 +50,11 @@ fn make_src(root: &Path) {
         }
     }
     w("setuid", b"#!/bin/sh\n");
-    fs::set_permissions(p("setuid"), fs::Permissions::from_mode(0o4755)).unwrap();
+    chmod(&p("setuid"), 0o4755);
     w("ro", b"read only");
-    fs::set_permissions(p("ro"), fs::Permissions::from_mode(0o400)).unwrap();
+    chmod(&p("ro"), 0o400);
     fs::create_dir(p("sticky")).unwrap();
-    fs::set_permissions(p("sticky"), fs::Permissions::from_mode(0o1777)).unwrap();
+    chmod(&p("sticky"), 0o1777);
     w("big_ids", b"ids");
     std::os::unix::fs::lchown(p("big_ids"), Some(3_000_000), Some(4_000_000)).unwrap();
     w(
@@ -70,31 +73,17 @@ fn make_src(root: &Path) {
     w("hl_a", b"hard linked content");
     fs::hard_link(p("hl_a"), p("sub/hl_b")).unwrap();
     fs::hard_link(p("hl_a"), p("sub/hl_c")).unwrap();
-    for (name, ft, major, minor) in [
-        ("null", rustix::fs::FileType::CharacterDevice, 1, 3),
-        ("sda1", rustix::fs::FileType::BlockDevice, 8, 1),
-        ("fifo", rustix::fs::FileType::Fifo, 0, 0),
-    ] {
-        rustix::fs::mknodat(
-            rustix::fs::CWD,
-            p(name),
-            ft,
-            rustix::fs::Mode::from_raw_mode(0o640),
-            rustix::fs::makedev(major, minor),
-        )
-        .unwrap();
-    }
-    let setx = |rel: &str, name: &str, value: &[u8]| {
-        rustix::fs::lsetxattr(p(rel), name, value, rustix::fs::XattrFlags::empty()).unwrap()
-    };
-    setx("small.txt", "user.mime", b"text/plain");
-    setx("sub", "trusted.overlay.opaque", b"y");
-    setx("large", "user.big", &common::bytes(6, 1500));
+    mknod(&p("null"), rustix::fs::FileType::CharacterDevice, 1, 3);
+    mknod(&p("sda1"), rustix::fs::FileType::BlockDevice, 8, 1);
+    mknod(&p("fifo"), rustix::fs::FileType::Fifo, 0, 0);
+    setx(&p("small.txt"), "user.mime", b"text/plain");
+    setx(&p("sub"), "trusted.overlay.opaque", b"y");
+    setx(&p("large"), "user.big", &common::bytes(6, 1500));
     let mut cap = Vec::new();
     for v in [0x0200_0001u32, 1 << 10, 0, 0, 0] {
         cap.extend_from_slice(&v.to_le_bytes());
     }
-    setx("setuid", "security.capability", &cap);
+    setx(&p("setuid"), "security.capability", &cap);
     // Nanosecond mtimes everywhere (children first), before 1970 for one.
     let mut all = Vec::new();
     collect(root, &mut all);
@@ -108,16 +97,6 @@ fn make_src(root: &Path) {
     }
     common::set_mtime(&p("small.txt"), -86_400, 5);
     common::set_mtime(root, 1_700_000_000, 0);
-}
-
-fn collect(dir: &Path, out: &mut Vec<PathBuf>) {
-    for e in fs::read_dir(dir).unwrap() {
-        let path = e.unwrap().path();
-        if fs::symlink_metadata(&path).unwrap().is_dir() {
-            collect(&path, out);
-        }
-        out.push(path);
-    }
 }
 
 /// `tar -c` of `src` in `format`; returns the archive path.
@@ -168,12 +147,6 @@ fn only_files(dir: &Path) -> Vec<String> {
     v
 }
 
-const STRICT: Strictness = Strictness {
-    perm_mask: 0o7777,
-    owners_times_xattrs: true,
-    nlink: true,
-};
-
 #[test]
 fn gnu_tar_archives_build_images_the_kernel_mounts_like_their_extraction() {
     if !require_root("gnu_tar_archives_build_images_the_kernel_mounts_like_their_extraction") {
@@ -220,15 +193,14 @@ fn gnu_tar_archives_build_images_the_kernel_mounts_like_their_extraction() {
             snap.scanned_entries > 30 && snap.scanned_bytes > 1 << 20,
             "{snap:?}"
         );
-        let (ok, text) = run(Command::new("fsck.erofs").arg(&image));
-        assert!(ok, "{what}: fsck.erofs: {text}");
+        fsck(Path::new("fsck.erofs"), &image, &[], &[]);
 
         let reference = out.join("extracted");
         extract(&plain, &reference);
         let mnt = out.join("mnt");
         fs::create_dir(&mnt).unwrap();
         let _m = mount_erofs(&image, &[], &mnt);
-        let n = compare_trees(&reference, &mnt, STRICT);
+        let n = compare_trees(&reference, &mnt, EXACT);
         assert!(n > 30, "{what}: compared {n}");
         // What the archive says, independently of the extraction.
         let md = fs::metadata(mnt.join("big_ids")).unwrap();
@@ -289,29 +261,20 @@ fn tar_layer_mounts_with_its_blob_device() {
     assert!(only_files(&spool_dir).is_empty());
     // Holes stay holes in the blob: about 1 MiB of data, not 64 MiB.
     assert!(stats.blob_bytes < 4 << 20, "{stats:?}");
-    let (ok, text) = run(Command::new("fsck.erofs")
-        .arg(format!("--device={}", blob.display()))
-        .arg(&meta));
-    assert!(ok, "fsck.erofs: {text}");
+    fsck(Path::new("fsck.erofs"), &meta, &[&blob], &[]);
     let reference = dir.path().join("extracted");
     extract(&pax, &reference);
     let mnt = dir.path().join("mnt");
     fs::create_dir(&mnt).unwrap();
     let _m = mount_erofs(&meta, &[&blob], &mnt);
-    assert!(compare_trees(&reference, &mnt, STRICT) > 30);
+    assert!(compare_trees(&reference, &mnt, EXACT) > 30);
 }
 
 fn tool_present(tool: &str) -> bool {
-    if Command::new(tool).arg("--version").output().is_ok() {
-        return true;
-    }
-    let msg = format!("\n*** SKIPPED: `{tool}` is not installed (apt-get install {tool}) ***\n");
-    let _ = std::io::Write::write_all(&mut std::io::stderr(), msg.as_bytes());
-    assert!(
-        std::env::var("CI").as_deref() != Ok("true"),
-        "{tool} must be installed under CI"
-    );
-    false
+    Command::new(tool).arg("--version").output().is_ok()
+        || skip(&format!(
+            "`{tool}` is not installed (apt-get install {tool})"
+        ))
 }
 
 // ---------------------------------------------------------------------------------------
@@ -350,6 +313,16 @@ fn member(name: &[u8], typeflag: u8, data: &[u8], link: &[u8]) -> Vec<u8> {
 }
 
 fn pax(records: &[(&str, &[u8])]) -> Vec<u8> {
+    member(b"PaxHeader", b'x', &pax_data(records), b"")
+}
+
+/// A global (`g`) PAX header.
+fn pax_global(records: &[(&str, &[u8])]) -> Vec<u8> {
+    member(b"GlobalHead", b'g', &pax_data(records), b"")
+}
+
+/// PAX records: `LEN KEY=VALUE\n`, LEN counting itself.
+fn pax_data(records: &[(&str, &[u8])]) -> Vec<u8> {
     let mut data = Vec::new();
     for (k, v) in records {
         let body = k.len() + v.len() + 3;
@@ -361,7 +334,7 @@ fn pax(records: &[(&str, &[u8])]) -> Vec<u8> {
         data.extend_from_slice(v);
         data.push(b'\n');
     }
-    member(b"PaxHeader", b'x', &data, b"")
+    data
 }
 
 fn end(mut v: Vec<u8>) -> Vec<u8> {
@@ -596,6 +569,89 @@ fn pax_records_are_applied() {
 }
 
 #[test]
+fn global_pax_records_merge_later_wins_and_entries_override() {
+    // Many global records and entries (merged as read, not re-applied per entry).
+    let mut v = Vec::new();
+    for i in 0..200u32 {
+        let recs: Vec<(String, Vec<u8>)> = (0..20u32)
+            .map(|j| ("mtime".to_owned(), format!("{}", i * 20 + j).into_bytes()))
+            .collect();
+        let recs: Vec<(&str, &[u8])> = recs.iter().map(|(k, v)| (k.as_str(), &v[..])).collect();
+        v.extend(pax_global(&recs));
+        v.extend(member(format!("f{i:03}").as_bytes(), b'0', b"", b""));
+    }
+    // A later global header replaces what an earlier one set (SCHILY and LIBARCHIVE spellings
+    // of one name: the later record wins); an entry's own records replace the global ones.
+    v.extend(pax_global(&[
+        ("uid", b"11"),
+        ("mtime", b"7"),
+        ("SCHILY.xattr.user.g", b"one"),
+        ("SCHILY.xattr.user.o", b"schily"),
+        ("LIBARCHIVE.xattr.user.o", b"bGli"),
+    ]));
+    v.extend(pax_global(&[
+        ("mtime", b"9"),
+        ("SCHILY.xattr.user.g", b"two"),
+    ]));
+    v.extend(member(b"a", b'0', b"", b""));
+    v.extend(pax(&[("mtime", b"3"), ("SCHILY.xattr.user.g", b"own")]));
+    v.extend(member(b"b", b'0', b"", b""));
+    let (dir, r) = build_bytes(end(v), &BuildOptions::default());
+    assert_eq!(r.unwrap(), 203, "root and 202 files");
+    let img = Image::open(&dir.path().join("img.erofs")).unwrap();
+    assert_eq!(img.lookup("f000").unwrap().mtime, 19);
+    assert_eq!(img.lookup("f199").unwrap().mtime, 3999);
+    assert!(img.xattrs(&img.lookup("f199").unwrap()).unwrap().is_empty());
+    let xattrs = |name: &str| {
+        let mut x = img.xattrs(&img.lookup(name).unwrap()).unwrap();
+        x.sort();
+        x
+    };
+    let (a, b) = (img.lookup("a").unwrap(), img.lookup("b").unwrap());
+    assert_eq!((a.uid, a.mtime, b.uid, b.mtime), (11, 9, 11, 3));
+    assert_eq!(
+        xattrs("a"),
+        vec![
+            (b"user.g".to_vec(), b"two".to_vec()),
+            (b"user.o".to_vec(), b"lib".to_vec())
+        ]
+    );
+    assert_eq!(
+        xattrs("b"),
+        vec![
+            (b"user.g".to_vec(), b"own".to_vec()),
+            (b"user.o".to_vec(), b"lib".to_vec())
+        ]
+    );
+}
+
+#[test]
+fn total_size_limit_refuses_huge_sparse_entries_and_leaves_nothing() {
+    // Each entry: ~1 KiB of archive declaring a 1 GiB file that is all hole.
+    let mut v = Vec::new();
+    for i in 0..3 {
+        v.extend(pax(&[
+            ("GNU.sparse.size", b"1073741824"),
+            ("GNU.sparse.name", format!("huge{i}").as_bytes()),
+        ]));
+        v.extend(member(
+            format!("GNUSparseFile.0/huge{i}").as_bytes(),
+            b'0',
+            b"",
+            b"",
+        ));
+    }
+    let mut opts = BuildOptions::default();
+    opts.tar.max_total_size = (5 << 30) / 2;
+    let e = refused_with(end(v), &opts);
+    assert!(
+        matches!(&e, Error::LimitExceeded { entry, what, limit }
+            if entry == "huge2" && what == "total size" && *limit == (5 << 30) / 2),
+        "{e}"
+    );
+}
+
+#[test]
 fn whiteouts_become_overlay_whiteouts_that_hide_lower_files() {
     let mut v = member(b"dir/", b'5', b"", b"");
     v.extend(member(b"dir/.wh..wh..opq", b'0', b"", b""));
@@ -617,8 +673,7 @@ fn whiteouts_become_overlay_whiteouts_that_hide_lower_files() {
     if !require_root("whiteouts_become_overlay_whiteouts_that_hide_lower_files") {
         return;
     }
-    let (ok, text) = run(Command::new("fsck.erofs").arg(&image));
-    assert!(ok, "fsck.erofs: {text}");
+    fsck(Path::new("fsck.erofs"), &image, &[], &[]);
     let t = tempfile::tempdir().unwrap();
     let p = |s: &str| t.path().join(s);
     for d in ["layer", "lower", "lower/dir", "upper", "work", "merged"] {
