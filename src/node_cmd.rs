@@ -31,9 +31,11 @@ pub struct DaemonArgs {
     /// FUSE worker threads.
     #[arg(long, default_value_t = 8)]
     pub fuse_threads: usize,
-    /// Ask the kernel for FUSE passthrough on the blob mount.
+    /// Never read a layer's blob in FUSE passthrough mode (by default a layer whose blobs are
+    /// wholly in the local cache when it is mounted reads them straight from the cache's
+    /// files, without the daemon).
     #[arg(long)]
-    pub passthrough: bool,
+    pub no_passthrough: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -100,7 +102,7 @@ pub async fn daemon(args: DaemonArgs, url: &str, cache: &CacheOpts, home: &Path)
     let backend = fs_cache::open_backend(&url).await?;
     let mut node_config = NodeConfig::new(args.node.run_dir, url.clone(), config);
     node_config.fuse_threads = args.fuse_threads.max(1);
-    node_config.passthrough = args.passthrough;
+    node_config.passthrough = !args.no_passthrough;
     let node = Node::start(node_config, Store::new(backend))
         .await
         .map_err(explain)?;
@@ -326,13 +328,18 @@ pub fn status(args: StatusArgs, json: bool) -> Result<()> {
     for l in &s.layers {
         let data: u64 = l.blobs.iter().map(|b| b.1).sum();
         println!(
-            "  {}  {}  meta {}  data {}  pins {}  mounts {}",
+            "  {}  {}  meta {}  data {}  pins {}  mounts {}{}",
             &l.id[..l.id.len().min(16)],
             l.refs.join(","),
             crate::human(l.meta_bytes),
             crate::human(data),
             l.pins,
-            l.users
+            l.users,
+            if l.passthrough_blobs > 0 {
+                format!("  passthrough {}/{}", l.passthrough_blobs, l.blobs.len())
+            } else {
+                String::new()
+            }
         );
     }
     println!("mounts:");

@@ -525,14 +525,24 @@ fn mount_umount_status_crash_and_sigterm() {
     assert!(tmp.path().join("upper.work").is_dir(), "default work dir");
     ok(run(&["umount", mp.to_str().unwrap()]));
 
-    // kill -9: the mount goes stale; the next daemon cleans up and restores it.
+    // Mounted again with its blob wholly in level 2, the layer reads it in passthrough mode.
     ok(run(&["mount", "base/cli:1", mp.to_str().unwrap()]));
+    let status = json(run(&["--json", "status"]));
+    assert_eq!(status["layers"][0]["passthrough_blobs"], 1, "{status}");
+    assert!(ok(run(&["status"])).contains("passthrough 1/1"));
+
+    // kill -9: the next daemon detaches the old mounts and restores the user mount. A
+    // passthrough layer needs no daemon to be read: a file left open on the old mount keeps
+    // reading the right bytes, and the next daemon keeps those level-2 chunks pinned (a
+    // hold) for as long as that old mount lives.
+    let mut open_before = std::fs::File::open(mp.join("big.bin")).unwrap();
     let pid = guard.pid().expect("the started daemon's pid");
     DaemonGuard::signal(pid, rustix::process::Signal::KILL);
     wait_gone(pid);
-    assert!(
-        std::fs::read(mp.join("sub/hello.txt")).is_err(),
-        "a dead daemon's mount"
+    assert_eq!(
+        std::fs::read(mp.join("sub/hello.txt")).unwrap(),
+        b"hello",
+        "a passthrough layer outlives its daemon"
     );
     let child = cmd()
         .args(["daemon"])
@@ -551,6 +561,12 @@ fn mount_umount_status_crash_and_sigterm() {
     }
     assert_eq!(std::fs::read(mp.join("sub/hello.txt")).unwrap(), b"hello");
     assert_eq!(std::fs::read(mp.join("big.bin")).unwrap(), big);
+    let status = json(run(&["--json", "status"]));
+    assert_eq!(status["cache"]["disk"]["stale_holds"], 1, "{status}");
+    let mut old_bytes = Vec::new();
+    std::io::Read::read_to_end(&mut open_before, &mut old_bytes).unwrap();
+    assert!(old_bytes == big, "read through the old, detached mount");
+    drop(open_before);
     let mounted = ours_mounted(&run_dir, &mp);
     assert_eq!(mounted.len(), 3, "blobs, layer, user mount: {mounted:?}");
 

@@ -11,23 +11,29 @@
 //! memory). Figures:
 //!
 //! Each EROFS mount's readahead is set to `STRATA_LAZY_READ_RA_KB` (default 8192 KiB, as the
-//! node daemon sets it;
-//! the kernel's default for a file-backed EROFS mount is 128 KiB, while the local disk here
-//! has 8 MiB); each blob mount has `STRATA_LAZY_READ_THREADS` FUSE threads (default 8).
+//! node daemon sets it; the kernel's default for a file-backed EROFS mount is 128 KiB, while
+//! the local disk here has 8 MiB), and each is mounted with the options in
+//! `STRATA_LAZY_READ_EROFS_OPTS` (default `directio`, as the node mounts layers; set it empty
+//! to compare with buffered reads of the backing file). Each blob mount has
+//! `STRATA_LAZY_READ_THREADS` FUSE threads (default 8).
 //!
 //! - `cold`: the first sequential read (1 MiB `read`s) with an empty chunk cache: every chunk
 //!   is fetched from the POSIX backend, verified and written to level 2.
 //! - `warm sequential`: whole-file sequential reads (1 MiB), lazy vs local, median of the runs,
-//!   and their ratio (goal: at least 0.9).
+//!   and their ratio (goal: at least 0.9), for the two ways a node serves a warm layer:
+//!   - *through the cache*: the blob file's reads reach the daemon and are served from the
+//!     chunk cache (a layer mounted while its blob was not wholly in level 2);
+//!   - *passthrough*: the blob file opened in FUSE passthrough mode over the level-2 cache's
+//!     own file of the blob, pinned and checked first (`BlobFs::enable_passthrough`, timed):
+//!     what the node does for a layer whose blob is wholly in level 2 when it is mounted.
+//!     Reads never reach the daemon.
 //! - `warm random 4 KiB`: 4 KiB `pread`s at random 4 KiB-aligned offsets, lazy vs local.
 //! - page-cache growth per byte read, from this process's memory cgroup (`cache` in cgroup v1
-//!   `memory.stat`; `/proc/meminfo` `Cached` where there is none): cold, warm, and warm with
-//!   `direct_io` off on the blob files (a second `BlobFs` over the same cache). A breakdown
-//!   by `mincore` shows which files hold the pages (the EROFS file, level-2 chunk files, the
-//!   backend's blob file).
-//! - the same, lazy, with the blob file opened in FUSE passthrough mode over the level-2
-//!   cache's own file of the blob, pinned (`BlobFs::enable_passthrough`): reads never reach
-//!   the daemon.
+//!   `memory.stat`; `/proc/meminfo` `Cached` where there is none): cold, warm, warm with
+//!   `direct_io` off on the blob files (a second `BlobFs` over the same cache), and
+//!   passthrough. A breakdown by `mincore` shows which files hold the pages (the EROFS file,
+//!   level-2 chunk files, the backend's blob file).
+//! - the peer of the kernel path alone: EROFS over the backend's blob file on the local disk.
 //!
 //! Needs root (mount(2), drop_caches); prints SKIPPED otherwise.
 //! `cargo bench -p bench --bench lazy_read`.
@@ -178,7 +184,12 @@ fn read_random(path: &Path, offsets: &[u64]) -> f64 {
 fn mount_erofs(meta: &Path, device: &Path, target: &Path) -> Detach {
     std::fs::create_dir_all(target).expect("create the EROFS mount point");
     let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).expect("path");
-    let opts = std::ffi::CString::new(format!("device={}", device.display())).expect("opts");
+    let extra = erofs_options();
+    let mut opts = format!("device={}", device.display());
+    if !extra.is_empty() {
+        opts = format!("{opts},{extra}");
+    }
+    let opts = std::ffi::CString::new(opts).expect("opts");
     let (m, t) = (c(meta), c(target));
     // SAFETY: valid NUL-terminated strings that outlive the call (file-backed EROFS mount).
     let rc = unsafe {
@@ -198,6 +209,12 @@ fn mount_erofs(meta: &Path, device: &Path, target: &Path) -> Detach {
     // What the node daemon does for each layer (`NodeConfig::layer_readahead`).
     ublk_daemon::set_mount_readahead(target, ra << 10).expect("set the EROFS mount's readahead");
     Detach(target.to_owned())
+}
+
+/// Extra EROFS mount options (`STRATA_LAZY_READ_EROFS_OPTS`, default `directio`, as the node
+/// daemon mounts layers; empty for the kernel's buffered reads of the backing file).
+fn erofs_options() -> String {
+    std::env::var("STRATA_LAZY_READ_EROFS_OPTS").unwrap_or_else(|_| "directio".to_owned())
 }
 
 fn mbps(bytes: u64, secs: f64) -> f64 {
@@ -246,12 +263,13 @@ fn main() {
     );
     let root = dir.path();
     println!(
-        "lazy_read: {} file, level 1 {}, in {} ({}), EROFS readahead {} KiB, {} FUSE threads",
+        "lazy_read: {} file, level 1 {}, in {} ({}), EROFS readahead {} KiB, options {:?}, {} FUSE threads",
         size_label(p.file_bytes),
         size_label(p.memory_bytes),
         root.display(),
         fs_type(root).unwrap_or_default(),
         std::env::var("STRATA_LAZY_READ_RA_KB").unwrap_or_else(|_| DEFAULT_RA_KB.to_string()),
+        erofs_options(),
         std::env::var("STRATA_LAZY_READ_THREADS").unwrap_or_else(|_| DEFAULT_THREADS.to_string())
     );
 
@@ -423,12 +441,18 @@ fn main() {
     let fs_pt = mount_blobfs("blobs-pt", &cache_w, true, true);
     let pt_file = rt.block_on(fs_pt.add_blob(put.digest)).expect("add blob");
     let passthrough = fs_pt.passthrough_available();
+    // What the node does before mounting a wholly cached layer: pin the blob and check every
+    // block's crc32c (`BlobPin::verify`, O_DIRECT runs), with cold page caches.
+    let mut pin_secs = 0.0;
     if passthrough {
+        drop_caches();
+        let t = Instant::now();
         assert!(
             rt.block_on(fs_pt.enable_passthrough(&put.digest))
                 .expect("enable passthrough"),
             "not every chunk is in level 2"
         );
+        pin_secs = t.elapsed().as_secs_f64();
     }
     let erofs_pt = mount_erofs(&meta, &pt_file, &root.join("layer-pt"));
     let lazy_pt = root.join("layer-pt/big");
@@ -582,6 +606,11 @@ fn main() {
     println!();
     println!("warm sequential with direct_io off: {nodirect_mbps:.0} MB/s");
     println!("passthrough mount: {pt_reads} reads reached the daemon");
+    println!(
+        "passthrough check before the mount (pin + crc32c of every block): {:.0} ms, {:.0} MB/s",
+        pin_secs * 1e3,
+        mbps(size, pin_secs)
+    );
     for (name, s) in [("cold", cold_stats), ("warm, through the cache", w_stats)] {
         println!(
             "BlobFs {name}: {} reads, {} bytes ({} per read), {} errors, at most {} at once",

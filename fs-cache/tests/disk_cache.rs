@@ -812,6 +812,168 @@ fn a_pinned_blob_is_the_blob_and_is_not_evicted() {
 }
 
 #[test]
+fn verifying_a_large_pinned_blob_reads_every_chunk_and_finds_damage_anywhere() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cache");
+    let cache = Arc::new(open(&dir, 64 * MIB));
+    // 37 chunks (more than the verifier's readers take in one round), a short last one.
+    let n = 37u64;
+    let size = |i: u64| if i + 1 == n { 4097 } else { CHUNK_SIZE };
+    for i in 0..n {
+        let c = id("verify-large", i);
+        cache.put(&c, &content(&c, size(i))).unwrap();
+    }
+    let blob = id("verify-large", 0).blob;
+    let pin = cache.pin_blob(&blob, n, size(n - 1)).unwrap().unwrap();
+    assert!(pin.verify().unwrap());
+    assert_eq!(cache.stats().dropped_corrupt, 0);
+    drop(pin);
+    // One flipped bit in the short last chunk, then in a chunk in the middle.
+    for damaged in [n - 1, 19] {
+        let pin = cache.pin_blob(&blob, n, size(n - 1)).unwrap().unwrap();
+        flip(
+            &blob_file(&dir, &id("verify-large", damaged)),
+            damaged * CHUNK_SIZE + 4096,
+            1,
+        );
+        assert!(
+            !pin.verify().unwrap(),
+            "damage in chunk {damaged} was found"
+        );
+        drop(pin);
+        assert!(!cache.contains(&id("verify-large", damaged)));
+        assert!(cache.pin_blob(&blob, n, size(n - 1)).unwrap().is_none());
+        let c = id("verify-large", damaged);
+        cache.put(&c, &content(&c, size(damaged))).unwrap();
+    }
+    let pin = cache.pin_blob(&blob, n, size(n - 1)).unwrap().unwrap();
+    assert!(pin.verify().unwrap());
+    assert_eq!(cache.stats().dropped_corrupt, 2);
+}
+
+const HOLDER_ENV: &str = "STRATA_DISK_HOLDER_DIR";
+const HOLDER_TOKEN_ENV: &str = "STRATA_DISK_HOLDER_TOKEN";
+const HELD: u64 = 3;
+
+/// Not a test on its own: the child process of `a_hold_outlives_its_process_while_its_token_exists`.
+/// It caches a blob of 3 chunks, pins it, holds the pin with a token and exits without
+/// dropping anything (as a killed process would).
+#[test]
+fn hold_child() {
+    let (Some(dir), Some(token)) = (
+        std::env::var_os(HOLDER_ENV),
+        std::env::var_os(HOLDER_TOKEN_ENV),
+    ) else {
+        return;
+    };
+    let cache = Arc::new(open(Path::new(&dir), 64 * MIB));
+    for i in 0..HELD {
+        let c = id("held", i);
+        cache.put(&c, &content(&c, CHUNK_SIZE)).unwrap();
+    }
+    let blob = id("held", 0).blob;
+    let mut pin = cache.pin_blob(&blob, HELD, CHUNK_SIZE).unwrap().unwrap();
+    pin.hold(Path::new(&token)).unwrap();
+    std::process::exit(0);
+}
+
+fn run_holder(dir: &Path, token: &Path) {
+    let status = Command::new(std::env::current_exe().unwrap())
+        .args(["hold_child", "--exact", "--nocapture", "--test-threads=1"])
+        .env(HOLDER_ENV, dir)
+        .env(HOLDER_TOKEN_ENV, token)
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success(), "holder: {status}");
+}
+
+/// Put `n` chunks of `seed`: more than a small cache holds.
+fn fill_with(cache: &DiskCache, seed: &str, n: u64) {
+    for i in 0..n {
+        let c = id(seed, i);
+        cache.put(&c, &content(&c, CHUNK_SIZE)).unwrap();
+    }
+}
+
+#[test]
+fn a_hold_outlives_its_process_while_its_token_exists() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cache");
+    let token = tmp.path().join("connection");
+    fs::create_dir(&token).unwrap();
+    let held: Vec<ChunkId> = (0..HELD).map(|i| id("held", i)).collect();
+    let intact = |cache: &DiskCache| {
+        held.iter()
+            .all(|c| cache.get(c).unwrap().as_deref() == Some(&content(c, CHUNK_SIZE)[..]))
+    };
+    run_holder(&dir, &token);
+
+    // Reopened smaller than what is held plus more: the held chunks are neither evicted nor
+    // punched out while the token exists, and a reopen keeps them held.
+    let small = 5 * CHUNK_SIZE;
+    let cache = open(&dir, small);
+    assert_eq!(cache.stats().stale_holds, 1);
+    fill_with(&cache, "other", 8);
+    assert!(intact(&cache), "held chunks were evicted");
+    assert!(cache.stats().evictions > 0);
+    assert_eq!(cache.release_stale_holds().unwrap(), 0, "the token exists");
+    drop(cache);
+    let cache = open(&dir, small);
+    assert_eq!(cache.stats().stale_holds, 1);
+    fill_with(&cache, "other-2", 8);
+    assert!(intact(&cache));
+    // A held chunk dropped as damaged keeps its bytes until the hold goes.
+    cache.drop_corrupt(&held[1]).unwrap();
+    assert!(chunk_has_data(&dir, &held[1]));
+
+    // The token goes: the hold is released, its chunks are evictable again, and the
+    // dropped one is punched out.
+    fs::remove_dir(&token).unwrap();
+    assert_eq!(cache.release_stale_holds().unwrap(), 1);
+    assert_eq!(cache.stats().stale_holds, 0);
+    assert!(!chunk_has_data(&dir, &held[1]));
+    fill_with(&cache, "other-3", 8);
+    assert!(
+        held.iter().all(|c| !cache.contains(c)),
+        "released chunks stay"
+    );
+    drop(cache);
+    assert_eq!(
+        open(&dir, small).stats().stale_holds,
+        0,
+        "the hold was deleted"
+    );
+
+    // A hold whose token is gone by the next open is deleted at that open.
+    fs::create_dir(&token).unwrap();
+    run_holder(&dir, &token);
+    fs::remove_dir(&token).unwrap();
+    let cache = open(&dir, small);
+    assert_eq!(cache.stats().stale_holds, 0);
+    fill_with(&cache, "other-4", 8);
+    assert!(held.iter().all(|c| !cache.contains(c)));
+    drop(cache);
+
+    // A pin dropped in the process that held it takes its hold with it.
+    fs::create_dir(&token).unwrap();
+    let cache = Arc::new(open(&dir, 64 * MIB));
+    fill_with(&cache, "held", HELD);
+    let mut pin = cache
+        .pin_blob(&held[0].blob, HELD, CHUNK_SIZE)
+        .unwrap()
+        .unwrap();
+    pin.hold(&token).unwrap();
+    assert!(
+        pin.hold(Path::new("relative")).is_err(),
+        "a token must be absolute"
+    );
+    drop(pin);
+    drop(cache);
+    assert_eq!(open(&dir, small).stats().stale_holds, 0);
+}
+
+#[test]
 fn direct_run_reads_return_checked_chunks_and_drop_damaged_ones() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("cache");

@@ -51,8 +51,8 @@ pub struct BlobFsConfig {
     pub direct_io: bool,
     /// Ask the kernel for FUSE passthrough at INIT ([`BlobFs::passthrough_available`] tells
     /// whether it agreed). Blobs switched with [`BlobFs::enable_passthrough`] are then opened
-    /// in passthrough mode; the others are served through the cache. Off by default: measured
-    /// not to pay (`docs/blobfs.md`).
+    /// in passthrough mode; the others are served through the cache. Off by default here; the
+    /// node turns it on (`docs/blobfs.md`: it pays under an EROFS mounted with `directio`).
     pub passthrough: bool,
 }
 
@@ -108,6 +108,10 @@ pub struct BlobFs {
     counters: Arc<Counters>,
     notifier: Notifier,
     session: Option<BackgroundSession>,
+    /// This mount's FUSE connection directory (`/sys/fs/fuse/connections/<N>`), which exists
+    /// for as long as the kernel may read through the mount, even after this process is gone:
+    /// the token of every passthrough pin's hold.
+    connection: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for BlobFs {
@@ -175,7 +179,9 @@ impl BlobFs {
         )?;
         let notifier = session.notifier();
         raise_bdi_readahead(&mountpoint, cfg.max_read);
+        let connection = fuse_connection(&mountpoint);
         Ok(BlobFs {
+            connection,
             mountpoint,
             cache,
             table,
@@ -238,6 +244,10 @@ impl BlobFs {
     /// with that file as the backing file: reads of handles opened later never reach this
     /// process. Handles already open (an EROFS mount made before) keep reading through the
     /// cache. Returns `false` (and changes nothing) when a chunk is not in level 2.
+    /// The pin is also *held* in level 2's index by this mount's FUSE connection directory
+    /// (`BlobPin::hold`): if this process dies while the kernel can still read the file, the
+    /// next process that opens the cache keeps the chunks pinned until that connection is
+    /// gone. Without fusectl (no connection directory) passthrough is refused (`false`).
     /// Needs [`BlobFs::passthrough_available`].
     pub async fn enable_passthrough(&self, blob: &Digest) -> Result<bool> {
         if !self.passthrough_available() {
@@ -252,20 +262,31 @@ impl BlobFs {
         if e.local().is_some() {
             return Ok(true);
         }
-        let Some(pin) = self.cache.pin_local(blob).await? else {
+        // Without a connection directory to hold the pin by, a crash could leave the kernel
+        // reading chunks that the next daemon evicts: no passthrough then.
+        let Some(token) = self.connection.clone() else {
+            tracing::warn!(
+                "no FUSE connection directory under /sys/fs/fuse/connections (is fusectl \
+                 mounted?): passthrough refused"
+            );
             return Ok(false);
         };
-        let pin = Arc::new(pin);
-        let check = pin.clone();
-        let ok = tokio::task::spawn_blocking(move || check.verify())
-            .await
-            .map_err(|err| {
-                Error::io("verify", self.blob_path(blob), std::io::Error::other(err))
-            })??;
-        if !ok {
+        let Some(mut pin) = self.cache.pin_local(blob).await? else {
             return Ok(false);
-        }
-        *e.local() = Some(pin);
+        };
+        let pin = tokio::task::spawn_blocking(move || {
+            if !pin.verify()? {
+                return Ok(None);
+            }
+            pin.hold(&token)?;
+            Ok::<_, fs_cache::Error>(Some(pin))
+        })
+        .await
+        .map_err(|err| Error::io("verify", self.blob_path(blob), std::io::Error::other(err)))??;
+        let Some(pin) = pin else {
+            return Ok(false);
+        };
+        *e.local() = Some(Arc::new(pin));
         Ok(true)
     }
 
@@ -279,6 +300,21 @@ impl BlobFs {
             .ok_or_else(|| Error::UnknownBlob(blob.to_hex()))?;
         let was = e.local().take().is_some();
         Ok(was)
+    }
+
+    /// Whether `blob` is listed and new opens of its file are passthrough opens
+    /// ([`BlobFs::enable_passthrough`]).
+    pub fn passthrough_enabled(&self, blob: &Digest) -> bool {
+        self.table.listed(blob).is_some_and(|e| e.local().is_some())
+    }
+
+    /// Bytes of level 2 pinned for listed blobs in passthrough mode.
+    pub fn passthrough_bytes(&self) -> u64 {
+        self.table
+            .listed_after(0)
+            .iter()
+            .filter_map(|e| e.local().as_ref().map(|p| p.len()))
+            .sum()
     }
 
     /// Whether the kernel accepted FUSE passthrough at INIT (only asked for when configured).
@@ -388,6 +424,14 @@ pub fn mount_bdi(mountpoint: &Path) -> Result<PathBuf> {
 pub fn set_mount_readahead(mountpoint: &Path, bytes: u64) -> Result<()> {
     let path = mount_bdi(mountpoint)?.join("read_ahead_kb");
     std::fs::write(&path, format!("{}", bytes / 1024)).map_err(|e| Error::io("write", &path, e))
+}
+
+/// The FUSE connection directory of the mount at `mountpoint` (named after the minor number
+/// of its anonymous device), if fusectl is mounted and shows it.
+fn fuse_connection(mountpoint: &Path) -> Option<PathBuf> {
+    let st = rustix::fs::stat(mountpoint).ok()?;
+    let dir = Path::new("/sys/fs/fuse/connections").join(rustix::fs::minor(st.st_dev).to_string());
+    dir.is_dir().then_some(dir)
 }
 
 /// Raise the blob mount's readahead window to `max_read` (the kernel caps the one negotiated

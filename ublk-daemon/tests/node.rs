@@ -294,6 +294,46 @@ async fn real_tree(store: Store, label: &str, budget: u64) {
     assert!(bytes >= copied, "compared {bytes} of {copied} bytes");
     let full = node.cache().stats();
     node.umount(&mp).await.unwrap();
+
+    // 1b. Every chunk is in level 2 now: mounted again, the layer reads its blob in FUSE
+    // passthrough mode, straight from the level-2 file, with EROFS's direct I/O (no second
+    // cached copy). Reads no longer reach the cache, and the tree is still the source.
+    node.cache().flush().await.unwrap();
+    node.mount(&["base/usr:1".into()], &mp, None, None)
+        .await
+        .unwrap();
+    let status = node.status().await;
+    let layer = &status.layers[0];
+    assert_eq!(
+        layer.passthrough_blobs as usize,
+        layer.blobs.len(),
+        "{label}: a wholly cached layer is mounted in passthrough mode"
+    );
+    let erofs = sys::mounts()
+        .unwrap()
+        .into_iter()
+        .find(|m| m.fstype == "erofs" && m.mount_point == layer.mnt)
+        .unwrap();
+    assert!(
+        erofs.super_options.split(',').any(|o| o == "directio"),
+        "{}",
+        erofs.super_options
+    );
+    let before = node.cache().stats();
+    let (_, again) = tokio::task::spawn_blocking({
+        let (src, mp) = (src.clone(), mp.clone());
+        move || compare_trees(&src, &mp)
+    })
+    .await
+    .unwrap();
+    assert_eq!(again, bytes);
+    let after = node.cache().stats();
+    assert_eq!(
+        (after.hits, after.misses),
+        (before.hits, before.misses),
+        "{label}: passthrough reads went through the cache"
+    );
+    node.umount(&mp).await.unwrap();
     node.shutdown().await.unwrap();
     drop(node);
 
@@ -435,12 +475,14 @@ async fn three_layers_with_an_upper() {
     // Layer 3: replaces c.txt, whites out d.txt.
     write(&l3.join("c.txt"), b"c 3");
     whiteout(&l3.join("d.txt"));
+    let mut blobs = Vec::new();
     for (src, name) in [
         (&l1, "base/l1:1"),
         (&l2, "workspace/l2:1"),
         (&l3, "toolkit/l3:1"),
     ] {
-        push_layer(&store, src, name, tmp.path()).await;
+        let m = push_layer(&store, src, name, tmp.path()).await;
+        blobs.extend(m.blobs.iter().map(|b| b.digest));
     }
 
     let run_dir = tmp.path().join("run");
@@ -560,6 +602,51 @@ async fn three_layers_with_an_upper() {
         [run_dir.join("blobs")],
         "only the blob filesystem stays"
     );
+
+    // With every blob in level 2, the same stack mounted again reads them in passthrough
+    // mode: overlayfs still stacks on those EROFS mounts (FUSE passthrough's stacking depth
+    // leaves room for it), and the upper written above still shows.
+    assert!(!blobs.is_empty());
+    for b in &blobs {
+        node.cache()
+            .prefetch(*b, std::iter::once(0..u64::MAX).collect())
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    node.cache().flush().await.unwrap();
+    node.mount(&layers, &mp, Some(&upper), None).await.unwrap();
+    node.mount(&layers[..1], &single, None, None).await.unwrap();
+    let status = node.status().await;
+    assert_eq!(status.layers.len(), 3);
+    for l in &status.layers {
+        assert_eq!(l.passthrough_blobs as usize, l.blobs.len(), "{:?}", l.refs);
+    }
+    let before = node.cache().stats();
+    let (mp2, single2) = (mp.clone(), single.clone());
+    tokio::task::spawn_blocking(move || {
+        let mp = mp2;
+        assert_eq!(std::fs::read(mp.join("a/keep.txt")).unwrap(), b"changed");
+        assert_eq!(std::fs::read(mp.join("e.txt")).unwrap(), b"written");
+        assert!(!mp.join("a/gone.txt").exists(), "whiteout hides");
+        assert!(!mp.join("b/sub").exists(), "opaque dir hides");
+        assert_eq!(std::fs::read(mp.join("b/new.txt")).unwrap(), b"new 2");
+        assert!(!mp.join("c.txt").exists(), "removed in the upper");
+        assert_eq!(
+            std::fs::read(single2.join("b/sub/x")).unwrap(),
+            vec![7u8; 600_000]
+        );
+    })
+    .await
+    .unwrap();
+    let after = node.cache().stats();
+    assert_eq!(
+        (after.hits, after.misses),
+        (before.hits, before.misses),
+        "passthrough reads went through the cache"
+    );
+    node.umount(&mp).await.unwrap();
+    node.umount(&single).await.unwrap();
     node.shutdown().await.unwrap();
     assert!(!sys::mounts()
         .unwrap()

@@ -122,7 +122,8 @@ pub struct CacheStats {
     pub read_latency_us: Vec<u64>,
     pub memory_bytes: u64,
     pub memory_capacity: u64,
-    #[serde(default, skip_deserializing)]
+    /// Level 2's own counters, read live (a stats file's copy is not used).
+    #[serde(default)]
     pub disk: Option<DiskStats>,
 }
 
@@ -330,6 +331,18 @@ impl ChunkCache {
         tokio::task::spawn_blocking(move || disk.pin_blob(&blob, chunks, last.end - last.start))
             .await
             .map_err(|e| Error::io("pin", "disk cache", std::io::Error::other(e)))?
+    }
+
+    /// Let level 2 evict again the chunks that an earlier process's holds kept pinned, where
+    /// their token is gone ([`BlobPin::hold`], [`DiskCache::release_stale_holds`]). Returns
+    /// how many holds went.
+    pub async fn release_stale_holds(&self) -> Result<usize> {
+        let Some(disk) = self.inner.disk.clone() else {
+            return Ok(0);
+        };
+        tokio::task::spawn_blocking(move || disk.release_stale_holds())
+            .await
+            .map_err(|e| Error::io("release holds", "disk cache", std::io::Error::other(e)))?
     }
 
     /// The uncompressed size of `blob`.

@@ -61,6 +61,10 @@ pub fn socket_path(run_dir: &Path) -> PathBuf {
 /// flight for a sequential reader (`cargo bench -p bench --bench lazy_read`).
 pub const DEFAULT_LAYER_READAHEAD: u64 = 8 << 20;
 
+/// How often the node lets go of level-2 holds left by an earlier daemon whose FUSE
+/// connection has gone (see `try_passthrough`).
+const STALE_HOLD_CHECK: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// How a node is set up.
 #[derive(Clone, Debug)]
 pub struct NodeConfig {
@@ -74,7 +78,9 @@ pub struct NodeConfig {
     pub fuse_threads: usize,
     /// Largest FUSE read the kernel is asked to send.
     pub max_read: u32,
-    /// Ask the kernel for FUSE passthrough on the blob mount (see `blobfs`; off by default).
+    /// Ask the kernel for FUSE passthrough on the blob mount (on by default). A layer whose
+    /// blobs are all in level 2 when it is mounted then reads them straight from the level-2
+    /// files (see [`Node`]'s read path in `docs/daemon.md`).
     pub passthrough: bool,
     /// Readahead window of each layer's EROFS mount (the kernel's default for a file-backed
     /// mount is 128 KiB: one small FUSE request at a time for a sequential reader; 0 keeps
@@ -96,7 +102,7 @@ impl NodeConfig {
             cache,
             fuse_threads: 8,
             max_read: crate::blobfs::DEFAULT_MAX_READ,
-            passthrough: false,
+            passthrough: true,
             layer_readahead: DEFAULT_LAYER_READAHEAD,
         }
     }
@@ -277,6 +283,25 @@ impl Node {
             node.sweep_layer_dirs(&inner);
         }
         node.save(&*node.inner.lock().await)?;
+        // Level-2 chunks that a crashed daemon's passthrough readers may still read stay
+        // pinned (fs-cache holds) until their FUSE connection is gone; look every minute.
+        let weak = Arc::downgrade(&node);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(STALE_HOLD_CHECK);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let Some(node) = weak.upgrade() else { break };
+                if node.stopping.load(Ordering::Relaxed) {
+                    break;
+                }
+                match node.cache.release_stale_holds().await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::info!("released {n} level-2 holds of an earlier daemon"),
+                    Err(e) => tracing::warn!(error = %e, "releasing stale level-2 holds"),
+                }
+            }
+        });
         Ok(node)
     }
 
@@ -420,6 +445,12 @@ impl Node {
                 .collect(),
             pins: l.pins,
             users: inner.state.users(id),
+            passthrough_blobs: inner.blobfs.as_ref().map_or(0, |fs| {
+                l.blobs
+                    .iter()
+                    .filter(|b| fs.passthrough_enabled(&b.digest))
+                    .count() as u32
+            }),
             mnt: self.layer_dir(id).join("mnt"),
         })
     }
@@ -502,6 +533,7 @@ impl Node {
                 )
             })?;
             devices.push(path);
+            self.try_passthrough(blobfs, &b.digest, id).await;
         }
         let readahead = self.config.layer_readahead;
         blocking(move || {
@@ -517,6 +549,42 @@ impl Node {
         .await?;
         inner.active.insert(id.to_owned());
         Ok(())
+    }
+
+    /// Before a layer's EROFS opens `blob`'s file: if every chunk of the blob is in level 2
+    /// (and pinning it keeps at most half of level 2 pinned), pin and check it so that the
+    /// mount reads it in passthrough mode, straight from the level-2 file. Otherwise, or if
+    /// that fails, reads go through the cache as usual.
+    async fn try_passthrough(&self, blobfs: &BlobFs, blob: &Digest, layer: &str) {
+        if !blobfs.passthrough_available() || blobfs.passthrough_enabled(blob) {
+            return;
+        }
+        let Some(capacity) = self.config.cache.disk.as_ref().map(|d| d.capacity) else {
+            return;
+        };
+        let size = match self.cache.blob_size(blob).await {
+            Ok(size) => size,
+            Err(e) => {
+                tracing::warn!(%blob, layer, error = %e, "no passthrough: blob size unknown");
+                return;
+            }
+        };
+        if blobfs.passthrough_bytes().saturating_add(size) > capacity / 2 {
+            tracing::info!(%blob, layer, "no passthrough: it would pin more than half of level 2");
+            return;
+        }
+        let started = std::time::Instant::now();
+        match blobfs.enable_passthrough(blob).await {
+            Ok(true) => tracing::info!(
+                %blob,
+                layer,
+                bytes = size,
+                checked_in_ms = started.elapsed().as_millis() as u64,
+                "every chunk is in level 2: passthrough"
+            ),
+            Ok(false) => {}
+            Err(e) => tracing::warn!(%blob, layer, error = %e, "no passthrough"),
+        }
     }
 
     async fn fetch_meta(&self, meta: &BlobRef, path: &Path) -> Result<()> {

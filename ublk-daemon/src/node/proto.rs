@@ -181,6 +181,10 @@ pub struct LayerInfo {
     pub pins: u32,
     /// User mounts that use it.
     pub users: u32,
+    /// Its blobs that its EROFS reads in FUSE passthrough mode, straight from the level-2
+    /// cache (those that were wholly in level 2 when the layer was mounted).
+    #[serde(default)]
+    pub passthrough_blobs: u32,
     /// Where its EROFS is mounted (while `pins + users > 0`).
     pub mnt: PathBuf,
 }

@@ -8,6 +8,7 @@ use std::ffi::{CString, OsString};
 use std::io;
 use std::os::unix::ffi::OsStringExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use rustix::mount::{MountFlags, UnmountFlags};
 
@@ -124,25 +125,61 @@ pub fn option_path(p: &Path) -> Result<String, ApiError> {
     Ok(s.to_owned())
 }
 
+/// Whether the kernel's EROFS takes the `directio` option: 0 unknown, 1 yes, 2 no.
+static EROFS_DIRECTIO: AtomicU8 = AtomicU8::new(0);
+
 /// File-backed, read-only EROFS mount of `meta` at `target`, with `device=` blob files.
+///
+/// The mount asks for `directio` (Linux 6.13+): EROFS then reads its backing files with
+/// direct I/O, so a blob file opened in FUSE passthrough mode is read straight from the
+/// level-2 cache file into EROFS's page cache, with no second cached copy (`docs/daemon.md`).
+/// A kernel that does not know the option refuses it with `EINVAL`; the mount is then made
+/// without it, and later mounts do not ask again.
 pub fn mount_erofs(meta: &Path, devices: &[PathBuf], target: &Path) -> Result<(), ApiError> {
-    let data = devices
+    let mut options = devices
         .iter()
         .map(|d| option_path(d).map(|s| format!("device={s}")))
-        .collect::<Result<Vec<_>, _>>()?
-        .join(",");
-    let data = cstring(data).map_err(|e| mount_error("mount options", e))?;
-    rustix::mount::mount(
-        meta,
-        target,
-        "erofs",
-        MountFlags::RDONLY | MountFlags::NODEV | MountFlags::NOSUID,
-        (!devices.is_empty()).then_some(data.as_c_str()),
-    )
-    .map_err(|e| {
+        .collect::<Result<Vec<_>, _>>()?;
+    let mount = |options: &[String]| -> io::Result<()> {
+        let data = cstring(options.join(","))?;
+        rustix::mount::mount(
+            meta,
+            target,
+            "erofs",
+            MountFlags::RDONLY | MountFlags::NODEV | MountFlags::NOSUID,
+            (!options.is_empty()).then_some(data.as_c_str()),
+        )
+        .map_err(io::Error::from)
+    };
+    let mut result;
+    if EROFS_DIRECTIO.load(Ordering::Relaxed) != 2 {
+        options.push("directio".to_owned());
+        result = mount(&options);
+        let einval = rustix::io::Errno::INVAL.raw_os_error();
+        match &result {
+            Ok(()) => EROFS_DIRECTIO.store(1, Ordering::Relaxed),
+            Err(e)
+                if EROFS_DIRECTIO.load(Ordering::Relaxed) == 0
+                    && e.raw_os_error() == Some(einval) =>
+            {
+                options.pop();
+                result = mount(&options);
+                if result.is_ok() {
+                    tracing::info!(
+                        "this kernel's EROFS has no `directio` option: mounting without it"
+                    );
+                    EROFS_DIRECTIO.store(2, Ordering::Relaxed);
+                }
+            }
+            Err(_) => {}
+        }
+    } else {
+        result = mount(&options);
+    }
+    result.map_err(|e| {
         mount_error(
             &format!("mount -t erofs {} on {}", meta.display(), target.display()),
-            e.into(),
+            e,
         )
     })
 }

@@ -1,7 +1,9 @@
 //! The level-2 index's byte encoding (RocksDB keys and values; the table is in the module
 //! docs of [`super`]). Decoders return `None` for anything malformed, never panic.
 
-use std::path::Path;
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
 
 use super::{chunk_offset, CHUNK_SIZE};
 use crate::chunk::ChunkId;
@@ -15,6 +17,11 @@ pub(super) const ENTRY_VERSION: u8 = 2;
 pub(super) const ENTRY_LEN: usize = 1 + 4 + 8;
 pub(super) const COUNTERS_VERSION: u8 = 1;
 pub(super) const COUNTERS_LEN: usize = 1 + 4 * 8;
+pub(super) const HOLD_KEY_TAG: u8 = b'h';
+/// The value of a hold key (a version byte).
+pub(super) const HOLD_VALUE: [u8; 1] = [1];
+/// The longest token of a hold (`PATH_MAX`).
+pub(super) const MAX_HOLD_TOKEN: usize = 4096;
 
 const _: () = assert!(CHUNK_KEY_LEN == 41);
 const _: () = assert!(ENTRY_LEN == 13);
@@ -53,6 +60,27 @@ pub(super) fn decode_key(key: &[u8]) -> Option<(u8, ChunkId)> {
     };
     chunk_offset(id.index)?.checked_add(CHUNK_SIZE)?;
     Some((key[0], id))
+}
+
+/// A hold's key: tag, blob digest, then the token (an absolute path, at most
+/// [`MAX_HOLD_TOKEN`] bytes, no NUL); `None` for a token that does not qualify.
+pub(super) fn hold_key(blob: &Digest, token: &Path) -> Option<Vec<u8>> {
+    let t = token.as_os_str().as_bytes();
+    (token.is_absolute() && t.len() <= MAX_HOLD_TOKEN && !t.contains(&0)).then_some(())?;
+    let mut key = Vec::with_capacity(1 + 32 + t.len());
+    key.push(HOLD_KEY_TAG);
+    key.extend_from_slice(&blob.0);
+    key.extend_from_slice(t);
+    Some(key)
+}
+
+/// A hold key: its blob and token.
+pub(super) fn decode_hold_key(key: &[u8]) -> Option<(Digest, PathBuf)> {
+    let (&tag, rest) = key.split_first()?;
+    (tag == HOLD_KEY_TAG && rest.len() > 32).then_some(())?;
+    let blob = Digest(rest[..32].try_into().ok()?);
+    let token = PathBuf::from(OsStr::from_bytes(&rest[32..]));
+    (hold_key(&blob, &token)? == key).then_some((blob, token))
 }
 
 pub(super) fn encode_entry(entry: Entry) -> [u8; ENTRY_LEN] {
@@ -115,5 +143,8 @@ pub fn fuzz_decode_index(key: &[u8], value: &[u8]) {
     }
     if let Some(c) = decode_counters(value) {
         assert_eq!(encode_counters(&c)[..], value[..]);
+    }
+    if let Some((blob, token)) = decode_hold_key(key) {
+        assert_eq!(hold_key(&blob, &token).as_deref(), Some(key));
     }
 }

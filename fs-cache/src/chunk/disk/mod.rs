@@ -26,6 +26,7 @@
 //! | `b'c'` + blob digest (32 bytes) + chunk index (u64 BE): 41 bytes | `[2][size: u32 LE][seq: u64 LE]`: 13 bytes |
 //! | `b's'` + blob digest + chunk index: 41 bytes | crc32c (u32 LE) of each 4 KiB block of the chunk, the last one possibly short: `4 × ceil(size / 4096)` bytes |
 //! | `b"m/format"` | `b"strata-chunk-index v3"` (v3: one sparse file per blob); v2 (a file per chunk) is wiped and started afresh, any other value refuses to open |
+//! | `b'h'` + blob digest + token (an absolute path, ≤ 4096 bytes) | `[1]`: a hold, see `hold.rs` |
 //! | `b"m/counters"` | `[1]` + evictions, dropped_corrupt, enospc, recovered_orphans (u64 LE each): 33 bytes |
 //!
 //! `size` is the chunk's length (at most [`CHUNK_SIZE`]); `seq` its recency: a counter taken on
@@ -46,7 +47,9 @@
 //! - A chunk is *pinned* while a reader reads it (and, for [`DiskCache::pin_blob`], while its
 //!   holder keeps the blob file): eviction skips pinned chunks, and a pinned chunk that must
 //!   go (a corrupt one) keeps its bytes until the last pin is released, so that no reader ever
-//!   reads a range that is being punched out under it.
+//!   reads a range that is being punched out under it. A blob pin handed to the kernel can be
+//!   *held* ([`BlobPin::hold`], `hold.rs`): recorded in the index with a token path, so that
+//!   after a crash the next open keeps its chunks pinned for as long as the token exists.
 //! - Index writes are not synced one by one: RocksDB's WAL reaches the OS on every write, so a
 //!   killed process loses nothing. After a power loss the index may be older or newer than the
 //!   files; [`DiskCache::open`] checks every entry against its blob file's size, and a chunk
@@ -104,6 +107,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
 
 use bytes::Bytes;
@@ -117,6 +121,7 @@ use crate::store::Digest;
 
 mod direct;
 mod files;
+mod hold;
 mod index;
 
 use files::*;
@@ -201,7 +206,8 @@ pub struct DiskCacheConfig {
 }
 
 /// Counters of a [`DiskCache`]; the event counters are cumulative across restarts.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct DiskStats {
     /// Bytes charged for indexed chunks (each rounded up to 4 KiB).
     pub bytes: u64,
@@ -220,6 +226,9 @@ pub struct DiskStats {
     /// Cleaned up at open: unindexed chunk bytes and files, and index entries that do not
     /// decode or whose file is missing.
     pub recovered_orphans: u64,
+    /// Blobs kept pinned for readers left by an earlier process (holds found at open whose
+    /// token still exists; `DiskCache::release_stale_holds`).
+    pub stale_holds: u64,
 }
 
 /// Indexes into the event counters, in their order in `m/counters`.
@@ -336,6 +345,9 @@ pub struct DiskCache {
     open_files: Mutex<LruCache<Digest, Arc<File>>>,
     /// crc32c values of recently read chunks.
     sums: Mutex<LruCache<ChunkId, Arc<[u8]>>>,
+    /// Holds left by earlier processes whose token still existed at open, by index key
+    /// (`hold.rs`).
+    holds: Mutex<HashMap<Vec<u8>, hold::Held>>,
 }
 
 impl fmt::Debug for DiskCache {
@@ -353,6 +365,8 @@ pub struct BlobPin {
     blob: Digest,
     chunks: Vec<(ChunkId, u64)>,
     file: Arc<File>,
+    /// The index key of this pin's hold ([`BlobPin::hold`]), deleted on drop.
+    hold: Option<Vec<u8>>,
 }
 
 impl fmt::Debug for BlobPin {
@@ -385,27 +399,61 @@ impl BlobPin {
     }
 
     /// Read every chunk and check each block against its crc32c; `false` (and the bad chunk
-    /// dropped once the pin goes) if one does not match.
+    /// dropped, its range punched out once the pin goes) if one does not match. Reads 2 MiB
+    /// `O_DIRECT` runs, 4 at once ([`DiskCache::read_chunks_direct`]): the
+    /// page cache is not touched, and a fully cached blob is checked at the disk's speed.
     pub fn verify(&self) -> Result<bool> {
-        let mut buf = vec![0u8; CHUNK_SIZE as usize];
-        for (id, size) in &self.chunks {
-            let sums = self.cache.sums_of(id, *size)?;
-            let data = &mut buf[..*size as usize];
-            let at = chunk_offset(id.index).unwrap_or(u64::MAX);
-            self.file
-                .read_exact_at(data, at)
-                .map_err(|e| Error::io("read chunk", self.cache.blob_path(&self.blob), e))?;
-            if !blocks_match(data, &sums) {
-                self.cache.drop_corrupt(id)?;
-                return Ok(false);
+        let next = AtomicUsize::new(0);
+        let bad = AtomicBool::new(false);
+        let reader = || -> Result<()> {
+            while !bad.load(Ordering::Relaxed) {
+                let first = next.fetch_add(VERIFY_RUN, Ordering::Relaxed);
+                let Some(run) = self
+                    .chunks
+                    .get(first..(first + VERIFY_RUN).min(self.chunks.len()))
+                else {
+                    return Ok(());
+                };
+                if run.is_empty() {
+                    return Ok(());
+                }
+                let got = self
+                    .cache
+                    .read_chunks_direct(&self.blob, run.iter().map(|(id, _)| id.index))?;
+                let whole = got.len() == run.len()
+                    && got.iter().zip(run).all(|((index, bytes), (id, size))| {
+                        *index == id.index && bytes.len() as u64 == *size
+                    });
+                if !whole {
+                    bad.store(true, Ordering::Relaxed);
+                }
             }
-        }
-        Ok(true)
+            Ok(())
+        };
+        std::thread::scope(|s| {
+            let readers: Vec<_> = (0..VERIFY_READERS).map(|_| s.spawn(reader)).collect();
+            readers.into_iter().try_for_each(|r| {
+                r.join().unwrap_or_else(|_| {
+                    Err(Error::io(
+                        "verify",
+                        self.cache.blob_path(&self.blob),
+                        io::Error::other("a reader thread panicked"),
+                    ))
+                })
+            })
+        })?;
+        Ok(!bad.load(Ordering::Relaxed))
     }
 }
 
+/// Chunks per `O_DIRECT` read of [`BlobPin::verify`] (2 MiB).
+const VERIFY_RUN: usize = 8;
+/// Reads in flight in [`BlobPin::verify`].
+const VERIFY_READERS: usize = 4;
+
 impl Drop for BlobPin {
     fn drop(&mut self) {
+        self.unhold();
         for (id, _) in &self.chunks {
             self.cache.release(id);
         }
@@ -494,6 +542,7 @@ impl DiskCache {
             index_lock: Mutex::new(()),
             open_files: Mutex::new(LruCache::new(nonzero(OPEN_FILES))),
             sums: Mutex::new(LruCache::new(nonzero(SUMS_CACHED))),
+            holds: Mutex::new(HashMap::new()),
         };
         cache.recover()?;
         Ok(cache)
@@ -520,10 +569,23 @@ impl DiskCache {
         // Chunk → length of its crc32c value (one `s` key per chunk).
         let mut with_sums: HashMap<ChunkId, u64> = HashMap::new();
         let mut bad_keys = Vec::new();
+        let mut holds = Vec::new();
         let (mut orphans, mut corrupt) = (0u64, 0u64);
         for item in self.db.full_iterator(IteratorMode::Start) {
             let (key, value) = item.map_err(|e| self.rocks_error("cannot read the index", e))?;
             if key.starts_with(META_PREFIX) {
+                continue;
+            }
+            if key.first() == Some(&HOLD_KEY_TAG) {
+                match decode_hold_key(&key) {
+                    Some((blob, token)) if value[..] == HOLD_VALUE => {
+                        holds.push((blob, token, key))
+                    }
+                    _ => {
+                        bad_keys.push(key);
+                        orphans += 1;
+                    }
+                }
                 continue;
             }
             match decode_key(&key) {
@@ -581,6 +643,8 @@ impl DiskCache {
         for id in with_sums.into_keys() {
             bad_keys.push(sums_key(&id).to_vec().into_boxed_slice());
         }
+        // Holds whose token is gone.
+        let live_holds = hold::sort_holds(holds, &mut bad_keys);
         if !bad_keys.is_empty() {
             let delete_all = |b: &mut WriteBatch| bad_keys.iter().for_each(|k| b.delete(k));
             (self.write_index(delete_all, "cannot clean the index")).map_err(|(e, _)| e)?;
@@ -599,6 +663,9 @@ impl DiskCache {
             }
             st.counters[RECOVERED_ORPHANS] += orphans;
             st.counters[DROPPED_CORRUPT] += corrupt;
+            // Before any eviction: what earlier processes' readers may still read stays.
+            *self.holds.lock().unwrap_or_else(PoisonError::into_inner) =
+                hold::pin_held(&mut st, live_holds, &indexed);
             let over = st.present.saturating_sub(self.capacity);
             st.doom_lru(over)
         };
@@ -808,6 +875,7 @@ impl DiskCache {
                 blob: *blob,
                 chunks: pinned,
                 file: Arc::new(file),
+                hold: None,
             })),
             Err(e) => {
                 for id in &pin_ids {
@@ -925,6 +993,7 @@ impl DiskCache {
             dropped_corrupt: st.counters[DROPPED_CORRUPT],
             enospc: st.counters[ENOSPC],
             recovered_orphans: st.counters[RECOVERED_ORPHANS],
+            stale_holds: (self.holds.lock().unwrap_or_else(PoisonError::into_inner)).len() as u64,
         }
     }
 
@@ -962,16 +1031,6 @@ impl DiskCache {
         if punch {
             self.finish_removal(*id);
         }
-    }
-
-    /// The crc32c values of a chunk of `size` bytes (an error if the index lacks them).
-    fn sums_of(&self, id: &ChunkId, size: u64) -> Result<Arc<[u8]>> {
-        self.sums_of_opt(id, size)?.ok_or_else(|| {
-            self.error(format!(
-                "no crc32c values indexed for chunk {} of blob {}",
-                id.index, id.blob
-            ))
-        })
     }
 
     fn sums_of_opt(&self, id: &ChunkId, size: u64) -> Result<Option<Arc<[u8]>>> {
