@@ -81,6 +81,9 @@ enum Command {
     Umount(node_cmd::UmountArgs),
     /// The node daemon's layers, mounts and cache counters.
     Status(node_cmd::StatusArgs),
+    /// Bring every chunk of layers into the node's local cache, so that a later mount reads
+    /// them straight from local disk (FUSE passthrough); starts the daemon if needed.
+    Warm(node_cmd::WarmArgs),
     /// Layered block devices (OverlayBD) for microVM disks: create, serve (FUSE image file
     /// or ublk), commit.
     #[command(subcommand)]
@@ -416,6 +419,7 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Mount(args) => return node_cmd::mount(args, &url, &cli.cache, cli.json),
         Command::Umount(args) => return node_cmd::umount(args, cli.json),
         Command::Status(args) => return node_cmd::status(args, cli.json),
+        Command::Warm(args) => return node_cmd::warm(args, &url, &cli.cache, cli.json),
         other => other,
     };
     let backend = open_backend(&url).await?;
@@ -706,7 +710,11 @@ async fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Bd(cmd) => bd_cmd::run(cmd, &store, &cli.cache, &home, cli.json).await?,
-        Command::Daemon(_) | Command::Mount(_) | Command::Umount(_) | Command::Status(_) => {
+        Command::Daemon(_)
+        | Command::Mount(_)
+        | Command::Umount(_)
+        | Command::Status(_)
+        | Command::Warm(_) => {
             anyhow::bail!("internal: node commands are dispatched before the store is opened")
         }
         Command::Gc { grace, dry_run } => {

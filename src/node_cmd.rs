@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use fs_cache::Store;
 use ublk_daemon::node::client::Client;
-use ublk_daemon::node::proto::{ApiError, ErrorKind, MountInfo, Pong, Request, Status};
+use ublk_daemon::node::proto::{ApiError, ErrorKind, MountInfo, Pong, Request, Status, WarmInfo};
 use ublk_daemon::node::{server, Node, NodeConfig};
 
 use crate::cache_cmd::CacheOpts;
@@ -59,6 +59,15 @@ pub struct MountArgs {
 #[derive(clap::Args, Debug)]
 pub struct UmountArgs {
     pub mountpoint: PathBuf,
+    #[command(flatten)]
+    pub node: NodeOpts,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct WarmArgs {
+    /// Layers (KIND/NAME:VERSION).
+    #[arg(required = true, value_name = "REF")]
+    pub layers: Vec<String>,
     #[command(flatten)]
     pub node: NodeOpts,
 }
@@ -279,6 +288,36 @@ pub fn mount(args: MountArgs, url: &str, cache: &CacheOpts, json: bool) -> Resul
         println!("{}", info.mountpoint.display());
         Ok(())
     }
+}
+
+/// `strata warm REF...`.
+pub fn warm(args: WarmArgs, url: &str, cache: &CacheOpts, json: bool) -> Result<()> {
+    let mut client = connect_or_start(&args.node, url, cache)?;
+    let mut all = Vec::new();
+    for layer in args.layers {
+        let info: WarmInfo = client.call(Request::Warm { layer }).map_err(explain)?;
+        if !json {
+            let next = match (info.local, info.mounted) {
+                (false, _) => "NOT wholly cached: the local cache is too small for it",
+                (true, false) => "its next mount reads it from local disk (passthrough)",
+                (true, true) => {
+                    "mounted now: reads come from local disk through the cache until it is mounted again"
+                }
+            };
+            println!(
+                "{}: {} of data, {} fetched in {:.1} s; {next}",
+                info.layer,
+                crate::human(info.bytes),
+                crate::human(info.fetched),
+                info.seconds
+            );
+        }
+        all.push(info);
+    }
+    if json {
+        crate::print_json(&all)?;
+    }
+    Ok(())
 }
 
 /// `strata umount MOUNTPOINT`.

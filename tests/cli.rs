@@ -525,7 +525,16 @@ fn mount_umount_status_crash_and_sigterm() {
     assert!(tmp.path().join("upper.work").is_dir(), "default work dir");
     ok(run(&["umount", mp.to_str().unwrap()]));
 
-    // Mounted again with its blob wholly in level 2, the layer reads it in passthrough mode.
+    // `strata warm` brings the whole layer into the node's cache (most of it is there
+    // already); mounted again, the layer reads its blob in passthrough mode.
+    let warmed = json(run(&["--json", "warm", "base/cli:1"]));
+    assert_eq!(warmed[0]["local"], true, "{warmed}");
+    assert_eq!(warmed[0]["mounted"], false, "{warmed}");
+    let said = ok(run(&["warm", "base/cli:1"]));
+    assert!(
+        said.contains("0 B fetched") && said.contains("passthrough"),
+        "{said}"
+    );
     ok(run(&["mount", "base/cli:1", mp.to_str().unwrap()]));
     let status = json(run(&["--json", "status"]));
     assert_eq!(status["layers"][0]["passthrough_blobs"], 1, "{status}");

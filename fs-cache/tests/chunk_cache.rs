@@ -433,6 +433,93 @@ async fn a_fully_cached_blob_can_be_pinned_as_one_local_file() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn warming_a_blob_puts_every_chunk_in_level_2_fetching_only_what_is_missing() {
+    // 40 chunks and a tail: three runs of 16 at most.
+    let f = fixture((40 * CHUNK_SIZE + 999) as usize).await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = |capacity| CacheConfig {
+        disk: Some(DiskCacheConfig {
+            dir: dir.path().join("cache"),
+            capacity,
+        }),
+        ..memory_only(4 * MIB)
+    };
+    let cache = ChunkCache::open(f.store.clone(), config(64 * MIB))
+        .await
+        .unwrap();
+    // Chunks 0-3 in level 2; chunk 20 in level 1 only (written through a pending-write
+    // slot is not guaranteed, so take it out of level 2 if it got there).
+    cache.read(&f.blob, 0, 4 * CHUNK_SIZE).await.unwrap();
+    cache.read(&f.blob, 20 * CHUNK_SIZE, 10).await.unwrap();
+    cache.flush().await.unwrap();
+    drop(cache);
+    let cache = ChunkCache::open(f.store.clone(), config(64 * MIB))
+        .await
+        .unwrap();
+    let before = cache.stats();
+    assert!(cache.warm_local(&f.blob).await.unwrap());
+    let fetched = cache.stats().bytes_fetched - before.bytes_fetched;
+    let size = f.bytes.len() as u64;
+    assert!(
+        fetched <= size - 4 * CHUNK_SIZE && fetched >= size - 5 * CHUNK_SIZE,
+        "fetched {fetched} of {size}: chunks already in level 2 are not fetched again"
+    );
+    // Every chunk is in level 2, whole and right: the blob can be pinned and read as a file.
+    use std::os::unix::fs::FileExt;
+    let pin = cache
+        .pin_local(&f.blob)
+        .await
+        .unwrap()
+        .expect("all in level 2");
+    assert!(pin.verify().unwrap());
+    let mut whole = vec![0u8; size as usize];
+    pin.file().read_exact_at(&mut whole, 0).unwrap();
+    assert!(whole == f.bytes);
+    drop(pin);
+    // Warm again: nothing to do.
+    let before = cache.stats().bytes_fetched;
+    assert!(cache.warm_local(&f.blob).await.unwrap());
+    assert_eq!(cache.stats().bytes_fetched, before);
+    drop(cache);
+
+    // A level 2 smaller than the blob cannot hold it: `false`, and reads still work.
+    let small = tempfile::tempdir().unwrap();
+    let cache = ChunkCache::open(
+        f.store.clone(),
+        CacheConfig {
+            disk: Some(DiskCacheConfig {
+                dir: small.path().join("cache"),
+                capacity: 8 * CHUNK_SIZE,
+            }),
+            ..memory_only(4 * MIB)
+        },
+    )
+    .await
+    .unwrap();
+    assert!(!cache.warm_local(&f.blob).await.unwrap());
+    let got = cache.read(&f.blob, 0, size).await.unwrap();
+    assert!(got[..] == f.bytes[..]);
+
+    // A backend that keeps failing: an error, not a false success.
+    let cold = tempfile::tempdir().unwrap();
+    let cache = ChunkCache::open(
+        f.store.clone(),
+        CacheConfig {
+            disk: Some(DiskCacheConfig {
+                dir: cold.path().join("cache"),
+                capacity: 64 * MIB,
+            }),
+            ..memory_only(4 * MIB)
+        },
+    )
+    .await
+    .unwrap();
+    cache.blob_size(&f.blob).await.unwrap();
+    f.faulty.update(|c| c.error_rate = 1.0);
+    assert!(cache.warm_local(&f.blob).await.is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sequential_readers_of_level_2_are_served_ahead_and_never_get_damaged_bytes() {
     let f = fixture((40 * CHUNK_SIZE + 4321) as usize).await;
     let dir = tempfile::tempdir().unwrap();

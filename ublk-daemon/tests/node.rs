@@ -655,6 +655,68 @@ async fn three_layers_with_an_upper() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_warmed_layer_is_mounted_in_passthrough_and_fetches_nothing_more() {
+    if !require_root("a_warmed_layer_is_mounted_in_passthrough_and_fetches_nothing_more") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let store = Store::new(Arc::new(
+        PosixBackend::open(tmp.path().join("store")).unwrap(),
+    ));
+    let src = tmp.path().join("src");
+    for i in 0..12u64 {
+        write(
+            &src.join(format!("d{}/f{i}", i % 3)),
+            &noise(i, 300_000 + i as usize * 77_777),
+        );
+    }
+    let m = push_layer(&store, &src, "toolkit/warm:1", tmp.path()).await;
+    let blob_bytes: u64 = m.blobs.iter().map(|b| b.size).sum();
+    let run_dir = tmp.path().join("run");
+    let mp = tmp.path().join("mnt");
+    std::fs::create_dir(&mp).unwrap();
+    let _guard = MountGuard {
+        run_dir: run_dir.clone(),
+        extra: vec![Detach(mp.clone())],
+    };
+    let node = start(&run_dir, &tmp.path().join("cache"), store).await;
+
+    let e = node.warm("toolkit/nope:1").await.unwrap_err();
+    assert_eq!(e.kind, ErrorKind::UnknownLayer, "{e}");
+    let w = node.warm("toolkit/warm:1").await.unwrap();
+    assert!(w.local && !w.mounted, "{w:?}");
+    assert_eq!(w.bytes, blob_bytes);
+    assert_eq!(w.fetched, blob_bytes, "every chunk fetched once");
+    assert!(
+        node.status().await.layers.is_empty(),
+        "warming registers nothing"
+    );
+
+    node.mount(&["toolkit/warm:1".into()], &mp, None, None)
+        .await
+        .unwrap();
+    let status = node.status().await;
+    assert_eq!(status.layers[0].passthrough_blobs, 1);
+    let before = node.cache().stats();
+    let (entries, bytes) = tokio::task::spawn_blocking({
+        let (src, mp) = (src.clone(), mp.clone());
+        move || compare_trees(&src, &mp)
+    })
+    .await
+    .unwrap();
+    assert!(entries > 12 && bytes > 3_000_000, "{entries} {bytes}");
+    let after = node.cache().stats();
+    assert_eq!(after.bytes_fetched, before.bytes_fetched);
+    assert_eq!((after.hits, after.misses), (before.hits, before.misses));
+
+    // Warming a mounted layer: nothing to fetch, and it says the mount keeps its mode.
+    let w = node.warm("toolkit/warm:1").await.unwrap();
+    assert!(w.local && w.mounted && w.fetched == 0, "{w:?}");
+    node.umount(&mp).await.unwrap();
+    node.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_failing_backend_fails_that_read_only() {
     if !require_root("a_failing_backend_fails_that_read_only") {
         return;

@@ -34,6 +34,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
+use futures::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{watch, Notify, Semaphore};
 
@@ -199,6 +200,10 @@ const DISK_RUN_CHUNKS: u64 = 8;
 /// Fetched chunks waiting to be written to level 2 in the background; past this, new chunks
 /// are served but not kept on disk (and counted).
 const MAX_PENDING_DISK_WRITES: usize = 64;
+/// Chunks per run of [`ChunkCache::warm_local`] (4 MiB: one backend request).
+pub const WARM_RUN_CHUNKS: usize = 16;
+/// Runs of [`ChunkCache::warm_local`] in flight.
+pub const WARM_RUNS_IN_FLIGHT: usize = 4;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Priority {
@@ -331,6 +336,71 @@ impl ChunkCache {
         tokio::task::spawn_blocking(move || disk.pin_blob(&blob, chunks, last.end - last.start))
             .await
             .map_err(|e| Error::io("pin", "disk cache", std::io::Error::other(e)))?
+    }
+
+    /// Make every chunk of `blob` resident in level 2 (a node warming a layer before it is
+    /// mounted): chunks already there are left alone, chunks in level 1 are written from
+    /// there, the others are fetched (at prefetch priority, below demand reads; verified as
+    /// always) and written, [`WARM_RUNS_IN_FLIGHT`] runs of up to [`WARM_RUN_CHUNKS`] chunks
+    /// at a time. Unlike readahead, no write to level 2 is skipped for lack of pending-write
+    /// slots: this waits for each. Returns whether every chunk is in level 2 at the end
+    /// (`false` without a level 2, or when it is too small to keep them all).
+    pub async fn warm_local(&self, blob: &Digest) -> Result<bool> {
+        let table = self.register(blob).await?;
+        let Some(disk) = self.inner.disk.clone() else {
+            return Ok(false);
+        };
+        let blob = *blob;
+        let id = move |index| ChunkId { blob, index };
+        let chunks = table.chunk_count();
+        let mut runs: Vec<Vec<u64>> = Vec::new();
+        for index in (0..chunks).filter(|&i| !disk.contains(&id(i))) {
+            match runs.last_mut() {
+                Some(run)
+                    if run.len() < WARM_RUN_CHUNKS && run.last().map(|l| l + 1) == Some(index) =>
+                {
+                    run.push(index)
+                }
+                _ => runs.push(vec![index]),
+            }
+        }
+        let inner = &self.inner;
+        let table = &table;
+        futures::stream::iter(runs)
+            .map(|run| {
+                let disk = disk.clone();
+                async move {
+                    let mut have = Vec::with_capacity(run.len());
+                    let mut need = Vec::new();
+                    for i in run {
+                        match inner.memory_get(&id(i)) {
+                            Some(b) => have.push((i, b)),
+                            None => need.push(i),
+                        }
+                    }
+                    if !need.is_empty() {
+                        let got = inner.fetch_chunks(table, &need, Priority::Prefetch).await?;
+                        have.extend(need.into_iter().zip(got));
+                    }
+                    tokio::task::spawn_blocking(move || {
+                        have.iter().try_for_each(|(i, b)| disk.put(&id(*i), b))
+                    })
+                    .await
+                    .map_err(|e| Error::io("warm", "disk cache", std::io::Error::other(e)))?
+                }
+            })
+            .buffer_unordered(WARM_RUNS_IN_FLIGHT)
+            .try_collect::<Vec<()>>()
+            .await?;
+        // A fetched chunk may also have been handed to a background level-2 write, which
+        // the put above then left alone (already being put): wait for those.
+        drop(
+            self.inner
+                .disk_writes
+                .acquire_many(MAX_PENDING_DISK_WRITES as u32)
+                .await,
+        );
+        Ok((0..chunks).all(|i| disk.contains(&id(i))))
     }
 
     /// Let level 2 evict again the chunks that an earlier process's holds kept pinned, where

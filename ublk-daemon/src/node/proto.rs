@@ -17,6 +17,7 @@
 //! | `mount` | `layers` (first lowest), `mountpoint`, `upper`?, `work`? | [`MountInfo`] |
 //! | `umount` | `mountpoint` | [`MountInfo`] (what was released) |
 //! | `stats` | — | [`Status`] |
+//! | `warm` | `layer` | [`WarmInfo`] (every chunk of the layer's blobs in the node's level 2) |
 //!
 //! Adding an optional field or a new op keeps [`VERSION`]; changing the meaning of one bumps it.
 
@@ -55,6 +56,9 @@ pub enum Request {
         mountpoint: PathBuf,
     },
     Stats,
+    Warm {
+        layer: String,
+    },
 }
 
 /// A request line: the version and the request.
@@ -165,6 +169,26 @@ pub struct Pong {
     /// The store URL the daemon serves.
     pub store: String,
     pub run_dir: PathBuf,
+}
+
+/// `warm`'s answer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WarmInfo {
+    /// The reference, as given.
+    pub layer: String,
+    /// The layer's node-local id (its meta image digest).
+    pub id: String,
+    /// Bytes of its data blobs.
+    pub bytes: u64,
+    /// Bytes the cache fetched from the backend while warming (other reads running at the
+    /// same time count too).
+    pub fetched: u64,
+    pub seconds: f64,
+    /// Every chunk of every blob is in level 2 (not so when level 2 is too small).
+    pub local: bool,
+    /// The layer's EROFS is mounted now: it keeps reading through the cache (from level 2)
+    /// until it is mounted again; a layer not mounted now is mounted in passthrough mode.
+    pub mounted: bool,
 }
 
 /// A registered layer.
