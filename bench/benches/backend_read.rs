@@ -55,7 +55,9 @@ impl Local {
             "strata-bench.",
             "a temporary directory for the test file",
         );
-        let backend = PosixBackend::open(dir.path().join("store")).expect("open PosixBackend");
+        let backend = PosixBackend::open(dir.path().join("store"))
+            .expect("open PosixBackend")
+            .keep_read_pages(true);
         let started = Instant::now();
         let mut data = vec![0u8; FILE_SIZE as usize];
         fill_pseudo_random(&mut data, 0x5354_5241_5441);

@@ -393,6 +393,11 @@ fn main() {
                 }),
                 // Demand fetches only: every fetched chunk is written to level 2.
                 readahead_bytes: 0,
+                // `STRATA_LAZY_READ_L2_RA_MB`: the level-2 readahead window (default 8).
+                disk_readahead_bytes: std::env::var("STRATA_LAZY_READ_L2_RA_MB")
+                    .ok()
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .map_or(CacheConfig::default().disk_readahead_bytes, |mb| mb << 20),
                 ..CacheConfig::default()
             },
         ))

@@ -107,3 +107,68 @@ async fn file_urls_and_plain_paths_open_posix() {
     assert_eq!(&b.get("k").await.unwrap()[..], b"v");
     assert!(b.to_string().starts_with("file://"));
 }
+
+/// Pages of `path` in `range` that are in the page cache (mincore(2)).
+fn resident_pages(path: &std::path::Path, range: std::ops::Range<usize>) -> usize {
+    let f = std::fs::File::open(path).unwrap();
+    let len = f.metadata().unwrap().len() as usize;
+    // SAFETY: a fresh read-only shared mapping of the whole file; unmapped below, and the
+    // pointer is only handed to mincore.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            std::os::fd::AsRawFd::as_raw_fd(&f),
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    let mut vec = vec![0u8; len.div_ceil(4096)];
+    // SAFETY: `p` maps `len` bytes; `vec` has one byte per page of them.
+    let rc = unsafe { libc::mincore(p, len, vec.as_mut_ptr()) };
+    // SAFETY: the mapping made above, no longer used.
+    unsafe { libc::munmap(p, len) };
+    assert_eq!(rc, 0);
+    vec[range.start / 4096..range.end.div_ceil(4096)]
+        .iter()
+        .filter(|b| **b & 1 == 1)
+        .count()
+}
+
+#[tokio::test]
+async fn ranged_reads_leave_no_page_cache_copy_unless_asked() {
+    // On the build's disk, not tmpfs (whose pages cannot be dropped).
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let b = PosixBackend::open(dir.path()).unwrap();
+    let data: Vec<u8> = (0..8u32 << 20)
+        .map(|i| (i.wrapping_mul(2654435761) >> 11) as u8)
+        .collect();
+    b.put("blobs/x", Bytes::from(data.clone())).await.unwrap();
+    let path = dir.path().join("blobs/x");
+    let cold = || {
+        let f = std::fs::File::open(&path).unwrap();
+        rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed).unwrap();
+    };
+    let range = (1 << 20)..(5 << 20);
+    cold();
+    assert_eq!(resident_pages(&path, 0..8 << 20), 0, "starts uncached");
+    let got = b
+        .get_range("blobs/x", range.start as u64..range.end as u64)
+        .await
+        .unwrap();
+    assert!(got[..] == data[range.clone()]);
+    assert_eq!(resident_pages(&path, range.clone()), 0, "pages dropped");
+
+    let keep = PosixBackend::open(dir.path())
+        .unwrap()
+        .keep_read_pages(true);
+    cold();
+    let got = keep
+        .get_range("blobs/x", range.start as u64..range.end as u64)
+        .await
+        .unwrap();
+    assert!(got[..] == data[range.clone()]);
+    assert_eq!(resident_pages(&path, range.clone()), 1024, "pages kept");
+}

@@ -19,6 +19,13 @@
 //! - **Large positional reads.** A ranged read opens the file once and `pread`s the whole range
 //!   into one buffer; a concurrent replacement cannot mix versions because the open descriptor
 //!   pins the inode.
+//! - **No cached copy of ranged reads** (unless [`PosixBackend::keep_read_pages`]). After a
+//!   ranged read the range's pages are dropped
+//!   (`fadvise(DONTNEED)`): ranged reads come from the chunk cache, which keeps the bytes
+//!   itself (memory, its level-2 files, the kernel's cache of the lazy mount above), so a copy
+//!   in this file's page cache would only double the node's memory per byte read (measured:
+//!   cold reads through a lazy mount over a local store grew the page cache by 2.1 bytes per
+//!   byte read; `bench/README.md`, `lazy_read`).
 
 use std::fmt;
 use std::fs::File;
@@ -42,6 +49,8 @@ use crate::error::{Error, Result};
 #[derive(Clone)]
 pub struct PosixBackend {
     inner: Arc<Inner>,
+    /// Drop the pages of each ranged read (module docs); on unless turned off.
+    drop_read_pages: bool,
 }
 
 struct Inner {
@@ -82,7 +91,16 @@ impl PosixBackend {
         .map_err(|e| Error::io("open store directory", &root, e.into()))?;
         Ok(Self {
             inner: Arc::new(Inner { root, root_fd }),
+            drop_read_pages: true,
         })
+    }
+
+    /// Keep (`true`) or drop (`false`, the default) the page-cache pages of ranged reads (see
+    /// the module docs). Keeping them suits a caller without a cache of its own that reads the
+    /// same ranges again (the `backend_read` bench measures page-cache reads this way).
+    pub fn keep_read_pages(mut self, keep: bool) -> Self {
+        self.drop_read_pages = !keep;
+        self
     }
 
     /// The root directory.
@@ -299,6 +317,7 @@ impl Backend for PosixBackend {
     async fn get_range(&self, key: &str, range: Range<u64>) -> Result<Bytes> {
         validate_key(key)?;
         let key = key.to_owned();
+        let drop_pages = self.drop_read_pages;
         self.blocking(move |inner| {
             let (file, st) = inner.open_object(&key)?;
             let size = st.st_size as u64;
@@ -335,6 +354,14 @@ impl Backend for PosixBackend {
                 }
             }
             buf.truncate(len);
+            if drop_pages {
+                let _ = rustix::fs::fadvise(
+                    &file,
+                    r.start,
+                    std::num::NonZeroU64::new(len as u64),
+                    rustix::fs::Advice::DontNeed,
+                );
+            }
             Ok(Bytes::from(buf))
         })
         .await
