@@ -293,16 +293,30 @@ pub fn mount(args: MountArgs, url: &str, cache: &CacheOpts, json: bool) -> Resul
 /// `strata warm REF...`.
 pub fn warm(args: WarmArgs, url: &str, cache: &CacheOpts, json: bool) -> Result<()> {
     let mut client = connect_or_start(&args.node, url, cache)?;
+    // A large layer over a slow backend takes as long as it takes.
+    client
+        .set_read_timeout(None)
+        .context("talking to the strata daemon")?;
     let mut all = Vec::new();
     for layer in args.layers {
         let info: WarmInfo = client.call(Request::Warm { layer }).map_err(explain)?;
         if !json {
-            let next = match (info.local, info.mounted) {
-                (false, _) => "NOT wholly cached: the local cache is too small for it",
-                (true, false) => "its next mount reads it from local disk (passthrough)",
-                (true, true) => {
-                    "mounted now: reads come from local disk through the cache until it is mounted again"
+            let why = info.no_passthrough_because.as_deref().unwrap_or("");
+            let next = match (info.mounted, info.passthrough_next) {
+                _ if !info.local => format!("NOT wholly in the local cache: {why}"),
+                (true, _) if info.passthrough_now as usize == info.blobs => {
+                    "mounted now, read from local disk directly (passthrough)".to_owned()
                 }
+                (true, true) => "mounted now, read through the cache (from local disk); \
+                                 passthrough from its next mount"
+                    .to_owned(),
+                (true, false) => format!(
+                    "mounted now, read through the cache (from local disk); no passthrough: {why}"
+                ),
+                (false, true) => {
+                    "its next mount reads it from local disk directly (passthrough)".to_owned()
+                }
+                (false, false) => format!("its next mount reads it through the cache: {why}"),
             };
             println!(
                 "{}: {} of data, {} fetched in {:.1} s; {next}",

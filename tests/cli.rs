@@ -530,15 +530,22 @@ fn mount_umount_status_crash_and_sigterm() {
     let warmed = json(run(&["--json", "warm", "base/cli:1"]));
     assert_eq!(warmed[0]["local"], true, "{warmed}");
     assert_eq!(warmed[0]["mounted"], false, "{warmed}");
+    let pt = warmed[0]["passthrough_next"] == true;
+    if !pt {
+        eprintln!(
+            "*** SKIPPED: the CLI's passthrough checks: {} ***",
+            warmed[0]["no_passthrough_because"]
+        );
+    }
     let said = ok(run(&["warm", "base/cli:1"]));
-    assert!(
-        said.contains("0 B fetched") && said.contains("passthrough"),
-        "{said}"
-    );
+    assert!(said.contains("0 B fetched"), "{said}");
     ok(run(&["mount", "base/cli:1", mp.to_str().unwrap()]));
-    let status = json(run(&["--json", "status"]));
-    assert_eq!(status["layers"][0]["passthrough_blobs"], 1, "{status}");
-    assert!(ok(run(&["status"])).contains("passthrough 1/1"));
+    if pt {
+        assert!(said.contains("next mount reads it from local disk directly"));
+        let status = json(run(&["--json", "status"]));
+        assert_eq!(status["layers"][0]["passthrough_blobs"], 1, "{status}");
+        assert!(ok(run(&["status"])).contains("passthrough 1/1"));
+    }
 
     // kill -9: the next daemon detaches the old mounts and restores the user mount. A
     // passthrough layer needs no daemon to be read: a file left open on the old mount keeps
@@ -548,11 +555,18 @@ fn mount_umount_status_crash_and_sigterm() {
     let pid = guard.pid().expect("the started daemon's pid");
     DaemonGuard::signal(pid, rustix::process::Signal::KILL);
     wait_gone(pid);
-    assert_eq!(
-        std::fs::read(mp.join("sub/hello.txt")).unwrap(),
-        b"hello",
-        "a passthrough layer outlives its daemon"
-    );
+    if pt {
+        assert_eq!(
+            std::fs::read(mp.join("sub/hello.txt")).unwrap(),
+            b"hello",
+            "a passthrough layer outlives its daemon"
+        );
+    } else {
+        assert!(
+            std::fs::read(mp.join("sub/hello.txt")).is_err(),
+            "a dead daemon's mount"
+        );
+    }
     let child = cmd()
         .args(["daemon"])
         .stdout(std::process::Stdio::null())
@@ -570,12 +584,20 @@ fn mount_umount_status_crash_and_sigterm() {
     }
     assert_eq!(std::fs::read(mp.join("sub/hello.txt")).unwrap(), b"hello");
     assert_eq!(std::fs::read(mp.join("big.bin")).unwrap(), big);
-    let status = json(run(&["--json", "status"]));
-    assert_eq!(status["cache"]["disk"]["stale_holds"], 1, "{status}");
-    let mut old_bytes = Vec::new();
-    std::io::Read::read_to_end(&mut open_before, &mut old_bytes).unwrap();
-    assert!(old_bytes == big, "read through the old, detached mount");
-    drop(open_before);
+    if pt {
+        let status = json(run(&["--json", "status"]));
+        assert_eq!(status["cache"]["disk"]["stale_holds"], 1, "{status}");
+        let mut old_bytes = Vec::new();
+        std::io::Read::read_to_end(&mut open_before, &mut old_bytes).unwrap();
+        assert!(old_bytes == big, "read through the old, detached mount");
+        // Once that file is closed the old mount and its FUSE connection go: the next layer
+        // activation releases the hold.
+        drop(open_before);
+        ok(run(&["umount", mp.to_str().unwrap()]));
+        ok(run(&["mount", "base/cli:1", mp.to_str().unwrap()]));
+        let status = json(run(&["--json", "status"]));
+        assert_eq!(status["cache"]["disk"]["stale_holds"], 0, "{status}");
+    }
     let mounted = ours_mounted(&run_dir, &mp);
     assert_eq!(mounted.len(), 3, "blobs, layer, user mount: {mounted:?}");
 

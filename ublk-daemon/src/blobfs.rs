@@ -179,7 +179,11 @@ impl BlobFs {
         )?;
         let notifier = session.notifier();
         raise_bdi_readahead(&mountpoint, cfg.max_read);
-        let connection = fuse_connection(&mountpoint);
+        let connection = if cfg.passthrough {
+            fuse_connection(&mountpoint)
+        } else {
+            None
+        };
         Ok(BlobFs {
             connection,
             mountpoint,
@@ -252,7 +256,9 @@ impl BlobFs {
     pub async fn enable_passthrough(&self, blob: &Digest) -> Result<bool> {
         if !self.passthrough_available() {
             return Err(Error::InvalidConfig(
-                "FUSE passthrough was not configured or the kernel refused it".into(),
+                "FUSE passthrough was not configured, the kernel refused it, or fusectl is \
+                 not mounted"
+                    .into(),
             ));
         }
         let e = self
@@ -265,10 +271,6 @@ impl BlobFs {
         // Without a connection directory to hold the pin by, a crash could leave the kernel
         // reading chunks that the next daemon evicts: no passthrough then.
         let Some(token) = self.connection.clone() else {
-            tracing::warn!(
-                "no FUSE connection directory under /sys/fs/fuse/connections (is fusectl \
-                 mounted?): passthrough refused"
-            );
             return Ok(false);
         };
         let Some(mut pin) = self.cache.pin_local(blob).await? else {
@@ -317,9 +319,11 @@ impl BlobFs {
             .sum()
     }
 
-    /// Whether the kernel accepted FUSE passthrough at INIT (only asked for when configured).
+    /// Whether blobs can be opened in passthrough mode: the kernel accepted FUSE passthrough
+    /// at INIT (only asked for when configured), and this mount's FUSE connection directory
+    /// is there to hold pins by (fusectl mounted).
     pub fn passthrough_available(&self) -> bool {
-        self.negotiated.passthrough.load(Ordering::Relaxed)
+        self.negotiated.passthrough.load(Ordering::Relaxed) && self.connection.is_some()
     }
 
     /// Counters of this mount.
@@ -426,12 +430,21 @@ pub fn set_mount_readahead(mountpoint: &Path, bytes: u64) -> Result<()> {
     std::fs::write(&path, format!("{}", bytes / 1024)).map_err(|e| Error::io("write", &path, e))
 }
 
-/// The FUSE connection directory of the mount at `mountpoint` (named after the minor number
-/// of its anonymous device), if fusectl is mounted and shows it.
+/// The FUSE connection directory of the mount at `mountpoint` (named after the kernel's
+/// device number of the mount, `major << 20 | minor`), if fusectl is mounted and shows it.
 fn fuse_connection(mountpoint: &Path) -> Option<PathBuf> {
     let st = rustix::fs::stat(mountpoint).ok()?;
-    let dir = Path::new("/sys/fs/fuse/connections").join(rustix::fs::minor(st.st_dev).to_string());
-    dir.is_dir().then_some(dir)
+    let dev =
+        (u64::from(rustix::fs::major(st.st_dev)) << 20) | u64::from(rustix::fs::minor(st.st_dev));
+    let dir = Path::new("/sys/fs/fuse/connections").join(dev.to_string());
+    if !dir.is_dir() {
+        tracing::warn!(
+            dir = %dir.display(),
+            "no FUSE connection directory (is fusectl mounted?): no passthrough"
+        );
+        return None;
+    }
+    Some(dir)
 }
 
 /// Raise the blob mount's readahead window to `max_read` (the kernel caps the one negotiated

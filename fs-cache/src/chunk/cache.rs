@@ -200,8 +200,8 @@ const DISK_RUN_CHUNKS: u64 = 8;
 /// Fetched chunks waiting to be written to level 2 in the background; past this, new chunks
 /// are served but not kept on disk (and counted).
 const MAX_PENDING_DISK_WRITES: usize = 64;
-/// Chunks per run of [`ChunkCache::warm_local`] (4 MiB: one backend request).
-pub const WARM_RUN_CHUNKS: usize = 16;
+/// Bytes per run of [`ChunkCache::warm_local`] (one backend request).
+pub const WARM_RUN_BYTES: u64 = 4 << 20;
 /// Runs of [`ChunkCache::warm_local`] in flight.
 pub const WARM_RUNS_IN_FLIGHT: usize = 4;
 
@@ -341,24 +341,28 @@ impl ChunkCache {
     /// Make every chunk of `blob` resident in level 2 (a node warming a layer before it is
     /// mounted): chunks already there are left alone, chunks in level 1 are written from
     /// there, the others are fetched (at prefetch priority, below demand reads; verified as
-    /// always) and written, [`WARM_RUNS_IN_FLIGHT`] runs of up to [`WARM_RUN_CHUNKS`] chunks
-    /// at a time. Unlike readahead, no write to level 2 is skipped for lack of pending-write
-    /// slots: this waits for each. Returns whether every chunk is in level 2 at the end
-    /// (`false` without a level 2, or when it is too small to keep them all).
+    /// always) and written, [`WARM_RUNS_IN_FLIGHT`] runs of up to [`WARM_RUN_BYTES`] at a
+    /// time. Unlike readahead, no write to level 2 is skipped for lack of pending-write
+    /// slots: this waits for each. Fetched chunks also pass through level 1, as any fetch.
+    /// Returns whether every chunk is in level 2 at the end (`false` without a level 2, for a
+    /// blob whose chunks are not [`CHUNK_SIZE`](super::CHUNK_SIZE) — level 2 keeps only
+    /// those — or when level 2 is too small to keep them all).
     pub async fn warm_local(&self, blob: &Digest) -> Result<bool> {
         let table = self.register(blob).await?;
         let Some(disk) = self.inner.disk.clone() else {
             return Ok(false);
         };
+        if table.chunk_size != super::CHUNK_SIZE {
+            return Ok(false);
+        }
+        let run_chunks = (WARM_RUN_BYTES / table.chunk_size).max(1) as usize;
         let blob = *blob;
         let id = move |index| ChunkId { blob, index };
         let chunks = table.chunk_count();
         let mut runs: Vec<Vec<u64>> = Vec::new();
         for index in (0..chunks).filter(|&i| !disk.contains(&id(i))) {
             match runs.last_mut() {
-                Some(run)
-                    if run.len() < WARM_RUN_CHUNKS && run.last().map(|l| l + 1) == Some(index) =>
-                {
+                Some(run) if run.len() < run_chunks && run.last().map(|l| l + 1) == Some(index) => {
                     run.push(index)
                 }
                 _ => runs.push(vec![index]),

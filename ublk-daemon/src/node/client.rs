@@ -29,6 +29,11 @@ impl Client {
         })
     }
 
+    /// How long to wait for an answer (`None`: as long as it takes); 600 s from `connect`.
+    pub fn set_read_timeout(&mut self, timeout: Option<Duration>) -> std::io::Result<()> {
+        self.writer.set_read_timeout(timeout)
+    }
+
     /// Send one request and decode its result.
     pub fn call<T: DeserializeOwned>(&mut self, request: Request) -> Result<T, ApiError> {
         let transport = |e: std::io::Error| {

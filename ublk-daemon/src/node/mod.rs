@@ -37,7 +37,7 @@ pub mod server;
 pub mod state;
 pub mod sys;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -111,8 +111,9 @@ impl NodeConfig {
 struct Inner {
     state: State,
     blobfs: Option<BlobFs>,
-    /// Layers whose EROFS is mounted now.
-    active: HashSet<String>,
+    /// Layers whose EROFS is mounted now, with how many of their blobs that mount reads in
+    /// FUSE passthrough mode.
+    active: HashMap<String, u32>,
 }
 
 /// The running node (see the module docs).
@@ -269,7 +270,7 @@ impl Node {
             inner: Mutex::new(Inner {
                 state: State::new(&config.store_url),
                 blobfs: Some(blobfs),
-                active: HashSet::new(),
+                active: HashMap::new(),
             }),
             stopping: AtomicBool::new(false),
             _lock: lock,
@@ -368,6 +369,13 @@ impl Node {
         &self.config
     }
 
+    /// Whether this node can read blobs in FUSE passthrough mode at all (configured, the
+    /// kernel agreed, fusectl mounted).
+    pub async fn passthrough_available(&self) -> bool {
+        self.config.passthrough
+            && (self.inner.lock().await.blobfs.as_ref()).is_some_and(BlobFs::passthrough_available)
+    }
+
     pub fn cache(&self) -> &Arc<ChunkCache> {
         &self.cache
     }
@@ -446,12 +454,7 @@ impl Node {
                 .collect(),
             pins: l.pins,
             users: inner.state.users(id),
-            passthrough_blobs: inner.blobfs.as_ref().map_or(0, |fs| {
-                l.blobs
-                    .iter()
-                    .filter(|b| fs.passthrough_enabled(&b.digest))
-                    .count() as u32
-            }),
+            passthrough_blobs: inner.active.get(id).copied().unwrap_or(0),
             mnt: self.layer_dir(id).join("mnt"),
         })
     }
@@ -512,8 +515,12 @@ impl Node {
     /// Mount layer `id`'s EROFS if it is not mounted: fetch the meta image (unless a verified
     /// copy is on disk), expose its blobs, mount.
     async fn activate(&self, inner: &mut Inner, id: &str) -> Result<()> {
-        if inner.active.contains(id) {
+        if inner.active.contains_key(id) {
             return Ok(());
+        }
+        // Level-2 chunks held for a dead daemon's readers may be free to go now.
+        if let Err(e) = self.cache.release_stale_holds().await {
+            tracing::warn!(error = %e, "releasing stale level-2 holds");
         }
         let layer = inner
             .state
@@ -542,6 +549,11 @@ impl Node {
             devices.push(path);
             self.try_passthrough(blobfs, &b.digest, id).await;
         }
+        let passthrough = layer
+            .blobs
+            .iter()
+            .filter(|b| blobfs.passthrough_enabled(&b.digest))
+            .count() as u32;
         let readahead = self.config.layer_readahead;
         blocking(move || {
             sys::mount_erofs(&meta_path, &devices, &mnt)?;
@@ -554,21 +566,41 @@ impl Node {
             Ok(())
         })
         .await?;
-        inner.active.insert(id.to_owned());
+        inner.active.insert(id.to_owned(), passthrough);
         Ok(())
     }
 
-    /// Before a layer's EROFS opens `blob`'s file: if every chunk of the blob is in level 2
-    /// (and pinning it keeps at most half of level 2 pinned), pin and check it so that the
-    /// mount reads it in passthrough mode, straight from the level-2 file. Otherwise, or if
-    /// that fails, reads go through the cache as usual.
-    async fn try_passthrough(&self, blobfs: &BlobFs, blob: &Digest, layer: &str) {
-        if !blobfs.passthrough_available() || blobfs.passthrough_enabled(blob) {
-            return;
+    /// Why a blob of `size` bytes, wholly in level 2, would not be read in passthrough mode
+    /// if its layer were mounted now; `None` if it would.
+    fn passthrough_refusal(&self, blobfs: &BlobFs, size: u64) -> Option<&'static str> {
+        if !self.config.passthrough {
+            return Some("passthrough is off (strata daemon --no-passthrough)");
+        }
+        if !blobfs.passthrough_available() {
+            return Some(
+                "the kernel refused FUSE passthrough, or fusectl is not mounted at \
+                 /sys/fs/fuse/connections",
+            );
         }
         let Some(capacity) = self.config.cache.disk.as_ref().map(|d| d.capacity) else {
-            return;
+            return Some("the cache has no level 2");
         };
+        if blobfs.passthrough_bytes().saturating_add(size) > capacity / 2 {
+            return Some("it would keep more than half of level 2 pinned");
+        }
+        None
+    }
+
+    /// Before a layer's EROFS opens `blob`'s file: if every chunk of the blob is in level 2
+    /// (and [`Node::passthrough_refusal`] has no objection), pin the chunks, check them and
+    /// hold them (`BlobFs::enable_passthrough`), so that the mount reads the blob in
+    /// passthrough mode, straight from the level-2 file. Otherwise, or if that fails, reads
+    /// go through the cache as usual. The check reads the whole blob (`O_DIRECT`, about
+    /// 0.3 s per 512 MiB here) while the node's lock is held: other requests wait for it.
+    async fn try_passthrough(&self, blobfs: &BlobFs, blob: &Digest, layer: &str) {
+        if blobfs.passthrough_enabled(blob) {
+            return;
+        }
         let size = match self.cache.blob_size(blob).await {
             Ok(size) => size,
             Err(e) => {
@@ -576,8 +608,8 @@ impl Node {
                 return;
             }
         };
-        if blobfs.passthrough_bytes().saturating_add(size) > capacity / 2 {
-            tracing::info!(%blob, layer, "no passthrough: it would pin more than half of level 2");
+        if let Some(why) = self.passthrough_refusal(blobfs, size) {
+            tracing::debug!(%blob, layer, "no passthrough: {why}");
             return;
         }
         let started = std::time::Instant::now();
@@ -628,7 +660,7 @@ impl Node {
             if inner.state.needed(id) {
                 continue;
             }
-            if inner.active.contains(id) {
+            if inner.active.contains_key(id) {
                 let mnt = self.layer_dir(id).join("mnt");
                 if let Err(e) = blocking(move || sys::unmount(&mnt, true)).await {
                     tracing::error!("unmount layer {id}: {e}");
@@ -661,7 +693,8 @@ impl Node {
 
     /// Bring every chunk of a layer's data blobs into level 2 (`ChunkCache::warm_local`), so
     /// that the layer, when next mounted, reads them in passthrough mode. Holds no lock while
-    /// fetching: other requests go on meanwhile. Changes no state.
+    /// fetching: other requests go on meanwhile. Changes no state (chunk tables loaded for a
+    /// blob no mounted layer uses are dropped again).
     pub async fn warm(&self, reference: &str) -> Result<WarmInfo> {
         self.check_running()?;
         let r: LayerRef = reference
@@ -672,21 +705,67 @@ impl Node {
         let before = self.cache.stats().bytes_fetched;
         let mut local = true;
         for b in &blobs {
-            local &= self.cache.warm_local(&b.digest).await.map_err(|e| {
-                ApiError::from_store(&format!("warm blob {} of layer {r}", b.digest), &e)
-            })?;
+            self.check_running()?;
+            let warmed = self.cache.warm_local(&b.digest).await;
+            local &= *warmed.as_ref().unwrap_or(&false);
+            if let Err(e) = warmed {
+                self.forget_unused_tables(&blobs).await;
+                return Err(ApiError::from_store(
+                    &format!("warm blob {} of layer {r}", b.digest),
+                    &e,
+                ));
+            }
         }
+        let fetched = self.cache.stats().bytes_fetched.saturating_sub(before);
+        let seconds = started.elapsed().as_secs_f64();
+        self.forget_unused_tables(&blobs).await;
         let id = meta.digest.to_hex();
-        let mounted = self.inner.lock().await.active.contains(&id);
+        let bytes = blobs.iter().map(|b| b.size).sum();
+        let inner = self.inner.lock().await;
+        let passthrough_now = inner.active.get(&id).copied();
+        let refusal = match (&inner.blobfs, local) {
+            (_, false) => Some(
+                "not every chunk is in level 2 (it is too small for them, or they are not \
+                 256 KiB chunks)",
+            ),
+            (None, true) => Some("the daemon is stopping"),
+            (Some(fs), true) => {
+                let pinned_here: u64 = blobs
+                    .iter()
+                    .filter(|b| fs.passthrough_enabled(&b.digest))
+                    .map(|b| b.size)
+                    .sum();
+                self.passthrough_refusal(fs, bytes - pinned_here)
+            }
+        };
         Ok(WarmInfo {
             layer: r.to_string(),
             id,
-            bytes: blobs.iter().map(|b| b.size).sum(),
-            fetched: self.cache.stats().bytes_fetched.saturating_sub(before),
-            seconds: started.elapsed().as_secs_f64(),
+            bytes,
+            blobs: blobs.len(),
+            fetched,
+            seconds,
             local,
-            mounted,
+            mounted: passthrough_now.is_some(),
+            passthrough_now: passthrough_now.unwrap_or(0),
+            passthrough_next: refusal.is_none(),
+            no_passthrough_because: refusal.map(str::to_owned),
         })
+    }
+
+    /// Drop the chunk tables of `blobs` that no listed layer uses (they are loaded again on
+    /// demand).
+    async fn forget_unused_tables(&self, blobs: &[BlobRef]) {
+        let inner = self.inner.lock().await;
+        let used: HashSet<Digest> = inner
+            .state
+            .layers
+            .values()
+            .flat_map(|l| l.blobs.iter().map(|b| b.digest))
+            .collect();
+        for b in blobs.iter().filter(|b| !used.contains(&b.digest)) {
+            self.cache.unregister(&b.digest);
+        }
     }
 
     /// Pin a layer: fetch its meta image, expose its blobs, mount its EROFS.
@@ -922,7 +1001,7 @@ impl Node {
                 first_error.get_or_insert(e);
             }
         }
-        let active: Vec<String> = inner.active.drain().collect();
+        let active: Vec<String> = inner.active.drain().map(|(id, _)| id).collect();
         for id in &active {
             let mnt = self.layer_dir(id).join("mnt");
             if let Err(e) = blocking(move || sys::unmount(&mnt, true)).await {

@@ -180,15 +180,28 @@ pub struct WarmInfo {
     pub id: String,
     /// Bytes of its data blobs.
     pub bytes: u64,
+    /// How many data blobs it has.
+    #[serde(default)]
+    pub blobs: usize,
     /// Bytes the cache fetched from the backend while warming (other reads running at the
     /// same time count too).
     pub fetched: u64,
     pub seconds: f64,
     /// Every chunk of every blob is in level 2 (not so when level 2 is too small).
     pub local: bool,
-    /// The layer's EROFS is mounted now: it keeps reading through the cache (from level 2)
-    /// until it is mounted again; a layer not mounted now is mounted in passthrough mode.
+    /// The layer's EROFS is mounted now (a mount keeps the way it reads its blobs until the
+    /// layer is mounted again).
     pub mounted: bool,
+    /// Its blobs that the current mount reads in passthrough mode (0 when not mounted).
+    #[serde(default)]
+    pub passthrough_now: u32,
+    /// Its next mount would read every blob in passthrough mode (as things stand now: level
+    /// 2 may evict chunks before then).
+    #[serde(default)]
+    pub passthrough_next: bool,
+    /// Why not, when `passthrough_next` is false.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub no_passthrough_because: Option<String>,
 }
 
 /// A registered layer.
@@ -205,8 +218,8 @@ pub struct LayerInfo {
     pub pins: u32,
     /// User mounts that use it.
     pub users: u32,
-    /// Its blobs that its EROFS reads in FUSE passthrough mode, straight from the level-2
-    /// cache (those that were wholly in level 2 when the layer was mounted).
+    /// Its blobs that its current EROFS mount reads in FUSE passthrough mode, straight from
+    /// the level-2 cache (those that were wholly in level 2 when the layer was mounted).
     #[serde(default)]
     pub passthrough_blobs: u32,
     /// Where its EROFS is mounted (while `pins + users > 0`).

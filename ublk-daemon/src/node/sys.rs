@@ -151,37 +151,53 @@ pub fn mount_erofs(meta: &Path, devices: &[PathBuf], target: &Path) -> Result<()
         )
         .map_err(io::Error::from)
     };
-    let mut result;
-    if EROFS_DIRECTIO.load(Ordering::Relaxed) != 2 {
-        options.push("directio".to_owned());
-        result = mount(&options);
-        let einval = rustix::io::Errno::INVAL.raw_os_error();
-        match &result {
-            Ok(()) => EROFS_DIRECTIO.store(1, Ordering::Relaxed),
-            Err(e)
-                if EROFS_DIRECTIO.load(Ordering::Relaxed) == 0
-                    && e.raw_os_error() == Some(einval) =>
-            {
-                options.pop();
-                result = mount(&options);
-                if result.is_ok() {
-                    tracing::info!(
-                        "this kernel's EROFS has no `directio` option: mounting without it"
-                    );
-                    EROFS_DIRECTIO.store(2, Ordering::Relaxed);
-                }
-            }
-            Err(_) => {}
-        }
-    } else {
-        result = mount(&options);
-    }
+    let result = with_directio(&EROFS_DIRECTIO, &mut options, mount);
     result.map_err(|e| {
         mount_error(
             &format!("mount -t erofs {} on {}", meta.display(), target.display()),
             e,
         )
     })
+}
+
+/// Whether this kernel's EROFS took the `directio` option at the last mount that asked
+/// (`None`: no mount has told yet).
+pub fn erofs_directio() -> Option<bool> {
+    match EROFS_DIRECTIO.load(Ordering::Relaxed) {
+        1 => Some(true),
+        2 => Some(false),
+        _ => None,
+    }
+}
+
+/// `mount(options + directio)`, unless `known` says the kernel refuses it. Only an `EINVAL`
+/// while it is unknown, followed by a mount without it that works, decides "no": an image
+/// that is bad either way (also `EINVAL`) decides nothing.
+fn with_directio(
+    known: &AtomicU8,
+    options: &mut Vec<String>,
+    mount: impl Fn(&[String]) -> io::Result<()>,
+) -> io::Result<()> {
+    if known.load(Ordering::Relaxed) == 2 {
+        return mount(options);
+    }
+    options.push("directio".to_owned());
+    let result = mount(options);
+    let einval = rustix::io::Errno::INVAL.raw_os_error();
+    match &result {
+        Ok(()) => known.store(1, Ordering::Relaxed),
+        Err(e) if known.load(Ordering::Relaxed) == 0 && e.raw_os_error() == Some(einval) => {
+            options.pop();
+            let again = mount(options);
+            if again.is_ok() {
+                tracing::info!("this kernel's EROFS has no `directio` option: mounting without it");
+                known.store(2, Ordering::Relaxed);
+            }
+            return again;
+        }
+        Err(_) => {}
+    }
+    result
 }
 
 /// A read-only bind mount of `source` at `target`.
@@ -331,6 +347,60 @@ pub fn detach_stale(run_dir: &Path) -> io::Result<Vec<PathBuf>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A fake mount(2) that refuses `directio` (as kernels before 6.13 do) and/or every image
+    /// (a corrupt one), recording what it was asked.
+    fn fake(
+        knows_directio: bool,
+        image_ok: bool,
+        calls: &std::cell::RefCell<Vec<Vec<String>>>,
+    ) -> impl Fn(&[String]) -> io::Result<()> + '_ {
+        move |options: &[String]| {
+            calls.borrow_mut().push(options.to_vec());
+            let einval = io::Error::from_raw_os_error(rustix::io::Errno::INVAL.raw_os_error());
+            if !image_ok || (!knows_directio && options.iter().any(|o| o == "directio")) {
+                return Err(einval);
+            }
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn directio_is_asked_for_and_dropped_only_when_the_kernel_refuses_it() {
+        let calls = std::cell::RefCell::new(Vec::new());
+        let opts = || vec!["device=/b".to_owned()];
+        // A kernel with `directio`: asked once, remembered.
+        let known = AtomicU8::new(0);
+        with_directio(&known, &mut opts(), fake(true, true, &calls)).unwrap();
+        assert_eq!(known.load(Ordering::Relaxed), 1);
+        assert_eq!(calls.take(), [vec!["device=/b", "directio"]]);
+        // A bad image on such a kernel: an error, and still "yes".
+        assert!(with_directio(&known, &mut opts(), fake(true, false, &calls)).is_err());
+        assert_eq!(known.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            calls.take().len(),
+            1,
+            "no retry once directio is known to work"
+        );
+        // An older kernel: EINVAL, then a mount without it works: "no", not asked again.
+        let known = AtomicU8::new(0);
+        with_directio(&known, &mut opts(), fake(false, true, &calls)).unwrap();
+        assert_eq!(known.load(Ordering::Relaxed), 2);
+        with_directio(&known, &mut opts(), fake(false, true, &calls)).unwrap();
+        assert_eq!(
+            calls.take(),
+            [
+                vec!["device=/b", "directio"],
+                vec!["device=/b"],
+                vec!["device=/b"]
+            ]
+        );
+        // A bad image before anything is known: both attempts fail, nothing is decided.
+        let known = AtomicU8::new(0);
+        assert!(with_directio(&known, &mut opts(), fake(false, false, &calls)).is_err());
+        assert_eq!(known.load(Ordering::Relaxed), 0);
+        assert_eq!(calls.take().len(), 2);
+    }
 
     #[test]
     fn mountinfo_lines() {

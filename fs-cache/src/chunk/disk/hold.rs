@@ -8,56 +8,124 @@
 //! exists for as long as the kernel may read through the pin (for a FUSE mount, its
 //! connection's directory under `/sys/fs/fuse/connections/`). The hold goes with the pin when
 //! it is dropped. One left behind by a dead process is found by [`DiskCache::open`]: while its
-//! token exists, the blob's chunks stay pinned (not evicted, not punched out);
-//! [`DiskCache::release_stale_holds`] lets them go once the token is gone. A hold whose token
-//! is gone at open is deleted.
+//! token is alive, the blob's chunks stay pinned (not evicted, not punched out) — pinned
+//! before the open evicts anything; [`DiskCache::release_stale_holds`] lets them go once the
+//! token is dead. A hold whose token is dead at open is deleted.
 //!
-//! Index key: `b'h'` + blob digest (32 bytes) + token bytes (an absolute path, at most 4096
-//! bytes); value `[1]`.
+//! A token path can come back as another file (a FUSE connection number is reused by the
+//! next connection, and after a reboot by the first one). So a hold also records which file
+//! its token was: the boot (`/proc/sys/kernel/random/boot_id`) and the token's device and
+//! inode. A token is alive only in the same boot, as the same file; a `stat` that fails for
+//! another reason than "not found" counts as alive (holding too long only costs space).
+//!
+//! Index key: `b'h'` + blob digest (32 bytes) + nonce (u64 BE) + token bytes (an absolute
+//! path, at most 4096 bytes); value `[1]` + boot id digest (16 bytes) + device (u64 LE) +
+//! inode (u64 LE), 33 bytes (`index.rs`). The nonce makes every hold its own key: two pins of
+//! one blob under one token (a blob pinned again while the kernel still reads through an
+//! earlier pin) never share one, so dropping one never deletes the other's.
+//!
+//! Limits: a held chunk that is dropped as corrupt keeps its bytes until the hold goes, but
+//! loses its index entry at once, so if the process dies again before that, the next open
+//! punches those (bad) bytes out as unindexed. Binaries older than holds delete hold keys at
+//! open as undecodable (the index format string did not change).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::PoisonError;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{OnceLock, PoisonError};
 
-use super::{BlobPin, ChunkId, DiskCache, HOLD_VALUE};
-use crate::error::Result;
+use super::{encode_hold_value, BlobPin, ChunkId, DiskCache, TokenId, EVICTIONS};
+use crate::error::{Error, Result};
 use crate::store::Digest;
 
-/// A hold found at open whose token still existed: the chunks it pins.
+/// A hold found at open whose token was alive: the chunks it pins.
 #[derive(Debug)]
 pub(super) struct Held {
     pub(super) blob: Digest,
     pub(super) token: PathBuf,
+    pub(super) id: TokenId,
     pub(super) chunks: Vec<ChunkId>,
 }
 
-/// Whether a hold's token still exists (an error other than "not found" counts as existing:
-/// holding too long only costs space).
-pub(super) fn token_alive(token: &Path) -> bool {
+/// A hold as recorded in the index.
+#[derive(Debug)]
+pub(super) struct Recorded {
+    pub(super) blob: Digest,
+    pub(super) token: PathBuf,
+    pub(super) id: TokenId,
+    pub(super) key: Box<[u8]>,
+}
+
+/// This boot's id, digested (zeros where `/proc` does not tell: then only the token's device
+/// and inode are compared).
+fn boot_id() -> [u8; 16] {
+    static BOOT: OnceLock<[u8; 16]> = OnceLock::new();
+    *BOOT.get_or_init(|| {
+        let mut b = [0u8; 16];
+        if let Ok(text) = std::fs::read("/proc/sys/kernel/random/boot_id") {
+            b.copy_from_slice(&blake3::hash(&text).as_bytes()[..16]);
+        }
+        b
+    })
+}
+
+/// Which file `token` is now.
+fn token_id(token: &Path) -> std::io::Result<TokenId> {
+    let m = std::fs::symlink_metadata(token)?;
+    Ok(TokenId {
+        boot: boot_id(),
+        dev: m.dev(),
+        ino: m.ino(),
+    })
+}
+
+/// Whether the hold's token is still the file it was when the hold was taken.
+pub(super) fn token_alive(token: &Path, id: &TokenId) -> bool {
+    if id.boot != boot_id() {
+        return false;
+    }
     match std::fs::symlink_metadata(token) {
-        Ok(_) => true,
+        Ok(m) => (m.dev(), m.ino()) == (id.dev, id.ino),
         Err(e) => e.kind() != std::io::ErrorKind::NotFound,
     }
 }
 
+/// A nonce no other hold of this or an earlier process uses: the blake3 of this process's
+/// id, the time and a counter.
+fn nonce() -> u64 {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = blake3::Hasher::new();
+    h.update(&std::process::id().to_le_bytes());
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    h.update(&now.as_nanos().to_le_bytes());
+    h.update(&COUNTER.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+    let mut n = [0u8; 8];
+    n.copy_from_slice(&h.finalize().as_bytes()[..8]);
+    u64::from_le_bytes(n)
+}
+
 impl BlobPin {
     /// Keep this pin's chunks pinned past the death of this process, for as long as `token`
-    /// exists (module docs). Replaces an earlier hold of this pin; dropping the pin deletes
-    /// it. `token` must be an absolute path of at most 4096 bytes.
+    /// is the file it is now (module docs). Replaces an earlier hold of this pin; dropping
+    /// the pin deletes it. `token` must exist and be an absolute path of at most 4096 bytes.
     pub fn hold(&mut self, token: &Path) -> Result<()> {
-        let key = super::hold_key(&self.blob, token).ok_or_else(|| {
+        let key = super::hold_key(&self.blob, nonce(), token).ok_or_else(|| {
             self.cache.error(format!(
                 "a hold's token must be an absolute path of at most 4096 bytes: {}",
                 token.display()
             ))
         })?;
+        let id = token_id(token).map_err(|e| Error::io("stat the hold's token", token, e))?;
         let old = self.hold.take();
         let written = self.cache.write_index(
             |b| {
                 if let Some(old) = &old {
                     b.delete(old);
                 }
-                b.put(&key, HOLD_VALUE);
+                b.put(&key, encode_hold_value(&id));
             },
             "cannot record a hold",
         );
@@ -80,7 +148,7 @@ impl BlobPin {
                 .cache
                 .write_index(|b| b.delete(&key), "cannot delete a hold")
             {
-                // Left in the index: the next open deletes it once its token is gone.
+                // Left in the index: the next open deletes it once its token is dead.
                 tracing::warn!(blob = %self.blob, error = %e, "chunk cache: a hold stays recorded");
             }
         }
@@ -88,14 +156,16 @@ impl BlobPin {
 }
 
 impl DiskCache {
-    /// Let go of the holds found at open whose token no longer exists: their chunks can be
-    /// evicted again. Returns how many went.
+    /// Let go of the holds found at open whose token is dead: their chunks can be evicted
+    /// again, and are, down to the capacity. Returns how many holds went. On an error
+    /// writing the index the chunks are released all the same (their keys are deleted at
+    /// the next open, whose token check finds them dead).
     pub fn release_stale_holds(&self) -> Result<usize> {
         let gone: Vec<(Vec<u8>, Held)> = {
             let mut holds = self.holds.lock().unwrap_or_else(PoisonError::into_inner);
             let keys: Vec<Vec<u8>> = holds
                 .iter()
-                .filter(|(_, h)| !token_alive(&h.token))
+                .filter(|(_, h)| !token_alive(&h.token, &h.id))
                 .map(|(k, _)| k.clone())
                 .collect();
             keys.into_iter()
@@ -119,42 +189,49 @@ impl DiskCache {
                 self.release(id);
             }
         }
+        // What the holds kept over the capacity goes now rather than at the next put.
+        let victims = {
+            let mut st = self.lock();
+            let over = st.present.saturating_sub(self.capacity);
+            st.doom_lru(over)
+        };
+        self.discard(victims, Some(EVICTIONS))?;
         written.map_err(|(e, _)| e)?;
         Ok(gone.len())
     }
 
-    /// Blobs held by earlier processes (holds found at open, not yet released).
+    /// Holds of earlier processes still in force (found at open, not yet released): blob and
+    /// token of each.
     pub fn stale_holds(&self) -> Vec<(Digest, PathBuf)> {
         let holds = self.holds.lock().unwrap_or_else(PoisonError::into_inner);
         holds.values().map(|h| (h.blob, h.token.clone())).collect()
     }
 }
 
-/// A hold recorded in the index: blob, token, key.
-pub(super) type Recorded = (Digest, PathBuf, Box<[u8]>);
-
 /// At open: keep the recorded holds whose token is alive; the keys of the others go to
 /// `delete`.
 pub(super) fn sort_holds(found: Vec<Recorded>, delete: &mut Vec<Box<[u8]>>) -> Vec<Recorded> {
     let mut live = Vec::new();
-    for (blob, token, key) in found {
-        if token_alive(&token) {
-            live.push((blob, token, key));
+    for r in found {
+        if token_alive(&r.token, &r.id) {
+            live.push(r);
         } else {
-            delete.push(key);
+            delete.push(r.key);
         }
     }
     live
 }
 
-/// At open, under the state lock: pin the indexed chunks of every live hold.
+/// At open, under the state lock, before any eviction: pin the indexed chunks of every live
+/// hold.
 pub(super) fn pin_held(
     st: &mut super::State,
     live: Vec<Recorded>,
-    indexed: &HashMap<Digest, std::collections::HashSet<u64>>,
+    indexed: &HashMap<Digest, HashSet<u64>>,
 ) -> HashMap<Vec<u8>, Held> {
     let mut held = HashMap::new();
-    for (blob, token, key) in live {
+    for r in live {
+        let blob = r.blob;
         let mut chunks: Vec<ChunkId> = indexed
             .get(&blob)
             .into_iter()
@@ -167,15 +244,16 @@ pub(super) fn pin_held(
         }
         tracing::info!(
             %blob,
-            token = %token.display(),
+            token = %r.token.display(),
             chunks = chunks.len(),
             "chunk cache: kept pinned for a reader left by an earlier process"
         );
         held.insert(
-            key.into_vec(),
+            r.key.into_vec(),
             Held {
                 blob,
-                token,
+                token: r.token,
+                id: r.id,
                 chunks,
             },
         );

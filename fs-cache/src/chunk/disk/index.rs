@@ -18,14 +18,16 @@ pub(super) const ENTRY_LEN: usize = 1 + 4 + 8;
 pub(super) const COUNTERS_VERSION: u8 = 1;
 pub(super) const COUNTERS_LEN: usize = 1 + 4 * 8;
 pub(super) const HOLD_KEY_TAG: u8 = b'h';
-/// The value of a hold key (a version byte).
-pub(super) const HOLD_VALUE: [u8; 1] = [1];
+pub(super) const HOLD_VALUE_VERSION: u8 = 1;
+/// A hold's value: version, boot id (16 bytes), the token's device and inode (u64 LE each).
+pub(super) const HOLD_VALUE_LEN: usize = 1 + 16 + 8 + 8;
 /// The longest token of a hold (`PATH_MAX`).
 pub(super) const MAX_HOLD_TOKEN: usize = 4096;
 
 const _: () = assert!(CHUNK_KEY_LEN == 41);
 const _: () = assert!(ENTRY_LEN == 13);
 const _: () = assert!(COUNTERS_LEN == 33);
+const _: () = assert!(HOLD_VALUE_LEN == 33);
 
 /// An indexed chunk.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,25 +64,57 @@ pub(super) fn decode_key(key: &[u8]) -> Option<(u8, ChunkId)> {
     Some((key[0], id))
 }
 
-/// A hold's key: tag, blob digest, then the token (an absolute path, at most
-/// [`MAX_HOLD_TOKEN`] bytes, no NUL); `None` for a token that does not qualify.
-pub(super) fn hold_key(blob: &Digest, token: &Path) -> Option<Vec<u8>> {
+/// A hold's key: tag, blob digest, the pin's nonce (u64 BE: two pins of one blob by one
+/// token are two holds), then the token (an absolute path, at most [`MAX_HOLD_TOKEN`] bytes,
+/// no NUL); `None` for a token that does not qualify.
+pub(super) fn hold_key(blob: &Digest, nonce: u64, token: &Path) -> Option<Vec<u8>> {
     let t = token.as_os_str().as_bytes();
     (token.is_absolute() && t.len() <= MAX_HOLD_TOKEN && !t.contains(&0)).then_some(())?;
-    let mut key = Vec::with_capacity(1 + 32 + t.len());
+    let mut key = Vec::with_capacity(1 + 32 + 8 + t.len());
     key.push(HOLD_KEY_TAG);
     key.extend_from_slice(&blob.0);
+    key.extend_from_slice(&nonce.to_be_bytes());
     key.extend_from_slice(t);
     Some(key)
 }
 
-/// A hold key: its blob and token.
-pub(super) fn decode_hold_key(key: &[u8]) -> Option<(Digest, PathBuf)> {
+/// A hold key: its blob, nonce and token.
+pub(super) fn decode_hold_key(key: &[u8]) -> Option<(Digest, u64, PathBuf)> {
     let (&tag, rest) = key.split_first()?;
-    (tag == HOLD_KEY_TAG && rest.len() > 32).then_some(())?;
+    (tag == HOLD_KEY_TAG && rest.len() > 40).then_some(())?;
     let blob = Digest(rest[..32].try_into().ok()?);
-    let token = PathBuf::from(OsStr::from_bytes(&rest[32..]));
-    (hold_key(&blob, &token)? == key).then_some((blob, token))
+    let nonce = u64::from_be_bytes(rest[32..40].try_into().ok()?);
+    let token = PathBuf::from(OsStr::from_bytes(&rest[40..]));
+    (hold_key(&blob, nonce, &token)? == key).then_some((blob, nonce, token))
+}
+
+/// Which token a hold was taken by: a token path that exists again later is the same token
+/// only in the same boot and as the same file (`hold.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct TokenId {
+    /// The first 16 bytes of the blake3 of `/proc/sys/kernel/random/boot_id`.
+    pub(super) boot: [u8; 16],
+    pub(super) dev: u64,
+    pub(super) ino: u64,
+}
+
+pub(super) fn encode_hold_value(id: &TokenId) -> [u8; HOLD_VALUE_LEN] {
+    let mut v = [0u8; HOLD_VALUE_LEN];
+    v[0] = HOLD_VALUE_VERSION;
+    v[1..17].copy_from_slice(&id.boot);
+    v[17..25].copy_from_slice(&id.dev.to_le_bytes());
+    v[25..].copy_from_slice(&id.ino.to_le_bytes());
+    v
+}
+
+pub(super) fn decode_hold_value(v: &[u8]) -> Option<TokenId> {
+    let v: &[u8; HOLD_VALUE_LEN] = v.try_into().ok()?;
+    (v[0] == HOLD_VALUE_VERSION).then_some(())?;
+    Some(TokenId {
+        boot: v[1..17].try_into().ok()?,
+        dev: u64::from_le_bytes(v[17..25].try_into().ok()?),
+        ino: u64::from_le_bytes(v[25..].try_into().ok()?),
+    })
 }
 
 pub(super) fn encode_entry(entry: Entry) -> [u8; ENTRY_LEN] {
@@ -144,7 +178,10 @@ pub fn fuzz_decode_index(key: &[u8], value: &[u8]) {
     if let Some(c) = decode_counters(value) {
         assert_eq!(encode_counters(&c)[..], value[..]);
     }
-    if let Some((blob, token)) = decode_hold_key(key) {
-        assert_eq!(hold_key(&blob, &token).as_deref(), Some(key));
+    if let Some((blob, nonce, token)) = decode_hold_key(key) {
+        assert_eq!(hold_key(&blob, nonce, &token).as_deref(), Some(key));
+    }
+    if let Some(id) = decode_hold_value(value) {
+        assert_eq!(encode_hold_value(&id)[..], value[..]);
     }
 }

@@ -26,7 +26,7 @@
 //! | `b'c'` + blob digest (32 bytes) + chunk index (u64 BE): 41 bytes | `[2][size: u32 LE][seq: u64 LE]`: 13 bytes |
 //! | `b's'` + blob digest + chunk index: 41 bytes | crc32c (u32 LE) of each 4 KiB block of the chunk, the last one possibly short: `4 × ceil(size / 4096)` bytes |
 //! | `b"m/format"` | `b"strata-chunk-index v3"` (v3: one sparse file per blob); v2 (a file per chunk) is wiped and started afresh, any other value refuses to open |
-//! | `b'h'` + blob digest + token (an absolute path, ≤ 4096 bytes) | `[1]`: a hold, see `hold.rs` |
+//! | `b'h'` + blob digest + nonce (u64 BE) + token (an absolute path, ≤ 4096 bytes) | `[1]` + boot id digest (16 bytes) + token device + inode (u64 LE each): 33 bytes; a hold, see `hold.rs` |
 //! | `b"m/counters"` | `[1]` + evictions, dropped_corrupt, enospc, recovered_orphans (u64 LE each): 33 bytes |
 //!
 //! `size` is the chunk's length (at most [`CHUNK_SIZE`]); `seq` its recency: a counter taken on
@@ -226,8 +226,8 @@ pub struct DiskStats {
     /// Cleaned up at open: unindexed chunk bytes and files, and index entries that do not
     /// decode or whose file is missing.
     pub recovered_orphans: u64,
-    /// Blobs kept pinned for readers left by an earlier process (holds found at open whose
-    /// token still exists; `DiskCache::release_stale_holds`).
+    /// Holds of earlier processes in force: found at open with their token alive, not yet
+    /// released (`DiskCache::release_stale_holds`); their blobs' chunks stay pinned.
     pub stale_holds: u64,
 }
 
@@ -400,26 +400,30 @@ impl BlobPin {
 
     /// Read every chunk and check each block against its crc32c; `false` (and the bad chunk
     /// dropped, its range punched out once the pin goes) if one does not match. Reads 2 MiB
-    /// `O_DIRECT` runs, 4 at once ([`DiskCache::read_chunks_direct`]): the
-    /// page cache is not touched, and a fully cached blob is checked at the disk's speed.
+    /// `O_DIRECT` runs, up to 4 at once ([`DiskCache::read_chunks_direct`]): the page cache is
+    /// not touched, and a fully cached blob is checked at the disk's speed. A filesystem
+    /// without `O_DIRECT` is an error (FUSE passthrough under an EROFS mounted `directio`
+    /// needs it too).
     pub fn verify(&self) -> Result<bool> {
         let next = AtomicUsize::new(0);
         let bad = AtomicBool::new(false);
         let reader = || -> Result<()> {
             while !bad.load(Ordering::Relaxed) {
                 let first = next.fetch_add(VERIFY_RUN, Ordering::Relaxed);
-                let Some(run) = self
-                    .chunks
-                    .get(first..(first + VERIFY_RUN).min(self.chunks.len()))
-                else {
+                let end = (first + VERIFY_RUN).min(self.chunks.len());
+                let Some(run) = self.chunks.get(first..end).filter(|r| !r.is_empty()) else {
                     return Ok(());
                 };
-                if run.is_empty() {
-                    return Ok(());
-                }
-                let got = self
+                let got = match self
                     .cache
-                    .read_chunks_direct(&self.blob, run.iter().map(|(id, _)| id.index))?;
+                    .read_chunks_direct(&self.blob, run.iter().map(|(id, _)| id.index))
+                {
+                    Ok(got) => got,
+                    Err(e) => {
+                        bad.store(true, Ordering::Relaxed);
+                        return Err(e);
+                    }
+                };
                 let whole = got.len() == run.len()
                     && got.iter().zip(run).all(|((index, bytes), (id, size))| {
                         *index == id.index && bytes.len() as u64 == *size
@@ -430,18 +434,20 @@ impl BlobPin {
             }
             Ok(())
         };
-        std::thread::scope(|s| {
-            let readers: Vec<_> = (0..VERIFY_READERS).map(|_| s.spawn(reader)).collect();
-            readers.into_iter().try_for_each(|r| {
-                r.join().unwrap_or_else(|_| {
-                    Err(Error::io(
-                        "verify",
-                        self.cache.blob_path(&self.blob),
-                        io::Error::other("a reader thread panicked"),
-                    ))
-                })
-            })
-        })?;
+        let readers = VERIFY_READERS.min(self.chunks.len().div_ceil(VERIFY_RUN));
+        let results: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..readers).map(|_| s.spawn(reader)).collect();
+            handles.into_iter().map(|h| h.join()).collect()
+        });
+        for r in results {
+            r.unwrap_or_else(|_| {
+                Err(Error::io(
+                    "verify",
+                    self.cache.blob_path(&self.blob),
+                    io::Error::other("a reader thread panicked"),
+                ))
+            })?;
+        }
         Ok(!bad.load(Ordering::Relaxed))
     }
 }
@@ -577,10 +583,13 @@ impl DiskCache {
                 continue;
             }
             if key.first() == Some(&HOLD_KEY_TAG) {
-                match decode_hold_key(&key) {
-                    Some((blob, token)) if value[..] == HOLD_VALUE => {
-                        holds.push((blob, token, key))
-                    }
+                match (decode_hold_key(&key), decode_hold_value(&value)) {
+                    (Some((blob, _, token)), Some(id)) => holds.push(hold::Recorded {
+                        blob,
+                        token,
+                        id,
+                        key,
+                    }),
                     _ => {
                         bad_keys.push(key);
                         orphans += 1;
