@@ -437,25 +437,27 @@ async fn warming_a_blob_puts_every_chunk_in_level_2_fetching_only_what_is_missin
     // 40 chunks and a tail: three runs of 16 at most.
     let f = fixture((40 * CHUNK_SIZE + 999) as usize).await;
     let dir = tempfile::tempdir().unwrap();
-    let config = |capacity| CacheConfig {
-        disk: Some(DiskCacheConfig {
-            dir: dir.path().join("cache"),
-            capacity,
-        }),
-        ..memory_only(4 * MIB)
+    // A cache with 4 MiB of level 1 and a level 2 of `capacity` in `dir`.
+    let open = |dir: &std::path::Path, capacity| {
+        ChunkCache::open(
+            f.store.clone(),
+            CacheConfig {
+                disk: Some(DiskCacheConfig {
+                    dir: dir.join("cache"),
+                    capacity,
+                }),
+                ..memory_only(4 * MIB)
+            },
+        )
     };
-    let cache = ChunkCache::open(f.store.clone(), config(64 * MIB))
-        .await
-        .unwrap();
+    let cache = open(dir.path(), 64 * MIB).await.unwrap();
     // Chunks 0-3 and 20 in level 2 (a flush waits for their writes), then, after a restart,
     // chunk 30 read just before the warm: in level 1, its level-2 write maybe still pending.
     cache.read(&f.blob, 0, 4 * CHUNK_SIZE).await.unwrap();
     cache.read(&f.blob, 20 * CHUNK_SIZE, 10).await.unwrap();
     cache.flush().await.unwrap();
     drop(cache);
-    let cache = ChunkCache::open(f.store.clone(), config(64 * MIB))
-        .await
-        .unwrap();
+    let cache = open(dir.path(), 64 * MIB).await.unwrap();
     cache.read(&f.blob, 30 * CHUNK_SIZE, 10).await.unwrap();
     let before = cache.stats();
     assert!(cache.warm_local(&f.blob).await.unwrap());
@@ -486,36 +488,14 @@ async fn warming_a_blob_puts_every_chunk_in_level_2_fetching_only_what_is_missin
 
     // A level 2 smaller than the blob cannot hold it: `false`, and reads still work.
     let small = tempfile::tempdir().unwrap();
-    let cache = ChunkCache::open(
-        f.store.clone(),
-        CacheConfig {
-            disk: Some(DiskCacheConfig {
-                dir: small.path().join("cache"),
-                capacity: 8 * CHUNK_SIZE,
-            }),
-            ..memory_only(4 * MIB)
-        },
-    )
-    .await
-    .unwrap();
+    let cache = open(small.path(), 8 * CHUNK_SIZE).await.unwrap();
     assert!(!cache.warm_local(&f.blob).await.unwrap());
     let got = cache.read(&f.blob, 0, size).await.unwrap();
     assert!(got[..] == f.bytes[..]);
 
     // A backend that keeps failing: an error, not a false success.
     let cold = tempfile::tempdir().unwrap();
-    let cache = ChunkCache::open(
-        f.store.clone(),
-        CacheConfig {
-            disk: Some(DiskCacheConfig {
-                dir: cold.path().join("cache"),
-                capacity: 64 * MIB,
-            }),
-            ..memory_only(4 * MIB)
-        },
-    )
-    .await
-    .unwrap();
+    let cache = open(cold.path(), 64 * MIB).await.unwrap();
     cache.blob_size(&f.blob).await.unwrap();
     f.faulty.update(|c| c.error_rate = 1.0);
     assert!(cache.warm_local(&f.blob).await.is_err());

@@ -37,7 +37,7 @@ pub mod server;
 pub mod state;
 pub mod sys;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -669,12 +669,7 @@ impl Node {
                 inner.active.remove(id);
             }
             if let Some(layer) = inner.state.layers.remove(id) {
-                let still_used: HashSet<Digest> = inner
-                    .state
-                    .layers
-                    .values()
-                    .flat_map(|l| l.blobs.iter().map(|b| b.digest))
-                    .collect();
+                let still_used = inner.state.blobs_in_use();
                 if let Some(fs) = &inner.blobfs {
                     for b in layer
                         .blobs
@@ -756,13 +751,7 @@ impl Node {
     /// Drop the chunk tables of `blobs` that no listed layer uses (they are loaded again on
     /// demand).
     async fn forget_unused_tables(&self, blobs: &[BlobRef]) {
-        let inner = self.inner.lock().await;
-        let used: HashSet<Digest> = inner
-            .state
-            .layers
-            .values()
-            .flat_map(|l| l.blobs.iter().map(|b| b.digest))
-            .collect();
+        let used = self.inner.lock().await.state.blobs_in_use();
         for b in blobs.iter().filter(|b| !used.contains(&b.digest)) {
             self.cache.unregister(&b.digest);
         }

@@ -98,6 +98,14 @@ impl State {
             .count() as u32
     }
 
+    /// The data blobs of every listed layer.
+    pub fn blobs_in_use(&self) -> std::collections::HashSet<fs_cache::Digest> {
+        self.layers
+            .values()
+            .flat_map(|l| l.blobs.iter().map(|b| b.digest))
+            .collect()
+    }
+
     /// Whether layer `id` is still needed.
     pub fn needed(&self, id: &str) -> bool {
         self.layers.get(id).is_some_and(|l| l.pins > 0) || self.users(id) > 0
