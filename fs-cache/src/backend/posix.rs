@@ -20,12 +20,14 @@
 //!   into one buffer; a concurrent replacement cannot mix versions because the open descriptor
 //!   pins the inode.
 //! - **No cached copy of ranged reads** (unless [`PosixBackend::keep_read_pages`]). After a
-//!   ranged read the range's pages are dropped (`fadvise(DONTNEED)`), and the read does no
-//!   kernel readahead past the range (`fadvise(RANDOM)`): ranged reads come from the chunk cache, which keeps the bytes
-//!   itself (memory, its level-2 files, the kernel's cache of the lazy mount above), so a copy
-//!   in this file's page cache would only double the node's memory per byte read (measured:
-//!   cold reads through a lazy mount over a local store grew the page cache by 2.1 bytes per
-//!   byte read; `bench/README.md`, `lazy_read`).
+//!   ranged read the range's pages are dropped (`fadvise(DONTNEED)`): ranged reads come from
+//!   the chunk cache, which keeps the bytes itself (memory, its level-2 files, the kernel's
+//!   cache of the lazy mount above), so a copy in this file's page cache would only double the
+//!   node's memory per byte read (measured: cold reads through a lazy mount over a local store
+//!   grew the page cache by 2.1 bytes per byte read; 1.04–1.13 with this). Kernel readahead past the range is left alone: a
+//!   sequential reader's next range finds it (and drops it); turning it off
+//!   (`fadvise(RANDOM)`) saved 0.03 bytes per byte read and cost a fifth of the cold
+//!   throughput (`bench/README.md`, `lazy_read`).
 
 use std::fmt;
 use std::fs::File;
@@ -322,11 +324,6 @@ impl Backend for PosixBackend {
             let (file, st) = inner.open_object(&key)?;
             let size = st.st_size as u64;
             let r = clamp_range(&inner.display(), &key, range, size)?;
-            if drop_pages {
-                // The range is read whole in one `pread`: kernel readahead past it would only
-                // leave pages that nothing drops.
-                let _ = rustix::fs::fadvise(&file, 0, None, rustix::fs::Advice::Random);
-            }
             let len = usize::try_from(r.end - r.start).map_err(|_| {
                 Error::io(
                     "read",
