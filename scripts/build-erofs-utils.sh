@@ -40,16 +40,7 @@ started=$(date +%s)
 # erofsfuse with lz4, zlib, lzma and zstd; dpkg-dev for dpkg-source).
 debs=(build-essential dpkg-dev autoconf automake libtool pkg-config
     libfuse3-dev liblz4-dev liblzma-dev libzstd-dev uuid-dev zlib1g-dev)
-missing=()
-for p in "${debs[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if ((${#missing[@]})); then
-    echo "build-erofs-utils: installing build dependencies: ${missing[*]}"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+"$(dirname "$0")/apt-ensure.sh" build-erofs-utils "${debs[@]}"
 
 # The trixie deb-src index, in its own apt state (never seen by the system's apt).
 mkdir -p "$APT_DIR/lists/partial"

@@ -12,16 +12,7 @@ debs=(
     e2fsprogs                                      # mkfs.ext4 / e2fsck on block devices
     python3 python3-venv                           # scripts/test.sh; the moto virtualenv
 )
-missing=()
-for p in "${debs[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if ((${#missing[@]})); then
-    echo "install-test-deps: installing Debian packages: ${missing[*]}"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+"$(dirname "$0")/apt-ensure.sh" install-test-deps "${debs[@]}"
 
 # erofs-utils 1.8 (stricter fsck.erofs, erofsfuse with --device) from Debian trixie's source
 # package, into /usr/local/lib/strata/erofs-utils-1.8 (off PATH; ~40 s once, then instant).

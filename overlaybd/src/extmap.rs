@@ -129,28 +129,17 @@ impl ExtentMap {
         if lo >= hi {
             return;
         }
-        if let Some((&s, &(l, t))) = self.map.range(..lo).next_back() {
-            if s + l > lo {
-                out.push(
-                    Seg {
-                        start: s,
-                        len: l,
-                        target: t,
-                    }
-                    .clip(lo, hi),
-                );
-            }
-        }
-        for (&s, &(l, t)) in self.map.range(lo..hi) {
-            out.push(
-                Seg {
-                    start: s,
-                    len: l,
-                    target: t,
-                }
-                .clip(lo, hi),
-            );
-        }
+        let clipped = |(&start, &(len, target)): (&u64, &(u64, Target))| {
+            Seg { start, len, target }.clip(lo, hi)
+        };
+        // The segment that starts before `lo` but reaches into it, then those inside.
+        let before = (self.map.range(..lo).next_back()).filter(|(&s, &(l, _))| s + l > lo);
+        out.extend(
+            before
+                .into_iter()
+                .chain(self.map.range(lo..hi))
+                .map(clipped),
+        );
     }
 
     /// Every segment, in order.

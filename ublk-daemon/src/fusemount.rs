@@ -19,6 +19,16 @@ pub(crate) struct FuseMount {
     pub read_only: bool,
 }
 
+/// `listxattr` of a file without extended attributes: the size of an empty list, or the
+/// empty list.
+pub(crate) fn reply_no_xattrs(size: u32, reply: fuser::ReplyXattr) {
+    if size == 0 {
+        reply.size(0)
+    } else {
+        reply.data(&[])
+    }
+}
+
 /// umount2(`path`, `flags`).
 pub(crate) fn umount(path: &Path, flags: UnmountFlags) -> std::io::Result<()> {
     rustix::mount::unmount(path, flags).map_err(std::io::Error::from)

@@ -31,6 +31,21 @@ fn random_bytes(seed: u64, n: usize) -> Vec<u8> {
     v
 }
 
+/// A one-thread runtime and a default chunk cache over a POSIX store in `dir`.
+fn plain_cache(dir: &std::path::Path) -> (tokio::runtime::Runtime, Arc<ChunkCache>) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = Store::new(Arc::new(PosixBackend::open(dir.join("store")).unwrap()));
+    let cache = Arc::new(
+        rt.block_on(ChunkCache::open(store, CacheConfig::default()))
+            .unwrap(),
+    );
+    (rt, cache)
+}
+
 /// A store on a POSIX directory behind a fault injector, a chunk cache over it, a runtime, and
 /// a blob mount. Fields drop in order: the mount before the cache and the runtime.
 struct Env {
@@ -442,18 +457,7 @@ fn clean_stale_mount_detaches_a_dead_fuse_mount() {
 
     // Mounting over a dead mount cleans it first.
     make_dead_fuse_mount(&mnt);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let store = Store::new(Arc::new(
-        PosixBackend::open(dir.path().join("store")).unwrap(),
-    ));
-    let cache = Arc::new(
-        rt.block_on(ChunkCache::open(store, CacheConfig::default()))
-            .unwrap(),
-    );
+    let (rt, cache) = plain_cache(dir.path());
     let fs = BlobFs::mount(BlobFsConfig::new(&mnt), cache, rt.handle().clone()).unwrap();
     assert!(std::fs::metadata(&mnt).unwrap().is_dir());
     assert!(listing(&mnt).is_empty());
@@ -464,18 +468,7 @@ fn clean_stale_mount_detaches_a_dead_fuse_mount() {
 #[test]
 fn bad_configuration_is_an_error() {
     let dir = tempfile::tempdir().unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let store = Store::new(Arc::new(
-        PosixBackend::open(dir.path().join("store")).unwrap(),
-    ));
-    let cache = Arc::new(
-        rt.block_on(ChunkCache::open(store, CacheConfig::default()))
-            .unwrap(),
-    );
+    let (rt, cache) = plain_cache(dir.path());
     for tweak in [
         (|c: &mut BlobFsConfig| c.threads = 0) as fn(&mut BlobFsConfig),
         |c| c.max_read = 100,

@@ -509,10 +509,6 @@ impl Filesystem for ImageFs {
     }
 
     fn listxattr(&self, _req: &Request, _ino: INodeNo, size: u32, reply: fuser::ReplyXattr) {
-        if size == 0 {
-            reply.size(0)
-        } else {
-            reply.data(&[])
-        }
+        fusemount::reply_no_xattrs(size, reply);
     }
 }

@@ -19,6 +19,7 @@ use fuser::{
 use tokio::runtime::Handle;
 
 use super::table::{Backing, Entry, Table};
+use crate::fusemount;
 
 /// How long the kernel may cache blob entries and attributes: blobs are immutable, and a
 /// removal invalidates the entry explicitly.
@@ -319,10 +320,6 @@ impl Filesystem for BlobFsImpl {
     }
 
     fn listxattr(&self, _req: &Request, _ino: INodeNo, size: u32, reply: fuser::ReplyXattr) {
-        if size == 0 {
-            reply.size(0)
-        } else {
-            reply.data(&[])
-        }
+        fusemount::reply_no_xattrs(size, reply);
     }
 }

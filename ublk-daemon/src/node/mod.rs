@@ -483,9 +483,7 @@ impl Node {
 
     /// Resolve `reference` to a layer in the state (added with no pins if new).
     async fn resolve(&self, inner: &mut Inner, reference: &str) -> Result<String> {
-        let r: LayerRef = reference
-            .parse()
-            .map_err(|e| ApiError::from_store("bad layer reference", &e))?;
+        let r = parse_ref(reference)?;
         let canonical = r.to_string();
         if let Some((id, _)) = inner
             .state
@@ -692,9 +690,7 @@ impl Node {
     /// blob no mounted layer uses are dropped again).
     pub async fn warm(&self, reference: &str) -> Result<WarmInfo> {
         self.check_running()?;
-        let r: LayerRef = reference
-            .parse()
-            .map_err(|e| ApiError::from_store("bad layer reference", &e))?;
+        let r = parse_ref(reference)?;
         let (meta, blobs) = self.lazy_layer(&r).await?;
         let started = std::time::Instant::now();
         let before = self.cache.stats().bytes_fetched;
@@ -778,9 +774,7 @@ impl Node {
     /// Drop one pin of a layer; it is unmounted when nothing else uses it.
     pub async fn release(&self, reference: &str) -> Result<LayerInfo> {
         self.check_running()?;
-        let r: LayerRef = reference
-            .parse()
-            .map_err(|e| ApiError::from_store("bad layer reference", &e))?;
+        let r = parse_ref(reference)?;
         let canonical = r.to_string();
         let mut inner = self.inner.lock().await;
         let (id, layer) = inner
@@ -1021,6 +1015,13 @@ impl Node {
 
 /// Remove a layer directory by its known entries only: never recurse into what might still
 /// be a mount.
+/// `KIND/NAME:VERSION`, or a `bad_request`-kind error saying why not.
+fn parse_ref(reference: &str) -> Result<LayerRef> {
+    reference
+        .parse()
+        .map_err(|e| ApiError::from_store("bad layer reference", &e))
+}
+
 fn remove_layer_dir(dir: &Path) {
     for f in ["meta.erofs", "meta.erofs.tmp"] {
         let _ = std::fs::remove_file(dir.join(f));
