@@ -74,6 +74,13 @@ enum Command {
     /// and the layer mounts, served on <run-dir>/strata.sock. `strata mount` starts it when
     /// it is not running.
     Daemon(node_cmd::DaemonArgs),
+    /// The fd holder the daemon starts: keeps its FUSE connections open across a crash or an
+    /// upgrade of the daemon (ublk_daemon::holder). Not for direct use.
+    #[command(hide = true)]
+    FuseHolder {
+        #[arg(long)]
+        run_dir: PathBuf,
+    },
     /// Mount layers lazily: `strata mount REF... MOUNTPOINT` (first REF lowest; several
     /// layers or --upper make an overlay). Prints the mountpoint.
     Mount(node_cmd::MountArgs),
@@ -711,6 +718,7 @@ async fn run(cli: Cli) -> Result<()> {
         }
         Command::Bd(cmd) => bd_cmd::run(cmd, &store, &cli.cache, &home, cli.json).await?,
         Command::Daemon(_)
+        | Command::FuseHolder { .. }
         | Command::Mount(_)
         | Command::Umount(_)
         | Command::Status(_)
@@ -752,6 +760,14 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    if let Command::FuseHolder { run_dir } = &cli.command {
+        // No runtime, no store: the holder is a small loop that only keeps descriptors.
+        if let Err(e) = ublk_daemon::holder::run(run_dir) {
+            eprintln!("strata fuse-holder: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -36,6 +36,11 @@ pub struct DaemonArgs {
     /// files, without the daemon).
     #[arg(long)]
     pub no_passthrough: bool,
+    /// Take over from the daemon running on this run directory (a planned upgrade): it
+    /// stops serving without unmounting anything and exits, and this one resumes its mounts
+    /// and FUSE connections (kept by the fd holder); readers wait, none fails.
+    #[arg(long)]
+    pub takeover: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -109,9 +114,21 @@ pub async fn daemon(args: DaemonArgs, url: &str, cache: &CacheOpts, home: &Path)
             .with_context(|| format!("create cache directory {}", d.dir.display()))?;
     }
     let backend = fs_cache::open_backend(&url).await?;
-    let mut node_config = NodeConfig::new(args.node.run_dir, url.clone(), config);
+    let mut node_config = NodeConfig::new(args.node.run_dir.clone(), url.clone(), config);
     node_config.fuse_threads = args.fuse_threads.max(1);
     node_config.passthrough = !args.no_passthrough;
+    // The holder is this very binary, run as `strata fuse-holder`.
+    let exe = std::env::current_exe().context("find the strata binary (for its fd holder)")?;
+    node_config.holder_command = vec![exe.into_os_string(), "fuse-holder".into()];
+    if args.takeover {
+        let sock = ublk_daemon::node::socket_path(&args.node.run_dir);
+        let mut c = Client::connect(&sock)
+            .with_context(|| format!("--takeover: no daemon answers on {}", sock.display()))?;
+        let old: Pong = c.call(Request::Handover).map_err(explain)?;
+        eprintln!("strata daemon: pid {} handed over; taking over", old.pid);
+        // It exits right after its answer; its lock goes with it.
+        node_config.lock_wait = Duration::from_secs(60);
+    }
     let node = Node::start(node_config, Store::new(backend))
         .await
         .map_err(explain)?;

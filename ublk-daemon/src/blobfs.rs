@@ -16,24 +16,31 @@
 mod fs;
 mod table;
 
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use fs_cache::chunk::ChunkCache;
 use fs_cache::Digest;
-use fuser::{BackgroundSession, INodeNo, Notifier};
+use serde::{Deserialize, Serialize};
 use tokio::runtime::Handle;
 
+use crate::fuse::abi::init as flag;
+use crate::fuse::{InitPolicy, Negotiated, Session};
 use crate::fusemount::{self, umount, FuseMount};
+use crate::holder::HolderClient;
 use crate::{Error, Result};
-use fs::{BlobFsImpl, Counters, Negotiated, Options};
+use fs::{BlobFsImpl, Counters, Options};
 use table::Table;
 
 /// The largest request the kernel sends with the default `fs.fuse.max_pages_limit` (256
 /// pages).
 pub const DEFAULT_MAX_READ: u32 = 1 << 20;
+
+/// The fd holder's entry name of the blob mount's connection.
+pub const HOLDER_ENTRY: &str = "blobfs";
 
 /// How a blob mount is made.
 #[derive(Clone, Debug)]
@@ -41,7 +48,7 @@ pub const DEFAULT_MAX_READ: u32 = 1 << 20;
 pub struct BlobFsConfig {
     /// An existing directory (a dead FUSE mount left there by a crashed daemon is detached).
     pub mountpoint: PathBuf,
-    /// Threads reading requests from the kernel (each with its own cloned device fd), 1..=256.
+    /// Threads reading requests from the kernel (all on one device descriptor), 1..=256.
     pub threads: usize,
     /// The largest read request the kernel may send, in bytes (4 KiB..=16 MiB; the kernel also
     /// caps it at `fs.fuse.max_pages_limit` pages).
@@ -83,6 +90,51 @@ impl BlobFsConfig {
         }
         Ok(())
     }
+
+    fn policy(&self) -> InitPolicy {
+        let mut want = flag::ASYNC_READ
+            | flag::BIG_WRITES
+            | flag::MAX_PAGES
+            // Many reads in flight at once (EROFS submits its reads asynchronously), and
+            // direct I/O from an asynchronous reader stays asynchronous: a large read becomes
+            // `max_pages` requests in flight at once instead of one at a time.
+            | flag::ASYNC_DIO
+            | flag::PARALLEL_DIROPS;
+        if self.passthrough {
+            want |= flag::PASSTHROUGH;
+        }
+        InitPolicy {
+            max_read: self.max_read,
+            max_write: 4096,
+            want,
+            max_background: 256,
+            congestion_threshold: 192,
+        }
+    }
+}
+
+/// What the fd holder keeps beside the blob mount's connection (JSON): enough for a later
+/// daemon to check that the connection is the mount it finds, and to resume it without INIT.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SavedConnection {
+    /// Where the connection is mounted.
+    pub mountpoint: PathBuf,
+    /// The mount's device number `major:minor` (mountinfo), once mounted.
+    #[serde(default)]
+    pub dev: Option<String>,
+    /// The INIT values, once agreed (saved before INIT is answered).
+    #[serde(default)]
+    pub negotiated: Option<Negotiated>,
+}
+
+impl SavedConnection {
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    pub fn from_json(s: &str) -> Option<Self> {
+        serde_json::from_str(s).ok()
+    }
 }
 
 /// Counters of one mount.
@@ -99,15 +151,16 @@ pub struct BlobFsStats {
     pub max_concurrent_reads: u64,
 }
 
-/// A live blob mount. Unmounted by [`BlobFs::unmount`] or when dropped.
+/// A live blob mount. Unmounted by [`BlobFs::unmount`] or when dropped, unless handed over
+/// ([`BlobFs::hand_over`]).
 pub struct BlobFs {
     mountpoint: PathBuf,
     cache: Arc<ChunkCache>,
     table: Arc<Table>,
-    negotiated: Arc<Negotiated>,
+    negotiated: Negotiated,
     counters: Arc<Counters>,
-    notifier: Notifier,
-    session: Option<BackgroundSession>,
+    session: Option<Session>,
+    holder: Option<Arc<HolderClient>>,
     /// This mount's FUSE connection directory (`/sys/fs/fuse/connections/<N>`), which exists
     /// for as long as the kernel may read through the mount, even after this process is gone:
     /// the token of every passthrough pin's hold.
@@ -123,19 +176,48 @@ impl std::fmt::Debug for BlobFs {
     }
 }
 
+fn check_runtime(rt: &Handle) -> Result<()> {
+    if rt.runtime_flavor() != tokio::runtime::RuntimeFlavor::MultiThread {
+        // FUSE threads block on the runtime: a current-thread runtime would only make
+        // progress while its own thread happens to be inside `block_on`.
+        return Err(Error::InvalidConfig(
+            "the runtime must be a multi-threaded tokio runtime".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The FUSE connection directory of device `maj:min` (named `major << 20 | minor`), if
+/// fusectl is mounted and shows it. Found without touching the mount itself (a mount whose
+/// server is not answering yet would block a `stat`).
+fn fuse_connection(dev: &str) -> Option<PathBuf> {
+    let (maj, min) = dev.split_once(':')?;
+    let n = (maj.parse::<u64>().ok()? << 20) | min.parse::<u64>().ok()?;
+    let dir = Path::new("/sys/fs/fuse/connections").join(n.to_string());
+    if !dir.is_dir() {
+        tracing::warn!(
+            dir = %dir.display(),
+            "no FUSE connection directory (is fusectl mounted?): no passthrough"
+        );
+        return None;
+    }
+    Some(dir)
+}
+
 impl BlobFs {
     /// Mount an (initially empty) blob filesystem at `cfg.mountpoint`. Reads run
     /// [`ChunkCache::read`] on `rt`, which must be a multi-threaded runtime (FUSE threads call
-    /// `rt.block_on`). Needs root (mount(2) and `/dev/fuse`).
-    pub fn mount(cfg: BlobFsConfig, cache: Arc<ChunkCache>, rt: Handle) -> Result<BlobFs> {
+    /// `rt.block_on`). With `holder`, the connection is handed to the fd holder before it is
+    /// mounted, and the INIT values are saved there before INIT is answered, so that the
+    /// mount outlives this process ([`BlobFs::resume`]). Needs root (mount(2), `/dev/fuse`).
+    pub fn mount(
+        cfg: BlobFsConfig,
+        cache: Arc<ChunkCache>,
+        rt: Handle,
+        holder: Option<Arc<HolderClient>>,
+    ) -> Result<BlobFs> {
         cfg.check()?;
-        if rt.runtime_flavor() != tokio::runtime::RuntimeFlavor::MultiThread {
-            // FUSE threads block on the runtime: a current-thread runtime would only make
-            // progress while its own thread happens to be inside `block_on`.
-            return Err(Error::InvalidConfig(
-                "the runtime must be a multi-threaded tokio runtime".into(),
-            ));
-        }
+        check_runtime(&rt)?;
         if clean_stale_mount(&cfg.mountpoint)? {
             tracing::warn!(path = %cfg.mountpoint.display(), "detached a dead FUSE mount");
         }
@@ -150,57 +232,139 @@ impl BlobFs {
                 std::io::Error::from_raw_os_error(libc::ENOTDIR),
             ));
         }
-        let table = Arc::new(Table::default());
-        let negotiated = Arc::new(Negotiated::default());
-        let counters = Arc::new(Counters::default());
-        let fs = BlobFsImpl {
-            table: table.clone(),
-            cache: cache.clone(),
+        let dev = fusemount::open_dev()?;
+        let mut saved = SavedConnection {
+            mountpoint: mountpoint.clone(),
+            dev: None,
+            negotiated: None,
+        };
+        let how = FuseMount {
+            name: "strata-blobfs",
+            file_root: false,
+            read_only: true,
+        };
+        fusemount::mount_fuse(&mountpoint, std::os::fd::AsRawFd::as_raw_fd(&dev), cfg.max_read, how)?;
+        // From here on, a failure must not leave the mount (nor the holder's entry) behind.
+        let undo = |e: Error| {
+            let _ = umount(&mountpoint, rustix::mount::UnmountFlags::DETACH);
+            if let Some(h) = &holder {
+                let _ = h.drop_entry(HOLDER_ENTRY);
+            }
+            e
+        };
+        saved.dev = fusemount::mount_dev(&mountpoint);
+        // Handed to the holder once mounted (an unmounted device reports POLLERR, which the
+        // holder takes for a connection that ended) and before INIT is answered: no request
+        // is served before the holder has the connection. A crash before this leaves a mount
+        // nobody can have used yet, which the next daemon detaches.
+        if let Some(h) = &holder {
+            h.put(HOLDER_ENTRY, &saved.to_json(), dev.as_fd()).map_err(|e| {
+                undo(Error::io(
+                    "hand the FUSE connection to the fd holder",
+                    &mountpoint,
+                    e,
+                ))
+            })?;
+        }
+        let negotiated = crate::fuse::handshake(&dev, &cfg.policy(), Duration::from_secs(30), |neg| {
+            saved.negotiated = Some(*neg);
+            match &holder {
+                Some(h) => h.set_meta(HOLDER_ENTRY, &saved.to_json()),
+                None => Ok(()),
+            }
+        })
+        .map_err(|e| undo(Error::io("FUSE handshake on", &mountpoint, e)))?;
+        let fs = Self::new(mountpoint.clone(), cache, negotiated, holder.clone());
+        let fs = fs
+            .start(rt, dev, false, &cfg, saved.dev.as_deref())
+            .map_err(undo)?;
+        raise_bdi_readahead(&fs.mountpoint, cfg.max_read);
+        Ok(fs)
+    }
+
+    /// Resume serving a blob mount whose connection `dev` an earlier process initialised and
+    /// the fd holder kept (`saved` is what was kept with it), listing `blobs` before the first
+    /// request is read: the kernel's EROFS mounts keep reading the files they have open. The
+    /// requests the earlier process read but never answered are queued again
+    /// (`FUSE_NOTIFY_RESEND`, where the kernel has it).
+    pub fn resume(
+        cfg: BlobFsConfig,
+        cache: Arc<ChunkCache>,
+        rt: Handle,
+        holder: Option<Arc<HolderClient>>,
+        dev: OwnedFd,
+        saved: &SavedConnection,
+        blobs: &[(Digest, u64)],
+    ) -> Result<BlobFs> {
+        cfg.check()?;
+        check_runtime(&rt)?;
+        let negotiated = saved.negotiated.ok_or_else(|| {
+            Error::InvalidConfig("the kept FUSE connection was never initialised".into())
+        })?;
+        let fs = Self::new(saved.mountpoint.clone(), cache, negotiated, holder);
+        for (d, size) in blobs {
+            fs.table
+                .add(*d, *size)
+                .map_err(|other| Error::InodeCollision(d.to_hex(), other.to_hex()))?;
+        }
+        fs.start(rt, dev, true, &cfg, saved.dev.as_deref())
+    }
+
+    fn new(
+        mountpoint: PathBuf,
+        cache: Arc<ChunkCache>,
+        negotiated: Negotiated,
+        holder: Option<Arc<HolderClient>>,
+    ) -> BlobFs {
+        BlobFs {
+            mountpoint,
+            cache,
+            table: Arc::new(Table::default()),
+            negotiated,
+            counters: Arc::new(Counters::default()),
+            session: None,
+            holder,
+            connection: None,
+        }
+    }
+
+    fn start(
+        mut self,
+        rt: Handle,
+        dev: OwnedFd,
+        resend: bool,
+        cfg: &BlobFsConfig,
+        devno: Option<&str>,
+    ) -> Result<BlobFs> {
+        let handler = Arc::new(BlobFsImpl {
+            table: self.table.clone(),
+            cache: self.cache.clone(),
             rt,
             opts: Options {
                 max_read: cfg.max_read,
                 direct_io: cfg.direct_io,
-                passthrough: cfg.passthrough,
             },
-            negotiated: negotiated.clone(),
-            counters: counters.clone(),
+            negotiated: self.negotiated,
+            counters: self.counters.clone(),
             started: SystemTime::now(),
-        };
-        let session = fusemount::start(
-            &mountpoint,
-            cfg.max_read,
-            cfg.threads,
-            FuseMount {
-                name: "strata-blobfs",
-                file_root: false,
-                read_only: true,
-            },
-            fs,
-        )?;
-        let notifier = session.notifier();
-        raise_bdi_readahead(&mountpoint, cfg.max_read);
-        let connection = if cfg.passthrough {
-            fuse_connection(&mountpoint)
-        } else {
-            None
-        };
-        Ok(BlobFs {
-            connection,
-            mountpoint,
-            cache,
-            table,
-            negotiated,
-            counters,
-            notifier,
-            session: Some(session),
-        })
+        });
+        let session = Session::serve(dev, self.negotiated, handler, cfg.threads, resend)
+            .map_err(|e| Error::io("start FUSE threads for", &self.mountpoint, e))?;
+        self.session = Some(session);
+        if self.negotiated.passthrough() {
+            self.connection = devno.and_then(fuse_connection);
+        }
+        Ok(self)
     }
 
     /// Serve `blob`: load its chunk table (through the cache) and list `<mount>/<hex>`.
     /// Idempotent. Returns the file's path.
     pub async fn add_blob(&self, blob: Digest) -> Result<PathBuf> {
         let table = self.cache.register(&blob).await?;
-        let e = self.table.add(blob, table.blob_size);
+        let e = self
+            .table
+            .add(blob, table.blob_size)
+            .map_err(|other| Error::InodeCollision(blob.to_hex(), other.to_hex()))?;
         Ok(self.mountpoint.join(&e.name))
     }
 
@@ -215,14 +379,15 @@ impl BlobFs {
         e.local().take();
         // Drop the kernel's cached dentry so the name disappears at once. ENOENT (nothing
         // cached) is expected.
-        if let Err(err) = self.notifier.inval_entry(INodeNo::ROOT, e.name.as_ref()) {
-            if err.raw_os_error() != Some(libc::ENOENT) {
-                tracing::debug!(blob = %e.name, error = %err, "invalidating a dentry failed");
+        if let Some(s) = &self.session {
+            if let Err(err) = s.channel().inval_entry(crate::fuse::abi::ROOT_ID, e.name.as_bytes()) {
+                if err.raw_os_error() != Some(libc::ENOENT) {
+                    tracing::debug!(blob = %e.name, error = %err, "invalidating a dentry failed");
+                }
             }
         }
         Ok(())
     }
-
     /// The listed blobs and their sizes, in the order they were added.
     pub fn blobs(&self) -> Vec<(Digest, u64)> {
         self.table
@@ -323,7 +488,7 @@ impl BlobFs {
     /// at INIT (only asked for when configured), and this mount's FUSE connection directory
     /// is there to hold pins by (fusectl mounted).
     pub fn passthrough_available(&self) -> bool {
-        self.negotiated.passthrough.load(Ordering::Relaxed) && self.connection.is_some()
+        self.negotiated.passthrough() && self.connection.is_some()
     }
 
     /// Counters of this mount.
@@ -345,11 +510,34 @@ impl BlobFs {
         self.shutdown()
     }
 
+    /// Stop serving without unmounting (a planned handover to the next daemon): the workers
+    /// finish the requests they are serving and end; the connection stays with the fd holder,
+    /// and requests wait in the kernel until [`BlobFs::resume`] in the next process.
+    pub fn hand_over(mut self) {
+        if let Some(mut s) = self.session.take() {
+            s.stop();
+        }
+        self.holder = None;
+    }
+
+    /// What the kernel agreed at INIT.
+    pub fn negotiated(&self) -> Negotiated {
+        self.negotiated
+    }
+
     fn shutdown(&mut self) -> Result<()> {
         let Some(session) = self.session.take() else {
             return Ok(());
         };
-        fusemount::stop(&self.mountpoint, session, "still in use; detached lazily")
+        let r = fusemount::stop_session(&self.mountpoint, session, "still in use; detached lazily");
+        // The connection is over (or detached and ending with its last user): the holder
+        // need not keep it.
+        if let Some(h) = self.holder.take() {
+            if let Err(e) = h.drop_entry(HOLDER_ENTRY) {
+                tracing::warn!(error = %e, "asking the fd holder to close the blob mount's connection");
+            }
+        }
+        r
     }
 }
 
@@ -428,23 +616,6 @@ pub fn mount_bdi(mountpoint: &Path) -> Result<PathBuf> {
 pub fn set_mount_readahead(mountpoint: &Path, bytes: u64) -> Result<()> {
     let path = mount_bdi(mountpoint)?.join("read_ahead_kb");
     std::fs::write(&path, format!("{}", bytes / 1024)).map_err(|e| Error::io("write", &path, e))
-}
-
-/// The FUSE connection directory of the mount at `mountpoint` (named after the kernel's
-/// device number of the mount, `major << 20 | minor`), if fusectl is mounted and shows it.
-fn fuse_connection(mountpoint: &Path) -> Option<PathBuf> {
-    let st = rustix::fs::stat(mountpoint).ok()?;
-    let dev =
-        (u64::from(rustix::fs::major(st.st_dev)) << 20) | u64::from(rustix::fs::minor(st.st_dev));
-    let dir = Path::new("/sys/fs/fuse/connections").join(dev.to_string());
-    if !dir.is_dir() {
-        tracing::warn!(
-            dir = %dir.display(),
-            "no FUSE connection directory (is fusectl mounted?): no passthrough"
-        );
-        return None;
-    }
-    Some(dir)
 }
 
 /// Raise the blob mount's readahead window to `max_read` (the kernel caps the one negotiated

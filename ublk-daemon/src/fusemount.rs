@@ -65,6 +65,81 @@ pub(crate) fn mount_fuse(
     Ok(())
 }
 
+/// Open `/dev/fuse` (non-blocking: the session's workers wait in epoll).
+pub(crate) fn open_dev() -> Result<std::os::fd::OwnedFd> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let dev = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .open("/dev/fuse")
+        .map_err(|e| Error::io("open", "/dev/fuse", e))?;
+    Ok(dev.into())
+}
+
+/// The device number `major:minor` of the newest mount at `target` (from
+/// `/proc/self/mountinfo`, without touching the mount: a FUSE mount whose INIT is not answered
+/// yet would block a `stat`).
+pub(crate) fn mount_dev(target: &Path) -> Option<String> {
+    let text = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let target = target.to_str()?;
+    text.lines()
+        .filter_map(|l| {
+            let mut f = l.split(' ');
+            let dev = f.nth(2)?;
+            let _root = f.next()?;
+            let mp = f.next()?;
+            (crate::node::sys::unescape_field(mp) == target).then(|| dev.to_owned())
+        })
+        .last()
+}
+
+/// Unmount `target` and wait for our session's workers (they end with the connection). If
+/// the mount is still in use, detach it lazily (the workers serve the remaining users, then
+/// end) and return [`Error::Busy`] saying `busy`.
+pub(crate) fn stop_session(
+    target: &Path,
+    mut session: crate::fuse::Session,
+    busy: &str,
+) -> Result<()> {
+    match unmount_retrying(target) {
+        Ok(()) => {
+            session.join();
+            Ok(())
+        }
+        Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+            let detached = umount(target, UnmountFlags::DETACH);
+            // The workers stop on their own when the kernel drops the connection.
+            std::thread::spawn(move || session.join());
+            detached.map_err(|e| Error::io("umount2(MNT_DETACH)", target, e))?;
+            Err(Error::Busy {
+                path: target.to_path_buf(),
+                what: busy.into(),
+            })
+        }
+        Err(e) => {
+            session.stop();
+            Err(Error::io("umount", target, e))
+        }
+    }
+}
+
+/// umount2(`target`), retried a few times on `EBUSY`: a mount can be busy for a moment only
+/// (a child another thread of this process is spawning holds copies of its descriptors
+/// until it execs).
+fn unmount_retrying(target: &Path) -> std::io::Result<()> {
+    let mut tries = 0;
+    loop {
+        match umount(target, UnmountFlags::empty()) {
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) && tries < 5 => {
+                tries += 1;
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            other => return other,
+        }
+    }
+}
+
 /// Open `/dev/fuse`, mount it at `target` and answer the kernel's INIT with `fs` on `threads`
 /// threads (each with its own cloned descriptor). A failure after mount(2) detaches the mount.
 pub(crate) fn start<FS: fuser::Filesystem + Send + Sync + 'static>(
@@ -104,19 +179,7 @@ pub(crate) fn start<FS: fuser::Filesystem + Send + Sync + 'static>(
 /// it lazily (the threads serve the remaining users, then end) and return [`Error::Busy`]
 /// saying `busy`.
 pub(crate) fn stop(target: &Path, session: fuser::BackgroundSession, busy: &str) -> Result<()> {
-    // A mount can be busy for a moment only: a child another thread of this process is
-    // spawning holds copies of its descriptors until it execs. Try a few times first.
-    let mut tries = 0;
-    let unmounted = loop {
-        match umount(target, UnmountFlags::empty()) {
-            Err(e) if e.raw_os_error() == Some(libc::EBUSY) && tries < 5 => {
-                tries += 1;
-                std::thread::sleep(std::time::Duration::from_millis(20));
-            }
-            other => break other,
-        }
-    };
-    match unmounted {
+    match unmount_retrying(target) {
         Ok(()) => session
             .join()
             .map_err(|e| Error::io("stop FUSE threads of", target, e)),

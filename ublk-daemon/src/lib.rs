@@ -28,7 +28,9 @@
 
 pub mod bd;
 pub mod blobfs;
+pub mod fuse;
 mod fusemount;
+pub mod holder;
 pub mod node;
 mod signal;
 
@@ -77,6 +79,9 @@ pub enum Error {
     /// A block-device directory is unusable (a bad descriptor, a base that changed).
     #[error("block device {path}: {reason}")]
     BadDevice { path: PathBuf, reason: String },
+    /// Two blobs would get the same inode number in the blob mount.
+    #[error("blob {0}'s inode number collides with blob {1}'s")]
+    InodeCollision(String, String),
     /// The ublk driver refused or failed a request.
     #[error("{op}: {reason} (errno {errno})")]
     Ublk {
@@ -98,6 +103,7 @@ impl Error {
             Error::Cache(_) => libc::EIO,
             Error::Device(e) => e.errno(),
             Error::BadDevice { .. } => libc::EINVAL,
+            Error::InodeCollision(..) => libc::EEXIST,
             Error::Ublk { errno, .. } => *errno,
         }
     }

@@ -86,7 +86,7 @@ impl Env {
         let mut cfg = BlobFsConfig::new(&mnt);
         cfg.threads = 4;
         tweak(&mut cfg);
-        let fs = BlobFs::mount(cfg, cache.clone(), rt.handle().clone()).unwrap();
+        let fs = BlobFs::mount(cfg, cache.clone(), rt.handle().clone(), None).unwrap();
         Env {
             fs: Some(fs),
             cache,
@@ -458,7 +458,7 @@ fn clean_stale_mount_detaches_a_dead_fuse_mount() {
     // Mounting over a dead mount cleans it first.
     make_dead_fuse_mount(&mnt);
     let (rt, cache) = plain_cache(dir.path());
-    let fs = BlobFs::mount(BlobFsConfig::new(&mnt), cache, rt.handle().clone()).unwrap();
+    let fs = BlobFs::mount(BlobFsConfig::new(&mnt), cache, rt.handle().clone(), None).unwrap();
     assert!(std::fs::metadata(&mnt).unwrap().is_dir());
     assert!(listing(&mnt).is_empty());
     fs.unmount().unwrap();
@@ -476,7 +476,7 @@ fn bad_configuration_is_an_error() {
     ] {
         let mut cfg = BlobFsConfig::new(dir.path());
         tweak(&mut cfg);
-        let err = BlobFs::mount(cfg, cache.clone(), rt.handle().clone()).unwrap_err();
+        let err = BlobFs::mount(cfg, cache.clone(), rt.handle().clone(), None).unwrap_err();
         assert!(matches!(err, Error::InvalidConfig(_)), "{err}");
         assert_eq!(err.errno(), libc::EINVAL);
     }
@@ -487,11 +487,12 @@ fn bad_configuration_is_an_error() {
         BlobFsConfig::new(dir.path()),
         cache.clone(),
         current.handle().clone(),
+        None,
     )
     .unwrap_err();
     assert!(matches!(err, Error::InvalidConfig(_)), "{err}");
     let missing = BlobFsConfig::new(dir.path().join("missing"));
-    let err = BlobFs::mount(missing, cache, rt.handle().clone()).unwrap_err();
+    let err = BlobFs::mount(missing, cache, rt.handle().clone(), None).unwrap_err();
     assert_eq!(err.errno(), libc::ENOENT, "{err}");
 }
 

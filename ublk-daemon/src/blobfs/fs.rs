@@ -4,22 +4,22 @@
 //! completion on the calling FUSE thread with [`tokio::runtime::Handle::block_on`]: a chunk in
 //! memory is served without a thread hand-off, and the cache's own tasks (fetches, level-2
 //! reads that would block) run on the runtime. The runtime's worker threads never wait on FUSE.
+//!
+//! Nothing here depends on what an earlier daemon did on the same connection: inode numbers
+//! and file handles are functions of the blob digest, a RELEASE of a handle this process
+//! never opened is harmless, and a READ needs only the table.
 
-use std::ffi::OsStr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use fs_cache::chunk::ChunkCache;
-use fuser::{
-    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
-    KernelConfig, LockOwner, OpenAccMode, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory,
-    ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, Request,
-};
 use tokio::runtime::Handle;
+use zerocopy::IntoBytes;
 
 use super::table::{Backing, Entry, Table};
-use crate::fusemount;
+use crate::fuse::abi::{self, fopen, Attr, AttrOut, Dirent, EntryOut, OpenOut, StatfsOut};
+use crate::fuse::{Handler, Negotiated, Op, Reply, Request};
 
 /// How long the kernel may cache blob entries and attributes: blobs are immutable, and a
 /// removal invalidates the entry explicitly.
@@ -32,13 +32,6 @@ const ROOT_TTL: Duration = Duration::from_secs(1);
 pub(crate) struct Options {
     pub(crate) max_read: u32,
     pub(crate) direct_io: bool,
-    pub(crate) passthrough: bool,
-}
-
-/// What the kernel agreed to at INIT (read by [`super::BlobFs`]).
-#[derive(Debug, Default)]
-pub(crate) struct Negotiated {
-    pub(crate) passthrough: AtomicBool,
 }
 
 /// Per-mount counters.
@@ -57,66 +50,63 @@ pub(crate) struct BlobFsImpl {
     pub(crate) cache: Arc<ChunkCache>,
     pub(crate) rt: Handle,
     pub(crate) opts: Options,
-    pub(crate) negotiated: Arc<Negotiated>,
+    pub(crate) negotiated: Negotiated,
     pub(crate) counters: Arc<Counters>,
     pub(crate) started: SystemTime,
 }
 
-impl BlobFsImpl {
-    fn root_attr(&self) -> FileAttr {
-        FileAttr {
-            ino: INodeNo::ROOT,
-            size: 0,
-            blocks: 0,
-            atime: self.started,
-            mtime: self.started,
-            ctime: self.started,
-            crtime: self.started,
-            kind: FileType::Directory,
-            perm: 0o555,
-            nlink: 2,
-            uid: 0,
-            gid: 0,
-            rdev: 0,
-            blksize: 4096,
-            flags: 0,
-        }
-    }
-
-    fn blob_attr(&self, e: &Entry) -> FileAttr {
-        FileAttr {
-            ino: INodeNo(e.ino),
-            size: e.size,
-            blocks: e.size.div_ceil(512),
-            atime: self.started,
-            mtime: self.started,
-            ctime: self.started,
-            crtime: self.started,
-            kind: FileType::RegularFile,
-            perm: 0o444,
-            nlink: 1,
-            uid: 0,
-            gid: 0,
-            rdev: 0,
-            // Tools size their buffers by st_blksize: ask for whole FUSE requests.
-            blksize: self.opts.max_read,
-            flags: 0,
-        }
-    }
+fn secs(t: SystemTime) -> (u64, u32) {
+    let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+    (d.as_secs(), d.subsec_nanos())
 }
 
 impl BlobFsImpl {
+    fn attr(&self, ino: u64, size: u64, mode: u32, nlink: u32, blksize: u32) -> Attr {
+        let (t, ns) = secs(self.started);
+        Attr {
+            ino,
+            size,
+            blocks: size.div_ceil(512),
+            atime: t,
+            mtime: t,
+            ctime: t,
+            atimensec: ns,
+            mtimensec: ns,
+            ctimensec: ns,
+            mode,
+            nlink,
+            uid: 0,
+            gid: 0,
+            rdev: 0,
+            blksize,
+            flags: 0,
+        }
+    }
+
+    fn root_attr(&self) -> Attr {
+        self.attr(abi::ROOT_ID, 0, abi::S_IFDIR | 0o555, 2, 4096)
+    }
+
+    fn blob_attr(&self, e: &Entry) -> Attr {
+        // Tools size their buffers by st_blksize: ask for whole FUSE requests.
+        self.attr(e.ino, e.size, abi::S_IFREG | 0o444, 1, self.opts.max_read)
+    }
+
     /// The backing file for a passthrough open of `e`, when its chunks are pinned in level 2:
     /// the one already registered with the kernel, or a new registration of the pinned file.
-    fn backing_for(&self, e: &Entry, reply: &ReplyOpen) -> Option<Arc<Backing>> {
+    fn backing_for(&self, e: &Entry, reply: &Reply<'_>) -> Option<Arc<Backing>> {
         let pin = e.local().clone()?;
         let mut b = e.backing();
         if let Some(backing) = b.as_ref() {
             return Some(backing.clone());
         }
-        match reply.open_backing(pin.file()) {
+        match reply.channel().backing_open(std::os::fd::AsFd::as_fd(pin.file())) {
             Ok(id) => {
-                let backing = Arc::new(Backing { id, _pin: pin });
+                let backing = Arc::new(Backing {
+                    id,
+                    channel: Arc::downgrade(reply.channel()),
+                    _pin: pin,
+                });
                 *b = Some(backing.clone());
                 Some(backing)
             }
@@ -127,92 +117,13 @@ impl BlobFsImpl {
             }
         }
     }
-}
 
-impl Filesystem for BlobFsImpl {
-    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
-        // Readahead only matters without direct_io; take the most the kernel offers.
-        if let Err(max) = config.set_max_readahead(u32::MAX) {
-            let _ = config.set_max_readahead(max);
-        }
-        // Many reads in flight at once (EROFS submits its reads asynchronously).
-        let _ = config.set_max_background(256);
-        let _ = config.set_congestion_threshold(192);
-        let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
-        // Direct I/O from an asynchronous reader (EROFS's file-backed reads) stays
-        // asynchronous: a large read becomes `max_pages` requests in flight at once instead of
-        // one request at a time.
-        let _ = config.add_capabilities(InitFlags::FUSE_ASYNC_DIO);
-        if self.opts.passthrough && config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok() {
-            // Depth 1: backing files live on a plain filesystem, and this mount can itself be
-            // the lower of one more stacking filesystem.
-            if config.set_max_stack_depth(1).is_ok() {
-                self.negotiated.passthrough.store(true, Ordering::Relaxed);
-            }
-        }
-        Ok(())
-    }
-
-    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
-        if parent != INodeNo::ROOT {
-            return reply.error(Errno::ENOENT);
-        }
-        match name.to_str().and_then(|n| self.table.lookup(n)) {
-            Some(e) => reply.entry(&BLOB_TTL, &self.blob_attr(&e), Generation(0)),
-            None => reply.error(Errno::ENOENT),
-        }
-    }
-
-    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        if ino == INodeNo::ROOT {
-            return reply.attr(&ROOT_TTL, &self.root_attr());
-        }
-        match self.table.get(ino.0) {
-            Some(e) => reply.attr(&BLOB_TTL, &self.blob_attr(&e)),
-            None => reply.error(Errno::ENOENT),
-        }
-    }
-
-    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
-        if ino == INodeNo::ROOT {
-            return reply.error(Errno::EISDIR);
-        }
-        if flags.acc_mode() != OpenAccMode::O_RDONLY {
-            return reply.error(Errno::EROFS);
-        }
-        let Some(e) = self.table.open(ino.0) else {
-            return reply.error(Errno::ENOENT);
-        };
-        if self.negotiated.passthrough.load(Ordering::Relaxed) {
-            if let Some(b) = self.backing_for(&e, &reply) {
-                return reply.opened_passthrough(FileHandle(e.ino), FopenFlags::empty(), &b.id);
-            }
-        }
-        let mut fl = FopenFlags::FOPEN_KEEP_CACHE;
-        if self.opts.direct_io {
-            // No second copy of the blob in the page cache: the reader above (EROFS) keeps its
-            // own, and the chunk cache keeps its own.
-            fl = FopenFlags::FOPEN_DIRECT_IO;
-        }
-        reply.opened(FileHandle(e.ino), fl);
-    }
-
-    fn read(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        size: u32,
-        _flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
-        reply: ReplyData,
-    ) {
-        let Some(e) = self.table.get(ino.0) else {
-            return reply.error(Errno::ENOENT);
+    fn read(&self, ino: u64, offset: u64, size: u32, reply: Reply<'_>) {
+        let Some(e) = self.table.get(ino) else {
+            return reply.error(libc::ENOENT);
         };
         if offset >= e.size || size == 0 {
-            return reply.data(&[]);
+            return reply.ok(&[]);
         }
         let len = u64::from(size.min(self.opts.max_read.max(4096)));
         self.counters.reads.fetch_add(1, Ordering::Relaxed);
@@ -237,27 +148,93 @@ impl Filesystem for BlobFsImpl {
                 self.counters
                     .read_bytes
                     .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-                reply.data(&bytes)
+                reply.ok(&[&bytes])
             }
             Err(err) => {
                 self.counters.read_errors.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(blob = %e.name, offset, len, error = %err, "blob read failed");
-                reply.error(Errno::EIO)
+                reply.error(libc::EIO)
             }
         }
     }
 
-    fn release(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        _flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
-        _flush: bool,
-        reply: ReplyEmpty,
-    ) {
-        if let Some(e) = self.table.release(ino.0) {
+    /// Offsets: "." is 1, ".." is 2, a blob's offset is its inode number (listed in inode
+    /// order, so a listing resumed after concurrent changes neither repeats nor skips a blob
+    /// that stayed listed).
+    fn readdir(&self, offset: u64, size: u32, reply: Reply<'_>) {
+        let mut out = Vec::with_capacity(size as usize);
+        let mut add = |ino: u64, off: u64, typ: u32, name: &[u8]| -> bool {
+            let len = std::mem::size_of::<Dirent>() + name.len();
+            let padded = len.next_multiple_of(8);
+            if out.len() + padded > size as usize {
+                return false;
+            }
+            let d = Dirent {
+                ino,
+                off,
+                namelen: name.len() as u32,
+                typ,
+            };
+            out.extend_from_slice(d.as_bytes());
+            out.extend_from_slice(name);
+            out.resize(out.len() + padded - len, 0);
+            true
+        };
+        let mut full = false;
+        if offset < 1 {
+            full = !add(abi::ROOT_ID, 1, abi::DT_DIR, b".");
+        }
+        if !full && offset < 2 {
+            full = !add(abi::ROOT_ID, 2, abi::DT_DIR, b"..");
+        }
+        if !full {
+            for e in self.table.listed_after(offset.max(2)) {
+                if !add(e.ino, e.ino, abi::DT_REG, e.name.as_bytes()) {
+                    break;
+                }
+            }
+        }
+        reply.ok(&[&out]);
+    }
+
+    fn open(&self, ino: u64, flags: u32, reply: Reply<'_>) {
+        if ino == abi::ROOT_ID {
+            return reply.error(libc::EISDIR);
+        }
+        if flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32 {
+            return reply.error(libc::EROFS);
+        }
+        let Some(e) = self.table.open(ino) else {
+            return reply.error(libc::ENOENT);
+        };
+        if self.negotiated.passthrough() {
+            if let Some(b) = self.backing_for(&e, &reply) {
+                let out = OpenOut {
+                    fh: e.ino,
+                    open_flags: fopen::PASSTHROUGH,
+                    backing_id: b.id,
+                };
+                return reply.ok(&[out.as_bytes()]);
+            }
+        }
+        // Without direct I/O the page cache may keep what it read; with it (the default) the
+        // kernel keeps no second copy of the blob: the reader above (EROFS) keeps its own,
+        // and the chunk cache keeps its own.
+        let open_flags = if self.opts.direct_io {
+            fopen::DIRECT_IO
+        } else {
+            fopen::KEEP_CACHE
+        };
+        let out = OpenOut {
+            fh: e.ino,
+            open_flags,
+            backing_id: 0,
+        };
+        reply.ok(&[out.as_bytes()]);
+    }
+
+    fn release(&self, ino: u64, reply: Reply<'_>) {
+        if let Some(e) = self.table.release(ino) {
             // The last handle: let the kernel close the backing file (unless a new open took
             // it meanwhile; the open count is raised before `backing` is locked).
             let mut b = e.backing();
@@ -265,61 +242,95 @@ impl Filesystem for BlobFsImpl {
                 b.take();
             }
         }
-        reply.ok();
+        reply.ok(&[]);
     }
+}
 
-    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
-        if ino != INodeNo::ROOT {
-            return reply.error(Errno::ENOTDIR);
-        }
-        reply.opened(FileHandle(0), FopenFlags::empty());
+fn entry_out(attr: Attr, ttl: Duration) -> EntryOut {
+    EntryOut {
+        nodeid: attr.ino,
+        generation: 0,
+        entry_valid: ttl.as_secs(),
+        attr_valid: ttl.as_secs(),
+        entry_valid_nsec: ttl.subsec_nanos(),
+        attr_valid_nsec: ttl.subsec_nanos(),
+        attr,
     }
+}
 
-    /// Offsets: "." is 1, ".." is 2, a blob's offset is its inode number (inodes grow and are
-    /// never reused, so a listing resumed after concurrent changes neither repeats nor skips a
-    /// blob that stayed listed).
-    fn readdir(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        mut reply: ReplyDirectory,
-    ) {
-        if ino != INodeNo::ROOT {
-            return reply.error(Errno::ENOTDIR);
-        }
-        if offset < 1 && reply.add(INodeNo::ROOT, 1, FileType::Directory, ".") {
-            return reply.ok();
-        }
-        if offset < 2 && reply.add(INodeNo::ROOT, 2, FileType::Directory, "..") {
-            return reply.ok();
-        }
-        for e in self.table.listed_after(offset.max(2)) {
-            if reply.add(INodeNo(e.ino), e.ino, FileType::RegularFile, &e.name) {
-                break;
+fn attr_out(attr: Attr, ttl: Duration) -> AttrOut {
+    AttrOut {
+        attr_valid: ttl.as_secs(),
+        attr_valid_nsec: ttl.subsec_nanos(),
+        dummy: 0,
+        attr,
+    }
+}
+
+impl Handler for BlobFsImpl {
+    fn handle(&self, req: &Request<'_>, reply: Reply<'_>) {
+        let ino = req.header.nodeid;
+        match &req.op {
+            Op::Lookup { name } => {
+                if ino != abi::ROOT_ID {
+                    return reply.error(libc::ENOENT);
+                }
+                match name.to_str().and_then(|n| self.table.lookup(n)) {
+                    Some(e) => {
+                        let out = entry_out(self.blob_attr(&e), BLOB_TTL);
+                        reply.ok(&[out.as_bytes()])
+                    }
+                    None => reply.error(libc::ENOENT),
+                }
             }
+            Op::Getattr(_) => {
+                if ino == abi::ROOT_ID {
+                    let out = attr_out(self.root_attr(), ROOT_TTL);
+                    return reply.ok(&[out.as_bytes()]);
+                }
+                match self.table.get(ino) {
+                    Some(e) => reply.ok(&[attr_out(self.blob_attr(&e), BLOB_TTL).as_bytes()]),
+                    None => reply.error(libc::ENOENT),
+                }
+            }
+            Op::Open(o) => self.open(ino, o.flags, reply),
+            Op::Read(r) => self.read(ino, r.offset, r.size, reply),
+            Op::Release(_) => self.release(ino, reply),
+            Op::Flush | Op::Releasedir(_) | Op::Access => reply.ok(&[]),
+            Op::Opendir(_) => {
+                if ino != abi::ROOT_ID {
+                    return reply.error(libc::ENOTDIR);
+                }
+                reply.ok(&[OpenOut::default().as_bytes()])
+            }
+            Op::Readdir(r) => {
+                if ino != abi::ROOT_ID {
+                    return reply.error(libc::ENOTDIR);
+                }
+                self.readdir(r.offset, r.size, reply)
+            }
+            Op::Statfs => {
+                let (files, bytes) = self.table.totals();
+                let out = StatfsOut {
+                    blocks: bytes.div_ceil(4096),
+                    files: files + 1,
+                    bsize: 4096,
+                    namelen: 255,
+                    frsize: 4096,
+                    ..Default::default()
+                };
+                reply.ok(&[out.as_bytes()])
+            }
+            Op::Getxattr { .. } => reply.error(libc::ENODATA),
+            Op::Listxattr { size } => {
+                // No extended attributes: the size of an empty list, or the empty list.
+                if *size == 0 {
+                    reply.ok(&[abi::GetxattrOut::default().as_bytes()])
+                } else {
+                    reply.ok(&[])
+                }
+            }
+            _ => reply.error(libc::ENOSYS),
         }
-        reply.ok();
-    }
-
-    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
-        let (files, bytes) = self.table.totals();
-        reply.statfs(bytes.div_ceil(4096), 0, 0, files + 1, 0, 4096, 255, 4096);
-    }
-
-    fn getxattr(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _name: &OsStr,
-        _size: u32,
-        reply: fuser::ReplyXattr,
-    ) {
-        reply.error(Errno::NO_XATTR);
-    }
-
-    fn listxattr(&self, _req: &Request, _ino: INodeNo, size: u32, reply: fuser::ReplyXattr) {
-        fusemount::reply_no_xattrs(size, reply);
     }
 }

@@ -2,8 +2,11 @@
 //! which removed blobs are still open.
 //!
 //! Invariants:
-//! - Inode 1 is the root directory; blob inodes start at [`FIRST_BLOB_INO`] and are never
-//!   reused while the mount lives, so a stale kernel inode can never reach another blob.
+//! - Inode 1 is the root directory; a blob's inode number (and file handle) is a function of
+//!   its digest alone ([`ino_of`]), so a daemon that takes over a live connection from the
+//!   fd holder answers the inodes and handles the kernel already holds (an EROFS mount keeps
+//!   its blob files open for its whole life) with no state handed over. A stale kernel inode
+//!   can never reach another blob: two listed blobs whose numbers collide are refused.
 //! - A listed blob is in `listed` (keyed by inode, the readdir order) and in `by_digest`.
 //! - A removed blob leaves both at once; it stays in `inodes` only while a file handle is open
 //!   on it (so reads through existing handles keep working), and leaves when the last is
@@ -14,20 +17,39 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use std::sync::Weak;
+
 use fs_cache::chunk::disk::BlobPin;
 use fs_cache::Digest;
-use fuser::BackingId;
+
+use crate::fuse::Channel;
 
 /// The kernel's handle on a pinned level-2 blob file, and the pin that keeps the file's bytes
-/// the blob's for as long as the kernel may read it.
+/// the blob's for as long as the kernel may read it. Dropping it closes the backing id.
 #[derive(Debug)]
 pub(crate) struct Backing {
-    pub(crate) id: BackingId,
+    pub(crate) id: i32,
+    pub(crate) channel: Weak<Channel>,
     pub(crate) _pin: Arc<BlobPin>,
 }
 
-/// The first inode number given to a blob (1 is the root; 2 is left unused).
-pub(crate) const FIRST_BLOB_INO: u64 = 3;
+impl Drop for Backing {
+    fn drop(&mut self) {
+        if let Some(ch) = self.channel.upgrade() {
+            if let Err(e) = ch.backing_close(self.id) {
+                tracing::debug!(id = self.id, error = %e, "FUSE_DEV_IOC_BACKING_CLOSE failed");
+            }
+        }
+    }
+}
+
+/// The inode number (and file handle) of `digest`'s file: its first 8 bytes with the top two
+/// bits set, so never the root (1) nor 0, stable across daemons.
+pub(crate) fn ino_of(digest: &Digest) -> u64 {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&digest.0[..8]);
+    u64::from_le_bytes(b) | (0b11 << 62)
+}
 
 /// One blob file.
 #[derive(Debug)]
@@ -63,7 +85,6 @@ struct Inner {
     listed: BTreeMap<u64, Arc<Entry>>,
     by_digest: HashMap<Digest, u64>,
     inodes: HashMap<u64, Arc<Entry>>,
-    next_ino: u64,
 }
 
 /// The table (shared between the FUSE threads and the [`super::BlobFs`] handle).
@@ -83,24 +104,20 @@ impl Table {
     }
 
     /// List `digest` (of `size` bytes); returns its entry. Idempotent; a removed blob that is
-    /// still open is listed again under its old inode.
-    pub(crate) fn add(&self, digest: Digest, size: u64) -> Arc<Entry> {
+    /// still open is listed again under its inode. `Err` names the listed blob whose inode
+    /// number collides with this one's (about one chance in 2^62 per pair).
+    pub(crate) fn add(&self, digest: Digest, size: u64) -> Result<Arc<Entry>, Digest> {
         let mut t = self.write();
-        if let Some(ino) = t.by_digest.get(&digest) {
-            if let Some(e) = t.inodes.get(ino) {
-                return e.clone();
+        let ino = ino_of(&digest);
+        if let Some(e) = t.inodes.get(&ino) {
+            if e.digest != digest {
+                return Err(e.digest);
             }
         }
-        let reuse = t
-            .inodes
-            .values()
-            .find(|e| e.digest == digest && e.size == size)
-            .cloned();
+        let reuse = t.inodes.get(&ino).cloned();
         let entry = match reuse {
             Some(e) => e,
             None => {
-                let ino = t.next_ino.max(FIRST_BLOB_INO);
-                t.next_ino = ino + 1;
                 let e = Arc::new(Entry {
                     ino,
                     digest,
@@ -118,7 +135,7 @@ impl Table {
         entry.listed.store(true, Ordering::Release);
         t.listed.insert(entry.ino, entry.clone());
         t.by_digest.insert(digest, entry.ino);
-        entry
+        Ok(entry)
     }
 
     /// Unlist `digest`; returns the entry it had, or `None` if it was not listed.
@@ -204,11 +221,12 @@ mod tests {
         let t = Table::default();
         let d1 = Digest::of(b"one");
         let d2 = Digest::of(b"two");
-        let e1 = t.add(d1, 3);
-        assert_eq!(e1.ino, FIRST_BLOB_INO);
-        assert_eq!(t.add(d1, 3).ino, e1.ino, "add is idempotent");
-        let e2 = t.add(d2, 3);
-        assert_eq!(e2.ino, FIRST_BLOB_INO + 1);
+        let e1 = t.add(d1, 3).unwrap();
+        assert_eq!(e1.ino, ino_of(&d1));
+        assert!(e1.ino > 1 << 62, "never the root");
+        assert_eq!(t.add(d1, 3).unwrap().ino, e1.ino, "add is idempotent");
+        let e2 = t.add(d2, 3).unwrap();
+        assert_ne!(e2.ino, e1.ino);
         assert_eq!(t.lookup(&d2.to_hex()).map(|e| e.ino), Some(e2.ino));
         assert!(t.lookup("not-hex").is_none());
         assert_eq!(t.totals(), (2, 6));
@@ -220,16 +238,22 @@ mod tests {
         assert!(t.lookup(&d1.to_hex()).is_none());
         assert_eq!(t.listed_after(0).len(), 1);
         assert!(t.get(e1.ino).is_some());
-        // Listing it again while open reuses the inode.
-        assert_eq!(t.add(d1, 3).ino, e1.ino);
+        // Listing it again while open keeps its entry.
+        assert!(Arc::ptr_eq(&t.add(d1, 3).unwrap(), &e1));
         assert!(t.remove(&d1).is_some());
         assert!(t.release(e1.ino).is_some(), "last handle");
         assert!(t.get(e1.ino).is_none());
         assert!(t.release(e1.ino).is_none());
         assert!(t.open(e1.ino).is_none());
-        // A later add gets a fresh inode, never a reused one.
-        assert_eq!(t.add(d1, 3).ino, FIRST_BLOB_INO + 2);
-        let after: Vec<u64> = t.listed_after(e2.ino).iter().map(|e| e.ino).collect();
-        assert_eq!(after, vec![FIRST_BLOB_INO + 2]);
+        // A later add gets the same number: a function of the digest, as a new daemon sees it.
+        assert_eq!(t.add(d1, 3).unwrap().ino, ino_of(&d1));
+        let mut all: Vec<u64> = vec![e1.ino, e2.ino];
+        all.sort();
+        let listed: Vec<u64> = t.listed_after(0).iter().map(|e| e.ino).collect();
+        assert_eq!(listed, all, "readdir order is inode order");
+        // A release the table never saw the open of (a handle opened under an earlier
+        // daemon) changes nothing.
+        assert!(t.release(e2.ino).is_none());
+        assert!(t.get(e2.ino).is_some());
     }
 }

@@ -48,7 +48,8 @@ use fs_cache::chunk::{CacheConfig, ChunkCache};
 use fs_cache::{BlobRef, Digest, LayerRef, Store};
 use tokio::sync::Mutex;
 
-use crate::blobfs::{BlobFs, BlobFsConfig};
+use crate::blobfs::{BlobFs, BlobFsConfig, SavedConnection, HOLDER_ENTRY};
+use crate::holder::HolderClient;
 use proto::{ApiError, ErrorKind, LayerInfo, MountInfo, Pong, Request, Status, WarmInfo};
 use state::{LayerState, MountState, State};
 
@@ -86,6 +87,13 @@ pub struct NodeConfig {
     /// mount is 128 KiB: one small FUSE request at a time for a sequential reader; 0 keeps
     /// the kernel's).
     pub layer_readahead: u64,
+    /// The command that starts the fd holder (`crate::holder`): program and arguments, to
+    /// which `--run-dir DIR` is appended (`strata` runs itself as `strata fuse-holder`).
+    /// Empty: no holder, and the mounts die with the daemon.
+    pub holder_command: Vec<std::ffi::OsString>,
+    /// How long to wait for the run directory's lock when another daemon holds it (a
+    /// takeover waits for the old daemon to exit); zero fails at once.
+    pub lock_wait: std::time::Duration,
 }
 
 impl NodeConfig {
@@ -104,6 +112,8 @@ impl NodeConfig {
             max_read: crate::blobfs::DEFAULT_MAX_READ,
             passthrough: true,
             layer_readahead: DEFAULT_LAYER_READAHEAD,
+            holder_command: Vec::new(),
+            lock_wait: std::time::Duration::ZERO,
         }
     }
 }
@@ -123,6 +133,14 @@ pub struct Node {
     cache: Arc<ChunkCache>,
     inner: Mutex<Inner>,
     stopping: AtomicBool,
+    /// The fd holder keeping the blob mount's connection (none: the mounts die with us).
+    holder: Option<Arc<HolderClient>>,
+    /// Every request but `handover` holds it shared; a handover takes it exclusively, so it
+    /// waits for the requests in flight.
+    gate: tokio::sync::RwLock<()>,
+    /// Set once a handover is complete (the connection that asked has its answer).
+    handed_over: AtomicBool,
+    handover_done: tokio::sync::Notify,
     /// Holds the run directory's flock for the node's lifetime.
     _lock: std::fs::File,
 }
@@ -149,8 +167,9 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'sta
         .map_err(|e| internal("a mount task stopped", e))?
 }
 
-/// Take the run directory's lock (`strata.pid`), or say which daemon holds it.
-fn lock_run_dir(run_dir: &Path) -> Result<std::fs::File> {
+/// Take the run directory's lock (`strata.pid`), waiting up to `wait` for it, or say which
+/// daemon holds it.
+fn lock_run_dir(run_dir: &Path, wait: std::time::Duration) -> Result<std::fs::File> {
     let path = run_dir.join("strata.pid");
     let mut f = std::fs::OpenOptions::new()
         .read(true)
@@ -159,7 +178,16 @@ fn lock_run_dir(run_dir: &Path) -> Result<std::fs::File> {
         .truncate(false)
         .open(&path)
         .map_err(|e| internal(format!("open {}", path.display()), e))?;
-    if let Err(e) = rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+    let deadline = std::time::Instant::now() + wait;
+    let locked = loop {
+        match rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            Err(rustix::io::Errno::WOULDBLOCK) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            other => break other,
+        }
+    };
+    if let Err(e) = locked {
         let pid = std::fs::read_to_string(&path).unwrap_or_default();
         return Err(ApiError::new(
             ErrorKind::Internal,
@@ -195,11 +223,85 @@ pub fn check_environment() -> Result<()> {
     Ok(())
 }
 
+/// Make the machine ready for the node as an init system would at boot, and say what is
+/// missing and what it costs, one line each: mounts fusectl at `/sys/fs/fuse/connections`
+/// when it is not mounted (FUSE passthrough holds its level-2 pins by a connection
+/// directory), and checks for overlayfs.
+pub fn prepare_machine() -> Vec<String> {
+    let mut notes = Vec::new();
+    let conns = Path::new("/sys/fs/fuse/connections");
+    let mounted = sys::mounts()
+        .map(|m| m.iter().any(|e| e.fstype == "fusectl"))
+        .unwrap_or(false);
+    if !mounted {
+        if !sys::kernel_has("fusectl") || !conns.is_dir() {
+            notes.push(
+                "no fusectl in this kernel: warm layers are read through the daemon, not in \
+                 FUSE passthrough"
+                    .to_owned(),
+            );
+        } else {
+            match rustix::mount::mount("fusectl", conns, "fusectl", rustix::mount::MountFlags::empty(), None::<&std::ffi::CStr>) {
+                Ok(()) => tracing::info!("mounted fusectl at {}", conns.display()),
+                Err(e) => notes.push(format!(
+                    "could not mount fusectl at {}: {e}: warm layers are read through the \
+                     daemon, not in FUSE passthrough",
+                    conns.display()
+                )),
+            }
+        }
+    }
+    if !sys::kernel_has("overlay") {
+        notes.push(
+            "no overlay filesystem in this kernel: only single-layer read-only mounts".to_owned(),
+        );
+    }
+    notes
+}
+
+/// What the fd holder kept of an earlier daemon's blob mount, if it is the live FUSE mount
+/// at `<run-dir>/blobs` and was initialised: the connection and what was saved with it.
+/// Everything else the holder listed is closed here (our copies only).
+fn kept_connection(holder: &HolderClient, run_dir: &Path) -> Option<(std::os::fd::OwnedFd, SavedConnection)> {
+    let held = match holder.list() {
+        Ok(h) => h,
+        Err(e) => {
+            tracing::error!("asking the fd holder what it keeps: {e}");
+            return None;
+        }
+    };
+    let blobs = run_dir.join("blobs");
+    let entry = held.into_iter().find(|h| h.name == HOLDER_ENTRY)?;
+    let Some(saved) = SavedConnection::from_json(&entry.meta) else {
+        tracing::error!("the fd holder's blob-mount record does not parse: {:?}", entry.meta);
+        return None;
+    };
+    if saved.mountpoint != blobs || saved.negotiated.is_none() {
+        tracing::warn!("the fd holder's blob mount was never initialised, or is not {}", blobs.display());
+        return None;
+    }
+    let live = crate::fusemount::mount_dev(&blobs);
+    if live.is_none() || live != saved.dev {
+        tracing::warn!(
+            "the fd holder's blob mount (device {:?}) is not the one mounted at {} ({live:?})",
+            saved.dev,
+            blobs.display()
+        );
+        return None;
+    }
+    Some((entry.fd, saved))
+}
+
 impl Node {
-    /// Start a node: lock the run directory, clean up after a crashed daemon, mount the FUSE
-    /// blob filesystem, and restore the layers and mounts of the state file.
+    /// Start a node: lock the run directory, then either take over the mounts of the daemon
+    /// before it (the fd holder kept its FUSE connection: nothing is unmounted, and readers
+    /// never see an error) or clean up after it (detach what it left) and mount the FUSE blob
+    /// filesystem anew; then restore the layers and mounts of the state file.
     pub async fn start(config: NodeConfig, store: Store) -> Result<Arc<Node>> {
         check_environment()?;
+        for note in prepare_machine() {
+            tracing::warn!("{note}");
+        }
         let run_dir = &config.run_dir;
         std::fs::DirBuilder::new()
             .recursive(true)
@@ -214,25 +316,10 @@ impl Node {
             run_dir: run_dir.clone(),
             ..config
         };
-        let lock = lock_run_dir(&run_dir)?;
-
-        // Whatever an earlier daemon left mounted goes first: user mounts stacked on our
-        // layers, the layer mounts, the FUSE mount.
-        let detached = {
-            let rd = run_dir.clone();
-            blocking(move || {
-                sys::detach_stale(&rd).map_err(|e| internal("clean up stale mounts", e))
-            })
-            .await?
+        let lock = {
+            let (rd, wait) = (run_dir.clone(), config.lock_wait);
+            blocking(move || lock_run_dir(&rd, wait)).await?
         };
-        for m in &detached {
-            tracing::warn!(
-                "detached a stale mount left by an earlier daemon: {}",
-                m.display()
-            );
-        }
-        // (`detach_stale` took the blob mount too; `BlobFs::mount` checks its path again.)
-        let blobs_dir = run_dir.join("blobs");
 
         let state_path = run_dir.join("state.json");
         let previous = match State::load(&state_path) {
@@ -244,25 +331,149 @@ impl Node {
                 None
             }
         };
+        if let Some(prev) = &previous {
+            if prev.store != config.store_url {
+                return Err(ApiError::new(
+                    ErrorKind::BadRequest,
+                    format!(
+                        "{} holds the mounts of a daemon that served store {}, not {}: start \
+                         the daemon with --store {} (or stop it cleanly first)",
+                        run_dir.display(),
+                        prev.store,
+                        config.store_url,
+                        prev.store
+                    ),
+                ));
+            }
+        }
+
+        let holder = if config.holder_command.is_empty() {
+            tracing::warn!("no fd holder configured: the mounts will not survive this daemon");
+            None
+        } else {
+            let (rd, cmd) = (run_dir.clone(), config.holder_command.clone());
+            match blocking(move || {
+                HolderClient::connect_or_spawn(&rd, &cmd).map_err(|e| internal("start the fd holder", e))
+            })
+            .await
+            {
+                Ok(h) => Some(Arc::new(h)),
+                Err(e) => {
+                    tracing::error!("{e}: the mounts will not survive this daemon");
+                    None
+                }
+            }
+        };
+        let kept = match (&holder, &previous) {
+            (Some(h), Some(_)) => kept_connection(h, &run_dir),
+            _ => None,
+        };
 
         let cache = Arc::new(
             ChunkCache::open(store.clone(), config.cache.clone())
                 .await
                 .map_err(|e| ApiError::from_store("open the chunk cache", &e))?,
         );
-        std::fs::create_dir_all(&blobs_dir)
-            .map_err(|e| internal(format!("create {}", blobs_dir.display()), e))?;
+        let blobs_dir = run_dir.join("blobs");
         let mut fs_config = BlobFsConfig::new(blobs_dir.clone());
         fs_config.threads = config.fuse_threads;
         fs_config.max_read = config.max_read;
         fs_config.passthrough = config.passthrough;
-        let blobfs = BlobFs::mount(fs_config, cache.clone(), tokio::runtime::Handle::current())
-            .map_err(|e| {
-                internal(
-                    format!("mount the blob filesystem at {}", blobs_dir.display()),
-                    e,
-                )
-            })?;
+
+        let mut resumed = None;
+        if let (Some((dev, saved)), Some(prev)) = (kept, &previous) {
+            // Keep what the state names; detach what the old daemon made but never recorded
+            // (it died between mount(2) and saving): the FUSE mount, listed layers' EROFS
+            // mounts, recorded user mounts stay.
+            let keep_layers: std::collections::HashSet<PathBuf> =
+                prev.layers.keys().map(|id| run_dir.join("layers").join(id).join("mnt")).collect();
+            let keep_mounts: std::collections::HashSet<PathBuf> = prev.mounts.keys().cloned().collect();
+            let (rd, bd) = (run_dir.clone(), blobs_dir.clone());
+            let detached = blocking(move || {
+                sys::detach_ours_except(&rd, |m| {
+                    m.mount_point == bd
+                        || keep_layers.contains(&m.mount_point)
+                        || keep_mounts.contains(&m.mount_point)
+                })
+                .map_err(|e| internal("clean up unrecorded mounts", e))
+            })
+            .await?;
+            for m in &detached {
+                tracing::warn!("detached a mount the earlier daemon never recorded: {}", m.display());
+            }
+            let blobs: Vec<(Digest, u64)> = prev
+                .layers
+                .values()
+                .flat_map(|l| l.blobs.iter().map(|b| (b.digest, b.size)))
+                .collect();
+            match BlobFs::resume(
+                fs_config.clone(),
+                cache.clone(),
+                tokio::runtime::Handle::current(),
+                holder.clone(),
+                dev,
+                &saved,
+                &blobs,
+            ) {
+                Ok(fs) => {
+                    tracing::info!(
+                        "took over the blob mount at {} from the earlier daemon ({} blob files{})",
+                        blobs_dir.display(),
+                        blobs.len(),
+                        if fs.negotiated().has_resend() { ", unanswered requests resent" } else { "" }
+                    );
+                    resumed = Some(fs);
+                }
+                Err(e) => tracing::error!("taking over the blob mount failed: {e}; mounting anew"),
+            }
+        }
+        let took_over = resumed.is_some();
+        let blobfs = match resumed {
+            Some(fs) => fs,
+            None => {
+                if let Some(h) = &holder {
+                    // The old connection (if any) cannot be resumed: let it go, so that its
+                    // mounts end and can be detached.
+                    let _ = h.drop_entry(HOLDER_ENTRY);
+                }
+                // Whatever an earlier daemon left mounted goes first: user mounts stacked
+                // on our layers, the layer mounts, the FUSE mount.
+                let rd = run_dir.clone();
+                let detached = blocking(move || {
+                    sys::detach_stale(&rd).map_err(|e| internal("clean up stale mounts", e))
+                })
+                .await?;
+                for m in &detached {
+                    tracing::warn!(
+                        "detached a stale mount left by an earlier daemon: {}",
+                        m.display()
+                    );
+                }
+                std::fs::create_dir_all(&blobs_dir)
+                    .map_err(|e| internal(format!("create {}", blobs_dir.display()), e))?;
+                let (c, h, cfg) = (cache.clone(), holder.clone(), fs_config.clone());
+                let rt = tokio::runtime::Handle::current();
+                blocking(move || {
+                    BlobFs::mount(cfg, c, rt, h).map_err(|e| {
+                        internal(
+                            format!("mount the blob filesystem at {}", blobs_dir.display()),
+                            e,
+                        )
+                    })
+                })
+                .await?
+            }
+        };
+        let neg = blobfs.negotiated();
+        if config.passthrough && !neg.passthrough() {
+            tracing::warn!("the kernel refused FUSE passthrough: warm layers are read through the daemon");
+        }
+        if holder.is_some() && !neg.has_resend() {
+            tracing::warn!(
+                "this kernel has no FUSE_NOTIFY_RESEND (Linux < 6.9): reads in flight when the \
+                 daemon dies fail with EIO instead of being served by the next daemon"
+            );
+        }
 
         let node = Arc::new(Node {
             store,
@@ -273,11 +484,19 @@ impl Node {
                 active: HashMap::new(),
             }),
             stopping: AtomicBool::new(false),
+            holder,
+            gate: tokio::sync::RwLock::new(()),
+            handed_over: AtomicBool::new(false),
+            handover_done: tokio::sync::Notify::new(),
             _lock: lock,
             config,
         });
         if let Some(prev) = previous {
-            node.restore(prev).await;
+            if took_over {
+                node.adopt(prev).await;
+            } else {
+                node.restore(prev).await;
+            }
         }
         {
             let inner = node.inner.lock().await;
@@ -304,6 +523,64 @@ impl Node {
             }
         });
         Ok(node)
+    }
+
+    /// Take over the previous daemon's layers and mounts, which are still mounted and served
+    /// again through the resumed blob mount: mounts that are there are adopted as they are;
+    /// a layer or user mount the state lists but the kernel does not show is mounted again
+    /// (as [`Node::restore`] does), and dropped if that fails.
+    async fn adopt(&self, prev: State) {
+        let mounted: std::collections::HashMap<PathBuf, String> = sys::mounts()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|m| (m.mount_point, m.fstype))
+            .collect();
+        let mut inner = self.inner.lock().await;
+        inner.state.next_seq = prev.next_seq;
+        inner.state.layers = prev.layers.clone();
+        for (id, layer) in &prev.layers {
+            let mnt = self.layer_dir(id).join("mnt");
+            if mounted.get(&mnt).map(String::as_str) == Some("erofs") {
+                inner.active.insert(id.clone(), layer.passthrough_blobs);
+            }
+        }
+        let mut mounts: Vec<_> = prev.mounts.into_iter().collect();
+        mounts.sort_by_key(|(_, m)| m.seq);
+        for (mp, m) in mounts {
+            let want = if m.kind() == "bind" { "erofs" } else { "overlay" };
+            let result = if mounted.get(&mp).map(String::as_str) == Some(want) {
+                Ok(())
+            } else {
+                tracing::warn!("{} is no longer mounted; mounting it again", mp.display());
+                match sys::check_mountpoint(&mp) {
+                    Ok(canon) if canon == mp => self.mount_layers(&mut inner, &mp, &m).await,
+                    Ok(_) => Err(internal(mp.display(), "the path now resolves elsewhere")),
+                    Err(e) => Err(e),
+                }
+            };
+            match result {
+                Ok(()) => {
+                    inner.state.mounts.insert(mp, m);
+                }
+                Err(e) => tracing::error!("take over mount {}: {e}; dropped", mp.display()),
+            }
+        }
+        // Layers nothing needs any more (a mount that was dropped) go; layers still needed
+        // but not mounted are mounted again.
+        let ids: Vec<String> = inner.state.layers.keys().cloned().collect();
+        self.release_unused(&mut inner, &ids).await;
+        for id in ids {
+            if inner.state.layers.contains_key(&id) && !inner.active.contains_key(&id) {
+                if let Err(e) = self.activate(&mut inner, &id).await {
+                    tracing::error!("take over layer {id}: {e}");
+                }
+            }
+        }
+        tracing::info!(
+            "took over {} layers and {} mounts",
+            inner.active.len(),
+            inner.state.mounts.len()
+        );
     }
 
     /// Bring back the previous daemon's layers and mounts. A layer or mount that cannot be
@@ -407,6 +684,10 @@ impl Node {
         let json = |v: Result<serde_json::Value, serde_json::Error>| {
             v.map_err(|e| internal("encode the response", e))
         };
+        if request == Request::Handover {
+            return json(serde_json::to_value(self.handover().await?));
+        }
+        let _gate = self.gate.read().await;
         match request {
             Request::Ping => json(serde_json::to_value(self.pong())),
             Request::Register { layer } => json(serde_json::to_value(self.register(&layer).await?)),
@@ -425,7 +706,57 @@ impl Node {
             }
             Request::Stats => json(serde_json::to_value(self.status().await)),
             Request::Warm { layer } => json(serde_json::to_value(self.warm(&layer).await?)),
+            Request::Handover => Err(internal("handover", "handled above")),
         }
+    }
+
+    /// Stop serving for the daemon that will take over (`strata daemon --takeover`): refuse
+    /// new requests, wait for those in flight, stop the blob mount's workers without
+    /// unmounting (its connection stays with the fd holder; reads wait in the kernel), flush
+    /// the cache and save the state. The caller then exits ([`Node::handed_over`]); the new
+    /// daemon takes the run directory's lock and resumes everything.
+    pub async fn handover(&self) -> Result<Pong> {
+        self.check_running()?;
+        if self.holder.is_none() {
+            return Err(ApiError::new(
+                ErrorKind::BadRequest,
+                "this daemon runs without an fd holder: its mounts cannot be handed over",
+            ));
+        }
+        self.stopping.store(true, Ordering::SeqCst);
+        let _gate = self.gate.write().await;
+        let mut inner = self.inner.lock().await;
+        if let Some(fs) = inner.blobfs.take() {
+            blocking(move || {
+                fs.hand_over();
+                Ok(())
+            })
+            .await?;
+        }
+        self.cache
+            .flush()
+            .await
+            .map_err(|e| ApiError::from_store("flush the chunk cache", &e))?;
+        self.save(&inner)?;
+        self.handed_over.store(true, Ordering::SeqCst);
+        tracing::info!("handed over to the next daemon");
+        Ok(self.pong())
+    }
+
+    /// Whether this node has handed over ([`Node::handover`]): its process should exit
+    /// without unmounting anything once the answer is sent.
+    pub fn handed_over(&self) -> bool {
+        self.handed_over.load(Ordering::SeqCst)
+    }
+
+    /// Wake [`Node::wait_handed_over`] (called once the handover's answer is written).
+    pub fn notify_handed_over(&self) {
+        self.handover_done.notify_one();
+    }
+
+    /// Wait until a handover is complete and answered.
+    pub async fn wait_handed_over(&self) {
+        self.handover_done.notified().await
     }
 
     pub fn pong(&self) -> Pong {
@@ -504,6 +835,7 @@ impl Node {
                 meta,
                 blobs,
                 pins: 0,
+                passthrough_blobs: 0,
             })
             .refs
             .insert(canonical);
@@ -565,6 +897,9 @@ impl Node {
         })
         .await?;
         inner.active.insert(id.to_owned(), passthrough);
+        if let Some(l) = inner.state.layers.get_mut(id) {
+            l.passthrough_blobs = passthrough;
+        }
         Ok(())
     }
 

@@ -18,6 +18,7 @@
 //! | `umount` | `mountpoint` | [`MountInfo`] (what was released) |
 //! | `stats` | — | [`Status`] |
 //! | `warm` | `layer` | [`WarmInfo`] (every chunk of the layer's blobs in the node's level 2) |
+//! | `handover` | — | [`Pong`] of the daemon that stops serving (`strata daemon --takeover`) |
 //!
 //! Adding an optional field or a new op keeps [`VERSION`]; changing the meaning of one bumps it.
 
@@ -59,6 +60,9 @@ pub enum Request {
     Warm {
         layer: String,
     },
+    /// Stop serving without unmounting anything and exit, leaving the mounts and their FUSE
+    /// connection (kept by the fd holder) to the daemon that asked.
+    Handover,
 }
 
 /// A request line: the version and the request.

@@ -33,6 +33,11 @@ pub async fn serve_until_signal(node: Arc<Node>, listener: UnixListener) -> Resu
         s = stop.wait() => {
             tracing::info!("{}: stopping", if s == libc::SIGINT { "SIGINT" } else { "SIGTERM" })
         }
+        () = node.wait_handed_over() => {
+            // Nothing is unmounted: the next daemon serves the mounts (it has bound its own
+            // socket by the time it asked, or binds it when it starts).
+            return Ok(());
+        }
         () = serve(node.clone(), listener) => {}
     }
     let _ = std::fs::remove_file(node.socket_path());
@@ -124,6 +129,7 @@ async fn connection(node: Arc<Node>, stream: UnixStream) -> std::io::Result<()> 
             );
             return respond(&mut w, &failure(e)).await;
         }
+        let handover = request.request == super::proto::Request::Handover;
         let response = match node.handle(request.request).await {
             Ok(result) => ResponseLine {
                 v: VERSION,
@@ -133,6 +139,10 @@ async fn connection(node: Arc<Node>, stream: UnixStream) -> std::io::Result<()> 
             },
             Err(e) => failure(e),
         };
-        respond(&mut w, &response).await?;
+        let sent = respond(&mut w, &response).await;
+        if handover && node.handed_over() {
+            node.notify_handed_over();
+        }
+        sent?;
     }
 }

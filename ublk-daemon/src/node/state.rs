@@ -44,6 +44,10 @@ pub struct LayerState {
     pub meta: BlobRef,
     pub blobs: Vec<BlobRef>,
     pub pins: u32,
+    /// Its blobs that its current EROFS mount reads in passthrough mode (as it was mounted;
+    /// kept here so that a daemon taking the mount over reports it).
+    #[serde(default)]
+    pub passthrough_blobs: u32,
 }
 
 /// A user mount.
@@ -173,6 +177,7 @@ mod tests {
                 },
                 blobs: vec![],
                 pins: 0,
+                passthrough_blobs: 0,
             },
         );
         s.mounts.insert(

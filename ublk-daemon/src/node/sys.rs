@@ -48,6 +48,11 @@ fn unescape(field: &str) -> OsString {
     OsString::from_vec(out)
 }
 
+/// A mountinfo field (octal escapes undone) as a string, for comparisons with UTF-8 paths.
+pub(crate) fn unescape_field(field: &str) -> String {
+    unescape(field).to_string_lossy().into_owned()
+}
+
 /// Parse mountinfo text; lines that do not parse are skipped.
 pub fn parse_mountinfo(text: &str) -> Vec<MountEntry> {
     text.lines()
@@ -321,12 +326,21 @@ pub fn is_ours(m: &MountEntry, run_dir: &Path) -> bool {
 
 /// Detach every mount [`is_ours`] (newest first); returns the mount points detached.
 pub fn detach_stale(run_dir: &Path) -> io::Result<Vec<PathBuf>> {
+    detach_ours_except(run_dir, |_| false)
+}
+
+/// Detach every mount [`is_ours`] that `keep` does not keep (newest first); returns the
+/// mount points detached.
+pub fn detach_ours_except(
+    run_dir: &Path,
+    keep: impl Fn(&MountEntry) -> bool,
+) -> io::Result<Vec<PathBuf>> {
     let mut done = Vec::new();
     // Detaching one mount can reveal or remove others; re-read until none is left.
     for _ in 0..64 {
         let ours: Vec<MountEntry> = mounts()?
             .into_iter()
-            .filter(|m| is_ours(m, run_dir))
+            .filter(|m| is_ours(m, run_dir) && !keep(m))
             .collect();
         let Some(m) = ours.last() else {
             return Ok(done);
