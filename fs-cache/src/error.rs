@@ -48,7 +48,7 @@ pub enum Error {
         source: std::io::Error,
     },
 
-    /// A remote backend failed (after retries, where the error was transient).
+    /// A backend failed; `attempts` says how many attempts were made in all.
     #[error("{backend}: {op} {key} failed after {attempts} attempt(s): {message}")]
     Backend {
         backend: String,
@@ -57,12 +57,15 @@ pub enum Error {
         attempts: u32,
         message: String,
         /// Whether another attempt could succeed (throttling, 5xx, timeouts, connection loss).
+        /// Never set on the error a retry policy returns after its last attempt: that one is
+        /// final (see [`crate::backend::retry`]).
         transient: bool,
         #[source]
         source: Option<BoxError>,
     },
 
-    /// The retry deadline passed before the operation succeeded.
+    /// The retry deadline passed before the operation succeeded (a final error, not
+    /// transient).
     #[error(
         "{backend}: {op} {key} gave up after {elapsed:?} ({attempts} attempts); last error: {last}"
     )]
@@ -101,7 +104,8 @@ pub enum Error {
         source: Option<BoxError>,
     },
 
-    /// The same failure, shared by every reader that waited on one backend request.
+    /// The same failure, shared by every reader that waited on one backend request
+    /// ([`Error::kind`] sees through it).
     #[error(transparent)]
     Shared(std::sync::Arc<Error>),
 
@@ -130,29 +134,76 @@ pub enum Error {
     BadManifest { layer: String, reason: String },
 }
 
+/// What kind of failure an [`Error`] is, for callers that decide what to do about it (retry,
+/// report a missing object, map it to an errno) without matching nested variants.
+///
+/// [`Error::kind`] sees through [`Error::Shared`]. More kinds may be added.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// A missing object, blob or layer ([`Error::NotFound`], [`Error::LayerNotFound`],
+    /// [`Error::MissingBlob`]).
+    NotFound,
+    /// A create-only write found its key taken ([`Error::AlreadyExists`],
+    /// [`Error::VersionExists`]).
+    AlreadyExists,
+    /// The caller's input was refused: a key, a range, a URL, a digest or a layer reference.
+    InvalidInput,
+    /// Bytes or metadata failed their checks: a blob or chunk digest, a chunk table, a
+    /// manifest.
+    Corrupt,
+    /// Another attempt may succeed (throttling, 5xx, timeouts, lost connections). An error
+    /// that has been through the retry policy is never transient: it is [`Self::Backend`].
+    Transient,
+    /// A backend failed for good: it refused the request (access denied, a bad request), or
+    /// kept failing transiently until the retry policy gave up ([`Error::DeadlineExceeded`],
+    /// or an [`Error::Backend`] whose attempts ran out).
+    Backend,
+    /// Local I/O failed, or the local chunk cache did ([`Error::Io`], [`Error::Cache`]).
+    Io,
+}
+
 impl Error {
-    /// Whether retrying the same operation may succeed.
-    pub fn is_transient(&self) -> bool {
+    /// What kind of failure this is (the same for an [`Error::Shared`] as for the error it
+    /// shares).
+    pub fn kind(&self) -> ErrorKind {
         match self {
-            Error::Backend { transient, .. } => *transient,
-            Error::Shared(e) => e.is_transient(),
-            Error::Io { source, .. } => matches!(
-                source.kind(),
+            Error::Shared(e) => e.kind(),
+            Error::NotFound { .. } | Error::LayerNotFound(_) | Error::MissingBlob { .. } => {
+                ErrorKind::NotFound
+            }
+            Error::AlreadyExists { .. } | Error::VersionExists { .. } => ErrorKind::AlreadyExists,
+            Error::InvalidKey { .. }
+            | Error::InvalidRange { .. }
+            | Error::InvalidUrl { .. }
+            | Error::InvalidDigest(_)
+            | Error::InvalidLayerRef { .. } => ErrorKind::InvalidInput,
+            Error::DigestMismatch { .. }
+            | Error::Corrupt { .. }
+            | Error::BadChunkTable { .. }
+            | Error::BadManifest { .. } => ErrorKind::Corrupt,
+            Error::Backend {
+                transient: true, ..
+            } => ErrorKind::Transient,
+            Error::Backend { .. } | Error::DeadlineExceeded { .. } => ErrorKind::Backend,
+            Error::Io { source, .. } => match source.kind() {
                 std::io::ErrorKind::Interrupted
-                    | std::io::ErrorKind::TimedOut
-                    | std::io::ErrorKind::WouldBlock
-            ),
-            _ => false,
+                | std::io::ErrorKind::TimedOut
+                | std::io::ErrorKind::WouldBlock => ErrorKind::Transient,
+                _ => ErrorKind::Io,
+            },
+            Error::Cache { .. } => ErrorKind::Io,
         }
     }
 
-    /// Whether this is a missing object or layer.
+    /// Whether retrying the same operation may succeed ([`ErrorKind::Transient`]).
+    pub fn is_transient(&self) -> bool {
+        self.kind() == ErrorKind::Transient
+    }
+
+    /// Whether this is a missing object, blob or layer ([`ErrorKind::NotFound`]).
     pub fn is_not_found(&self) -> bool {
-        match self {
-            Error::NotFound { .. } | Error::LayerNotFound(_) => true,
-            Error::Shared(e) => e.is_not_found(),
-            _ => false,
-        }
+        self.kind() == ErrorKind::NotFound
     }
 
     pub(crate) fn io(op: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
@@ -166,3 +217,156 @@ impl Error {
 
 /// The result type of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn backend(transient: bool) -> Error {
+        Error::Backend {
+            backend: "b".into(),
+            op: "get",
+            key: "k".into(),
+            attempts: 1,
+            message: "m".into(),
+            transient,
+            source: None,
+        }
+    }
+
+    fn io(kind: std::io::ErrorKind) -> Error {
+        Error::io("read", "/x", std::io::Error::from(kind))
+    }
+
+    #[test]
+    fn kinds() {
+        let s = |v: &str| v.to_owned();
+        let cases = [
+            (
+                Error::NotFound {
+                    backend: s("b"),
+                    key: s("k"),
+                },
+                ErrorKind::NotFound,
+            ),
+            (Error::LayerNotFound(s("base/x:1")), ErrorKind::NotFound),
+            (
+                Error::MissingBlob {
+                    layer: s("l"),
+                    blob: s("d"),
+                },
+                ErrorKind::NotFound,
+            ),
+            (
+                Error::AlreadyExists {
+                    backend: s("b"),
+                    key: s("k"),
+                },
+                ErrorKind::AlreadyExists,
+            ),
+            (
+                Error::VersionExists {
+                    layer: s("l"),
+                    existing: s("e"),
+                },
+                ErrorKind::AlreadyExists,
+            ),
+            (
+                Error::InvalidKey {
+                    key: s("/"),
+                    reason: "r",
+                },
+                ErrorKind::InvalidInput,
+            ),
+            (
+                Error::InvalidRange {
+                    backend: s("b"),
+                    key: s("k"),
+                    start: 2,
+                    end: 3,
+                    size: 1,
+                },
+                ErrorKind::InvalidInput,
+            ),
+            (
+                Error::InvalidUrl {
+                    url: s("u"),
+                    reason: s("r"),
+                },
+                ErrorKind::InvalidInput,
+            ),
+            (Error::InvalidDigest(s("x")), ErrorKind::InvalidInput),
+            (
+                Error::InvalidLayerRef {
+                    reference: s("r"),
+                    reason: s("r"),
+                },
+                ErrorKind::InvalidInput,
+            ),
+            (
+                Error::DigestMismatch {
+                    blob: s("b"),
+                    expected: s("e"),
+                    actual: s("a"),
+                },
+                ErrorKind::Corrupt,
+            ),
+            (
+                Error::Corrupt {
+                    blob: s("b"),
+                    chunk: 3,
+                },
+                ErrorKind::Corrupt,
+            ),
+            (
+                Error::BadChunkTable {
+                    blob: s("b"),
+                    reason: s("r"),
+                },
+                ErrorKind::Corrupt,
+            ),
+            (
+                Error::BadManifest {
+                    layer: s("l"),
+                    reason: s("r"),
+                },
+                ErrorKind::Corrupt,
+            ),
+            (backend(true), ErrorKind::Transient),
+            (backend(false), ErrorKind::Backend),
+            (
+                Error::DeadlineExceeded {
+                    backend: s("b"),
+                    op: "get",
+                    key: s("k"),
+                    attempts: 3,
+                    elapsed: Duration::from_secs(1),
+                    last: s("503"),
+                },
+                ErrorKind::Backend,
+            ),
+            (io(std::io::ErrorKind::TimedOut), ErrorKind::Transient),
+            (io(std::io::ErrorKind::Interrupted), ErrorKind::Transient),
+            (io(std::io::ErrorKind::PermissionDenied), ErrorKind::Io),
+            (
+                Error::Cache {
+                    path: PathBuf::from("/c"),
+                    message: s("m"),
+                    source: None,
+                },
+                ErrorKind::Io,
+            ),
+        ];
+        for (err, kind) in cases {
+            assert_eq!(err.kind(), kind, "{err}");
+            assert_eq!(err.is_transient(), kind == ErrorKind::Transient, "{err}");
+            assert_eq!(err.is_not_found(), kind == ErrorKind::NotFound, "{err}");
+            // Coalesced readers share one error, shared again by readers joining them.
+            let shared = Error::Shared(Arc::new(Error::Shared(Arc::new(err))));
+            assert_eq!(shared.kind(), kind, "{shared}");
+            assert_eq!(shared.is_transient(), kind == ErrorKind::Transient);
+            assert_eq!(shared.is_not_found(), kind == ErrorKind::NotFound);
+        }
+    }
+}

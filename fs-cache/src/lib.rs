@@ -15,7 +15,8 @@
 //! - A stored blob's key is the blake3 digest of its bytes; whole reads are verified.
 //! - A pushed layer version never changes.
 //! - A missing object is [`Error::NotFound`], never a panic or a generic error; bad input (keys,
-//!   URLs, manifests) is refused with an error that says what was expected.
+//!   URLs, manifests) is refused with an error that says what was expected. [`Error::kind`]
+//!   classifies any error ([`ErrorKind`]), shared ones included.
 //!
 //! The key layout in a backend is documented in [`store`] and [`layer`].
 
@@ -29,7 +30,7 @@ pub use backend::{
     open_backend, Backend, FaultConfig, FaultyBackend, MemoryBackend, ObjectMeta, PosixBackend,
     PutMode, RetryPolicy, S3Backend, S3Config,
 };
-pub use error::{BoxError, Error, Result};
+pub use error::{BoxError, Error, ErrorKind, Result};
 pub use layer::{BlobRef, LayerKind, LayerRef, Manifest, Pushed};
 pub use store::{Digest, PutBlob, Store};
 pub mod chunk;
