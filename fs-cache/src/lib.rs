@@ -4,7 +4,8 @@
 //!
 //! - [`backend`]: the narrow [`Backend`] trait and its implementations: [`PosixBackend`] (a
 //!   directory on a shared POSIX mount such as 3FS), [`S3Backend`] (any S3-compatible store),
-//!   [`MemoryBackend`], and the [`FaultyBackend`] wrapper for reliability tests; chosen by URL
+//!   [`MemoryBackend`], the [`RetryingBackend`] wrapper (the one layer of retries, which a
+//!   [`Store`] applies) and the [`FaultyBackend`] wrapper for reliability tests; chosen by URL
 //!   with [`open_backend`].
 //! - [`store`]: the content-addressed blob store (blobs named by blake3 digest, immutable).
 //! - [`layer`]: versioned layers `KIND/NAME:VERSION` resolving to JSON manifests.
@@ -17,6 +18,8 @@
 //! - A missing object is [`Error::NotFound`], never a panic or a generic error; bad input (keys,
 //!   URLs, manifests) is refused with an error that says what was expected. [`Error::kind`]
 //!   classifies any error ([`ErrorKind`]), shared ones included.
+//! - Backend operations are retried once over, never in nested layers, and the error after
+//!   the last attempt is final ([`backend::retry`]).
 //!
 //! The key layout in a backend is documented in [`store`] and [`layer`].
 
@@ -28,7 +31,7 @@ pub mod store;
 
 pub use backend::{
     open_backend, Backend, FaultConfig, FaultyBackend, MemoryBackend, ObjectMeta, PosixBackend,
-    PutMode, RetryPolicy, S3Backend, S3Config,
+    PutMode, RetryPolicy, RetryingBackend, S3Backend, S3Config,
 };
 pub use error::{BoxError, Error, ErrorKind, Result};
 pub use layer::{BlobRef, LayerKind, LayerRef, Manifest, Pushed};

@@ -16,6 +16,13 @@
 //!   aborted, leaving no object.
 //! - Whole-blob reads are verified against the digest. Ranged reads are verified per chunk by
 //!   the chunk cache, which owns the chunk tables.
+//!
+//! # Retries
+//! A store retries its backend's operations under one [`RetryPolicy`] (the default unless
+//! [`Store::with_retry`] says otherwise), through a [`RetryingBackend`]: the one layer of
+//! retries on every path through the store, [`Store::backend`] included (see
+//! [`crate::backend::retry`]). Give it a plain backend, not another store's
+//! [`Store::backend`], which already retries.
 
 use std::fmt;
 use std::path::Path;
@@ -26,7 +33,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 
-use crate::backend::{file_stream, Backend, ObjectMeta, PutMode};
+use crate::backend::{file_stream, Backend, ObjectMeta, PutMode, RetryPolicy, RetryingBackend};
 use crate::chunk::table::{ChunkTable, ChunkTableBuilder};
 use crate::chunk::CHUNK_SIZE;
 use crate::error::{Error, Result};
@@ -108,7 +115,9 @@ pub struct PutBlob {
 /// A content-addressed store over any backend.
 #[derive(Clone, Debug)]
 pub struct Store {
+    /// `retrying`, as the trait object [`Store::backend`] hands out.
     backend: Arc<dyn Backend>,
+    retrying: Arc<RetryingBackend>,
 }
 
 /// The key of blob `d`.
@@ -143,12 +152,39 @@ pub fn blob_of_key(key: &str) -> Option<Digest> {
 }
 
 impl Store {
+    /// A store over `backend`, retried under [`RetryPolicy::default`].
     pub fn new(backend: Arc<dyn Backend>) -> Self {
-        Self { backend }
+        Self::with_retry(backend, RetryPolicy::default())
     }
 
+    /// A store over `backend`, retried under `policy`.
+    pub fn with_retry(backend: Arc<dyn Backend>, policy: RetryPolicy) -> Self {
+        let retrying = Arc::new(RetryingBackend::new(backend, policy));
+        Self {
+            backend: retrying.clone(),
+            retrying,
+        }
+    }
+
+    /// The same store (the same backend) retried under `policy` instead of this store's
+    /// policy: the retries are replaced, not nested.
+    pub fn with_retry_policy(&self, policy: RetryPolicy) -> Self {
+        Self::with_retry(self.retrying.inner().clone(), policy)
+    }
+
+    /// The store's backend, under the store's retries.
     pub fn backend(&self) -> &Arc<dyn Backend> {
         &self.backend
+    }
+
+    /// The backend under the store's retries, with its extra read (exact ranges).
+    pub(crate) fn retrying(&self) -> &RetryingBackend {
+        &self.retrying
+    }
+
+    /// How the store retries its backend.
+    pub fn retry_policy(&self) -> &RetryPolicy {
+        self.retrying.policy()
     }
 
     /// Metadata of blob `d`, or `None` if it is not stored.

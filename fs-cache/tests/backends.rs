@@ -1,12 +1,13 @@
 //! Runs the conformance suite (`common/suite.rs`) against every backend: memory, POSIX, the
-//! fault wrapper (with no faults configured) and S3 against a real S3-compatible server on
-//! 127.0.0.1 (`moto_server`, started by `common::moto`).
+//! fault wrapper (with no faults configured), the retry wrapper (as a store uses a backend)
+//! and S3 against a real S3-compatible server on 127.0.0.1 (`moto_server`, started by
+//! `common::moto`).
 
 mod common;
 
 use std::sync::Arc;
 
-use fs_cache::{Backend, FaultyBackend, MemoryBackend, PosixBackend};
+use fs_cache::{Backend, FaultyBackend, MemoryBackend, PosixBackend, RetryPolicy, RetryingBackend};
 
 async fn memory() -> Option<(Arc<dyn Backend>, Option<tempfile::TempDir>)> {
     Some((Arc::new(MemoryBackend::new()), None))
@@ -21,6 +22,12 @@ async fn posix() -> Option<(Arc<dyn Backend>, Option<tempfile::TempDir>)> {
 async fn faulty() -> Option<(Arc<dyn Backend>, Option<tempfile::TempDir>)> {
     let inner: Arc<dyn Backend> = Arc::new(MemoryBackend::new());
     Some((Arc::new(FaultyBackend::new(inner, 42)), None))
+}
+
+async fn retrying() -> Option<(Arc<dyn Backend>, Option<tempfile::TempDir>)> {
+    let inner: Arc<dyn Backend> = Arc::new(MemoryBackend::new());
+    let b = RetryingBackend::new(inner, RetryPolicy::default());
+    Some((Arc::new(b), None))
 }
 
 async fn s3() -> Option<(Arc<dyn Backend>, Option<tempfile::TempDir>)> {
@@ -55,4 +62,4 @@ macro_rules! all_cases {
     };
 }
 
-all_cases!(memory, posix, faulty, s3);
+all_cases!(memory, posix, faulty, retrying, s3);

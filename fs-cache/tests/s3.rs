@@ -1,7 +1,8 @@
 //! S3-specific behaviour of `S3Backend` against a real S3 server (moto_server on 127.0.0.1, see
 //! `common::moto`): multipart uploads, cleanup after failures, retries through a proxy that
-//! answers 503, not-found mapping, create-only puts, and URL parsing. The semantics shared with
-//! every backend are in the conformance suite (`tests/backends.rs`).
+//! answers 503 (under a `RetryingBackend`, as a store uses S3), not-found mapping, create-only
+//! puts, and URL parsing. The semantics shared with every backend are in the conformance suite
+//! (`tests/backends.rs`).
 
 mod common;
 
@@ -12,19 +13,22 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use common::moto::{self, S3Server};
 use fs_cache::backend::ByteStream;
-use fs_cache::{open_backend, Backend, Error, PutMode, RetryPolicy, S3Backend, S3Config};
+use fs_cache::{
+    open_backend, Backend, Error, PutMode, RetryPolicy, RetryingBackend, S3Backend, S3Config,
+};
 use futures::StreamExt;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 const MIB: usize = 1 << 20;
 
-/// A backend on a fresh bucket with `part_size` and `retry` set; `None` without a server.
+/// A backend on a fresh bucket with `part_size` set, retried under `retry` (as a store retries
+/// it); `None` without a server.
 async fn backend_with(
     prefix: &str,
     part_size: usize,
     retry: RetryPolicy,
-) -> Option<(S3Backend, String, &'static S3Server)> {
+) -> Option<(RetryingBackend, String, &'static S3Server)> {
     let server = moto::s3_server()?;
     let bucket = moto::new_bucket(server).await;
     let b = connect(&server.endpoint, &bucket, prefix, part_size, retry).await;
@@ -37,12 +41,12 @@ async fn connect(
     prefix: &str,
     part_size: usize,
     retry: RetryPolicy,
-) -> S3Backend {
+) -> RetryingBackend {
     let url = format!("s3://{bucket}/{prefix}?endpoint={endpoint}&region=us-east-1");
     let mut config = S3Config::from_url(&url::Url::parse(&url).unwrap()).unwrap();
     config.part_size = part_size;
-    config.retry = retry;
-    S3Backend::connect(config).await.unwrap()
+    let s3 = S3Backend::connect(config).await.unwrap();
+    RetryingBackend::new(Arc::new(s3), retry)
 }
 
 fn fast_retries() -> RetryPolicy {

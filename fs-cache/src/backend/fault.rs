@@ -5,7 +5,8 @@
 //! from a seeded generator so a failing test can be replayed. The configuration can be changed
 //! while the backend is in use (a test turns faults on, then off, and checks recovery), and the
 //! wrapper counts requests and injected faults so tests can assert how many backend requests a
-//! component made.
+//! component made. Under a [`RetryingBackend`](super::RetryingBackend) (a store's backend),
+//! every attempt is one counted request.
 
 use std::fmt;
 use std::ops::Range;
@@ -15,7 +16,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 
-use super::{Backend, ByteStream, ObjectMeta, PutMode};
+use super::{Backend, ByteStream, ObjectMeta, PutMode, RetryPolicy};
 use crate::error::{Error, Result};
 
 /// Which faults to inject. The default injects none.
@@ -230,6 +231,18 @@ impl Backend for FaultyBackend {
     async fn put_stream(&self, key: &str, body: ByteStream, mode: PutMode) -> Result<ObjectMeta> {
         self.before(Op::Put, key).await?;
         self.inner.put_stream(key, body, mode).await
+    }
+
+    /// One fault decision for the whole put, then the inner backend's own per-request retries.
+    async fn put_stream_retrying(
+        &self,
+        key: &str,
+        body: ByteStream,
+        mode: PutMode,
+        retry: &RetryPolicy,
+    ) -> Result<ObjectMeta> {
+        self.before(Op::Put, key).await?;
+        self.inner.put_stream_retrying(key, body, mode, retry).await
     }
 
     async fn head(&self, key: &str) -> Result<ObjectMeta> {

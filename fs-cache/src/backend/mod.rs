@@ -2,8 +2,10 @@
 //!
 //! A backend stores immutable-by-convention objects under `/`-separated keys and offers five
 //! operations: ranged read, streaming put, head, list by prefix, delete. Conveniences (`get`,
-//! `put`) are default methods; behaviours such as fault injection are wrappers
-//! ([`FaultyBackend`]) rather than flags inside implementations.
+//! `put`) are default methods; behaviours such as retries and fault injection are wrappers
+//! ([`RetryingBackend`], [`FaultyBackend`]) rather than flags inside implementations. No
+//! backend retries on its own: a [`crate::Store`] applies the one layer of retries
+//! ([`retry`]).
 //!
 //! # Semantics every backend keeps (checked by `tests/conformance.rs`)
 //! - **Keys** pass [`validate_key`]: non-empty, at most 1,024 bytes, no leading, trailing or
@@ -32,6 +34,7 @@ use futures::stream::BoxStream;
 use futures::StreamExt;
 
 use crate::error::{Error, Result};
+use retry::RetryContext;
 
 pub mod fault;
 pub mod memory;
@@ -42,7 +45,7 @@ pub mod s3;
 pub use fault::{FaultConfig, FaultStats, FaultyBackend};
 pub use memory::MemoryBackend;
 pub use posix::PosixBackend;
-pub use retry::RetryPolicy;
+pub use retry::{RetryPolicy, RetryingBackend};
 pub use s3::{S3Backend, S3Config};
 
 /// A body for a streaming put: a sequence of byte buffers, any of which may fail.
@@ -86,6 +89,34 @@ pub trait Backend: Send + Sync + fmt::Debug + fmt::Display {
 
     /// Remove `key`; succeeds if it is already gone.
     async fn delete(&self, key: &str) -> Result<()>;
+
+    /// [`Self::put_stream`] with `retry` applied to each request the put makes, for
+    /// [`RetryingBackend`], which cannot retry a streaming put whole: its body is consumed as
+    /// it is sent. A backend that sends the body in pieces it holds (S3: the parts of a
+    /// multipart upload) retries each piece; the default makes one attempt.
+    async fn put_stream_retrying(
+        &self,
+        key: &str,
+        body: ByteStream,
+        mode: PutMode,
+        retry: &RetryPolicy,
+    ) -> Result<ObjectMeta> {
+        let _ = retry;
+        self.put_stream(key, body, mode).await
+    }
+
+    /// [`Self::list`] under `retry`, for [`RetryingBackend`]. The default retries the whole
+    /// listing, without a per-attempt timeout (a listing lasts as long as there are objects to
+    /// list); a backend that lists in pages (S3) retries each page instead.
+    async fn list_retrying(&self, prefix: &str, retry: &RetryPolicy) -> Result<Vec<ObjectMeta>> {
+        let name = self.to_string();
+        let ctx = RetryContext {
+            backend: &name,
+            op: "list",
+            key: prefix,
+        };
+        retry.run_untimed(ctx, |_| self.list(prefix)).await
+    }
 
     /// Read a whole object.
     async fn get(&self, key: &str) -> Result<Bytes> {

@@ -1,12 +1,42 @@
-//! Retries with exponential backoff, full jitter and an overall deadline.
+//! Retries: [`RetryPolicy`] (exponential backoff, full jitter, an overall deadline, a timeout
+//! per attempt) and [`RetryingBackend`], the one place it is applied.
 //!
+//! # One layer of retries
+//! Backends retry nothing on their own ([`S3Backend`](super::S3Backend) disables the SDK's
+//! retries too). A [`Store`](crate::Store) wraps its backend in a [`RetryingBackend`] under its
+//! policy, and everything that goes through the store (blob and manifest operations, gc, the
+//! chunk cache) gets that one layer. The chunk cache does not add its own: it runs over the
+//! same backend under its own policy ([`Store::with_retry_policy`](crate::Store::with_retry_policy),
+//! which replaces the store's policy rather than nesting another). So a read that keeps
+//! failing makes exactly `max_attempts` backend requests (fewer if the deadline passes first),
+//! whichever path it takes.
+//!
+//! An operation that is one request (a ranged read, a head, a delete, a put of a buffer) is
+//! retried whole. Two are not, and the wrapper hands its policy down to the backend instead
+//! ([`Backend::put_stream_retrying`], [`Backend::list_retrying`]): a streaming put, whose body
+//! is consumed as it is sent (S3 retries each part and the completion), and a listing, whose
+//! length grows with the store (S3 retries each page; the default retries the whole listing
+//! without a per-attempt timeout).
+//!
+//! # Which errors, and what comes out
 //! Only errors for which [`Error::is_transient`] holds (throttling, 5xx, timeouts, lost
-//! connections) are retried. Each attempt also has its own timeout, so a hung connection counts
-//! as a transient failure instead of stalling the caller past the deadline.
+//! connections) are retried. Each attempt has its own timeout, so a hung connection counts as a
+//! transient failure instead of stalling the caller past the deadline. The error returned after
+//! the last attempt is final: never transient (so that nobody retries it again), an
+//! [`Error::Backend`] that says how many attempts were made (a transient error of another kind
+//! is wrapped in one, keeping it as the source), or [`Error::DeadlineExceeded`] when the
+//! deadline stopped the retries.
 
+use std::fmt;
 use std::future::Future;
+use std::ops::Range;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use async_trait::async_trait;
+use bytes::Bytes;
+
+use super::{Backend, ByteStream, ObjectMeta, PutMode};
 use crate::error::{Error, Result};
 
 /// How an operation is retried.
@@ -64,8 +94,32 @@ impl RetryPolicy {
     }
 
     /// Run `op` until it succeeds, fails permanently, runs out of attempts or passes the
-    /// deadline. `op` receives the attempt number, starting at 1.
-    pub async fn run<T, F, Fut>(&self, ctx: RetryContext<'_>, mut op: F) -> Result<T>
+    /// deadline. `op` receives the attempt number, starting at 1. The error returned is final
+    /// (see the module docs).
+    pub async fn run<T, F, Fut>(&self, ctx: RetryContext<'_>, op: F) -> Result<T>
+    where
+        F: FnMut(u32) -> Fut,
+        Fut: Future<Output = Result<T>>,
+    {
+        self.run_with(ctx, Some(self.attempt_timeout), op).await
+    }
+
+    /// [`Self::run`] without the per-attempt timeout, for an operation whose length grows with
+    /// its result (a whole listing); the deadline still stops retries.
+    pub(crate) async fn run_untimed<T, F, Fut>(&self, ctx: RetryContext<'_>, op: F) -> Result<T>
+    where
+        F: FnMut(u32) -> Fut,
+        Fut: Future<Output = Result<T>>,
+    {
+        self.run_with(ctx, None, op).await
+    }
+
+    async fn run_with<T, F, Fut>(
+        &self,
+        ctx: RetryContext<'_>,
+        attempt_timeout: Option<Duration>,
+        mut op: F,
+    ) -> Result<T>
     where
         F: FnMut(u32) -> Fut,
         Fut: Future<Output = Result<T>>,
@@ -74,28 +128,31 @@ impl RetryPolicy {
         let mut attempt = 0u32;
         loop {
             attempt += 1;
-            let remaining = self.deadline.saturating_sub(start.elapsed());
-            let timeout = self
-                .attempt_timeout
-                .min(remaining.max(Duration::from_millis(1)));
-            let result = match tokio::time::timeout(timeout, op(attempt)).await {
-                Ok(r) => r,
-                Err(_) => Err(Error::Backend {
-                    backend: ctx.backend.to_owned(),
-                    op: ctx.op,
-                    key: ctx.key.to_owned(),
-                    attempts: attempt,
-                    message: format!("attempt timed out after {timeout:?}"),
-                    transient: true,
-                    source: None,
-                }),
+            let result = match attempt_timeout {
+                None => op(attempt).await,
+                Some(limit) => {
+                    let remaining = self.deadline.saturating_sub(start.elapsed());
+                    let timeout = limit.min(remaining.max(Duration::from_millis(1)));
+                    match tokio::time::timeout(timeout, op(attempt)).await {
+                        Ok(r) => r,
+                        Err(_) => Err(Error::Backend {
+                            backend: ctx.backend.to_owned(),
+                            op: ctx.op,
+                            key: ctx.key.to_owned(),
+                            attempts: attempt,
+                            message: format!("attempt timed out after {timeout:?}"),
+                            transient: true,
+                            source: None,
+                        }),
+                    }
+                }
             };
             let err = match result {
                 Ok(v) => return Ok(v),
                 Err(e) => e,
             };
             if !err.is_transient() {
-                return Err(with_attempts(err, attempt));
+                return Err(final_error(ctx, err, attempt));
             }
             let backoff =
                 Duration::from_secs_f64(self.cap(attempt - 1).as_secs_f64() * fastrand::f64());
@@ -111,7 +168,7 @@ impl RetryPolicy {
                         last: err.to_string(),
                     });
                 }
-                return Err(with_attempts(err, attempt));
+                return Err(final_error(ctx, err, attempt));
             }
             tracing::debug!(
                 backend = ctx.backend,
@@ -127,26 +184,174 @@ impl RetryPolicy {
     }
 }
 
-fn with_attempts(err: Error, n: u32) -> Error {
+/// The error to return after `attempts` attempts: never transient, and a backend error says
+/// how many attempts were made.
+fn final_error(ctx: RetryContext<'_>, err: Error, attempts: u32) -> Error {
     match err {
         Error::Backend {
             backend,
             op,
             key,
+            attempts: counted,
             message,
-            transient,
             source,
             ..
         } => Error::Backend {
             backend,
             op,
             key,
-            attempts: n,
+            attempts: attempts.max(counted),
             message,
-            transient,
+            transient: false,
             source,
         },
+        other if other.is_transient() => Error::Backend {
+            backend: ctx.backend.to_owned(),
+            op: ctx.op,
+            key: ctx.key.to_owned(),
+            attempts,
+            message: other.to_string(),
+            transient: false,
+            source: Some(Box::new(other)),
+        },
         other => other,
+    }
+}
+
+/// A backend whose operations are retried under one [`RetryPolicy`] (see the module docs): the
+/// only place retries happen. It displays as the backend it wraps.
+#[derive(Clone)]
+pub struct RetryingBackend {
+    inner: Arc<dyn Backend>,
+    name: String,
+    policy: RetryPolicy,
+}
+
+impl fmt::Debug for RetryingBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RetryingBackend")
+            .field("inner", &self.inner)
+            .field("policy", &self.policy)
+            .finish()
+    }
+}
+
+impl fmt::Display for RetryingBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.name)
+    }
+}
+
+impl RetryingBackend {
+    /// Retry `inner`'s operations under `policy`. `inner` should not retry on its own (no
+    /// backend of this crate does; a `RetryingBackend` does, so do not wrap one in another:
+    /// take its [`Self::inner`] instead).
+    pub fn new(inner: Arc<dyn Backend>, policy: RetryPolicy) -> Self {
+        Self {
+            name: inner.to_string(),
+            inner,
+            policy,
+        }
+    }
+
+    /// The backend without retries.
+    pub fn inner(&self) -> &Arc<dyn Backend> {
+        &self.inner
+    }
+
+    pub fn policy(&self) -> &RetryPolicy {
+        &self.policy
+    }
+
+    fn ctx<'a>(&'a self, op: &'static str, key: &'a str) -> RetryContext<'a> {
+        RetryContext {
+            backend: &self.name,
+            op,
+            key,
+        }
+    }
+
+    /// Read exactly the bytes `range` of `key`, which the caller knows lie inside the object
+    /// (the chunk cache reads ranges its chunk table vouches for). A shorter body counts as a
+    /// transient failure (a connection cut mid-body that the backend did not notice) and is
+    /// retried like any other.
+    pub async fn get_range_exact(&self, key: &str, range: Range<u64>) -> Result<Bytes> {
+        let want = range.end.saturating_sub(range.start);
+        self.policy
+            .run(self.ctx("get", key), |_| {
+                let range = range.clone();
+                async move {
+                    let body = self.inner.get_range(key, range.clone()).await?;
+                    if body.len() as u64 != want {
+                        return Err(Error::Backend {
+                            backend: self.name.clone(),
+                            op: "get",
+                            key: key.to_owned(),
+                            attempts: 1,
+                            message: format!(
+                                "short read: {} of {want} bytes at {}",
+                                body.len(),
+                                range.start
+                            ),
+                            transient: true,
+                            source: None,
+                        });
+                    }
+                    Ok(body)
+                }
+            })
+            .await
+    }
+}
+
+#[async_trait]
+impl Backend for RetryingBackend {
+    async fn get_range(&self, key: &str, range: Range<u64>) -> Result<Bytes> {
+        self.policy
+            .run(self.ctx("get", key), |_| {
+                self.inner.get_range(key, range.clone())
+            })
+            .await
+    }
+
+    async fn get(&self, key: &str) -> Result<Bytes> {
+        self.policy
+            .run(self.ctx("get", key), |_| self.inner.get(key))
+            .await
+    }
+
+    /// Not retried whole (the body is consumed as it is sent): the backend retries each of
+    /// its requests under this policy ([`Backend::put_stream_retrying`]).
+    async fn put_stream(&self, key: &str, body: ByteStream, mode: PutMode) -> Result<ObjectMeta> {
+        self.inner
+            .put_stream_retrying(key, body, mode, &self.policy)
+            .await
+    }
+
+    async fn put_opts(&self, key: &str, body: Bytes, mode: PutMode) -> Result<ObjectMeta> {
+        self.policy
+            .run(self.ctx("put", key), |_| {
+                self.inner.put_opts(key, body.clone(), mode)
+            })
+            .await
+    }
+
+    async fn head(&self, key: &str) -> Result<ObjectMeta> {
+        self.policy
+            .run(self.ctx("head", key), |_| self.inner.head(key))
+            .await
+    }
+
+    /// Retried by the backend, page by page where it lists in pages
+    /// ([`Backend::list_retrying`]).
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>> {
+        self.inner.list_retrying(prefix, &self.policy).await
+    }
+
+    async fn delete(&self, key: &str) -> Result<()> {
+        self.policy
+            .run(self.ctx("delete", key), |_| self.inner.delete(key))
+            .await
     }
 }
 
@@ -251,5 +456,115 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(v, 2);
+    }
+
+    #[tokio::test]
+    async fn the_error_after_the_last_attempt_is_final_and_counts_them() {
+        let calls = AtomicU32::new(0);
+        let policy = RetryPolicy {
+            max_attempts: 3,
+            initial_backoff: Duration::from_millis(1),
+            ..RetryPolicy::default()
+        };
+        let err = policy
+            .run(CTX, |_| async {
+                calls.fetch_add(1, Ordering::SeqCst);
+                Err::<(), _>(transient())
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(calls.load(Ordering::SeqCst), 3);
+        assert!(!err.is_transient(), "{err}");
+        assert_eq!(err.kind(), crate::ErrorKind::Backend);
+        assert!(matches!(err, Error::Backend { attempts: 3, .. }), "{err:?}");
+        assert!(err.to_string().contains("after 3 attempt(s)"), "{err}");
+
+        // A transient error of another kind is wrapped, keeping it as the source.
+        let err = policy
+            .run(CTX, |_| async {
+                Err::<(), _>(Error::io(
+                    "read",
+                    "/x",
+                    std::io::Error::from(std::io::ErrorKind::TimedOut),
+                ))
+            })
+            .await
+            .unwrap_err();
+        assert!(!err.is_transient(), "{err}");
+        assert!(err
+            .to_string()
+            .contains("get k failed after 3 attempt(s): read /x"));
+        assert!(std::error::Error::source(&err).is_some());
+
+        // So is the one attempt of a policy without retries.
+        let err = RetryPolicy::none(Duration::from_secs(1))
+            .run(CTX, |_| async { Err::<(), _>(transient()) })
+            .await
+            .unwrap_err();
+        assert!(!err.is_transient() && err.to_string().contains("after 1 attempt(s)"));
+    }
+
+    #[tokio::test]
+    async fn the_wrapper_retries_each_operation_once_over() {
+        use crate::backend::{FaultConfig, FaultyBackend, MemoryBackend};
+        let mem = Arc::new(MemoryBackend::new());
+        mem.put("k", Bytes::from_static(b"hello")).await.unwrap();
+        let faulty = Arc::new(FaultyBackend::new(mem, 1));
+        let policy = RetryPolicy {
+            max_attempts: 4,
+            initial_backoff: Duration::from_millis(1),
+            ..RetryPolicy::default()
+        };
+        let b = RetryingBackend::new(faulty.clone(), policy);
+        assert_eq!(b.to_string(), faulty.to_string());
+
+        // Transient faults that stop in time are absorbed...
+        faulty.update(|c| c.fail_next = 3);
+        assert_eq!(&b.get("k").await.unwrap()[..], b"hello");
+        assert_eq!(faulty.stats().gets, 4);
+        // ...and a short body is retried by an exact read.
+        faulty.reset_stats();
+        faulty.set(FaultConfig {
+            truncate_rate: 1.0,
+            ..FaultConfig::default()
+        });
+        let err = b.get_range_exact("k", 0..5).await.unwrap_err();
+        assert!(err.to_string().contains("short read"), "{err}");
+        assert_eq!(faulty.stats().gets, 4);
+
+        // Faults that go on: every operation gives up after exactly four attempts.
+        faulty.set(FaultConfig {
+            error_rate: 1.0,
+            ..FaultConfig::default()
+        });
+        faulty.reset_stats();
+        let errors = [
+            b.get("k").await.unwrap_err(),
+            b.get_range("k", 0..2).await.unwrap_err(),
+            b.head("k").await.unwrap_err(),
+            b.put("k", Bytes::from_static(b"x")).await.unwrap_err(),
+            b.list("").await.unwrap_err(),
+            b.delete("k").await.unwrap_err(),
+        ];
+        for err in &errors {
+            assert!(!err.is_transient(), "{err}");
+            assert!(err.to_string().contains("after 4 attempt(s)"), "{err}");
+        }
+        let s = faulty.stats();
+        assert_eq!(
+            (s.gets, s.heads, s.puts, s.lists, s.deletes),
+            (8, 4, 4, 4, 4)
+        );
+
+        // A streaming put cannot be replayed: one attempt (a backend that sends its body in
+        // pieces retries each of them, see S3).
+        faulty.reset_stats();
+        let body = futures::stream::once(async { Ok(Bytes::from_static(b"x")) });
+        let err = b
+            .put_stream("k", Box::pin(body), PutMode::Overwrite)
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("injected"), "{err}");
+        assert_eq!(faulty.stats().puts, 1);
     }
 }

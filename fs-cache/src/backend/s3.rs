@@ -30,10 +30,16 @@
 //! success when it carries an ETag and no `<Error>`.
 //!
 //! # Retries
-//! The SDK's own retries are disabled; every request runs under [`RetryPolicy::run`] with
-//! the backend's policy. Transient (retried): throttling codes (`SlowDown`, `Throttling`,
-//! `ThrottlingException`, `RequestTimeout`, ...), HTTP 429 and 5xx except 501 (`NotImplemented`
-//! will not change), timeouts, connection and I/O failures, responses that could not be read.
+//! The backend retries nothing itself (the SDK's own retries are disabled too): each operation
+//! is one attempt, and the one layer of retries is the [`RetryingBackend`](super::RetryingBackend)
+//! a [`Store`](crate::Store) puts around it ([`super::retry`]). Under it, the operations that
+//! cannot be retried whole take its policy for each of their requests: a streaming put (the
+//! `PutObject`, every `CreateMultipartUpload`, `UploadPart`, `CompleteMultipartUpload` and
+//! `AbortMultipartUpload`, and the HEAD of a multipart create) and a listing (each page). Errors
+//! are classified so that the wrapper knows what to retry. Transient: throttling codes
+//! (`SlowDown`, `Throttling`, `ThrottlingException`, `RequestTimeout`, ...), HTTP 429 and 5xx
+//! except 501 (`NotImplemented` will not change), timeouts, connection and I/O failures,
+//! responses that could not be read (a body shorter than its `Content-Length` included).
 //! Permanent: every other 4xx (`RequestTimeTooSkewed` included), missing credentials, invalid
 //! requests. `NoSuchKey`/`NoSuchBucket`/404 become [`Error::NotFound`].
 //!
@@ -102,7 +108,6 @@ pub struct S3Config {
     pub part_size: usize,
     /// Multipart parts uploaded at once.
     pub concurrency: usize,
-    pub retry: RetryPolicy,
 }
 
 impl S3Config {
@@ -122,7 +127,6 @@ impl S3Config {
             profile: None,
             part_size: DEFAULT_PART_SIZE,
             concurrency: 4,
-            retry: RetryPolicy::default(),
         }
     }
 
@@ -289,7 +293,6 @@ struct Inner {
     name: String,
     part_size: usize,
     concurrency: usize,
-    retry: RetryPolicy,
 }
 
 impl fmt::Display for S3Backend {
@@ -335,7 +338,6 @@ impl S3Backend {
                 prefix: config.prefix,
                 part_size: config.part_size,
                 concurrency: config.concurrency,
-                retry: config.retry,
             }),
         })
     }
@@ -576,20 +578,25 @@ impl Inner {
         }
     }
 
-    /// One S3 request under the retry policy; `send` sends a fresh request per attempt.
+    /// One S3 request: one attempt, or under `retry` (lent by a [`super::RetryingBackend`]
+    /// for the requests of an operation it cannot retry whole); `send` sends a fresh request
+    /// per attempt.
     async fn call<T, E, Fut>(
         &self,
         op: &'static str,
         key: &str,
+        retry: Option<&RetryPolicy>,
         mut send: impl FnMut() -> Fut,
     ) -> Result<T>
     where
         Fut: Future<Output = std::result::Result<T, SdkError<E>>>,
         E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
     {
-        let ctx = self.ctx(op, key);
-        self.retry
-            .run(ctx, |_| {
+        let Some(retry) = retry else {
+            return send().await.map_err(|e| self.sdk_error(op, key, e));
+        };
+        retry
+            .run(self.ctx(op, key), |_| {
                 let sent = send();
                 async move { sent.await.map_err(|e| self.sdk_error(op, key, e)) }
             })
@@ -603,49 +610,38 @@ impl Inner {
             u64::MAX => format!("bytes={}-", r.start),
             end => format!("bytes={}-{}", r.start, end - 1),
         });
-        let got = self
-            .retry
-            .run(self.ctx("get", key), |_| {
-                let req = self.client.get_object().bucket(&self.bucket).key(&full);
-                let req = req.set_range(header.clone());
-                async move {
-                    let out = match req.send().await {
-                        Ok(out) => out,
-                        Err(e) if classify(&e) == Class::RangeNotSatisfiable => return Ok(None),
-                        Err(e) => return Err(self.sdk_error("get", key, e)),
-                    };
-                    let (expected, ranged) = (out.content_length(), out.content_range().is_some());
-                    let body = match out.body.collect().await {
-                        Ok(body) => body.into_bytes(),
-                        Err(e) => {
-                            let msg = format!("reading the response body failed: {e}");
-                            return Err(self.failure("get", key, msg, true, Some(Box::new(e))));
-                        }
-                    };
-                    if expected.is_some_and(|n| u64::try_from(n).ok() != Some(body.len() as u64)) {
-                        let msg =
-                            format!("short body: {} bytes, expected {expected:?}", body.len());
-                        return Err(self.failure("get", key, msg, true, None));
-                    }
-                    Ok(Some((body, ranged)))
-                }
-            })
-            .await?;
-        match (got, range) {
-            (None, _) => Ok(None),
+        let req = self.client.get_object().bucket(&self.bucket).key(&full);
+        let out = match req.set_range(header).send().await {
+            Ok(out) => out,
+            Err(e) if classify(&e) == Class::RangeNotSatisfiable => return Ok(None),
+            Err(e) => return Err(self.sdk_error("get", key, e)),
+        };
+        let (expected, ranged) = (out.content_length(), out.content_range().is_some());
+        let body = match out.body.collect().await {
+            Ok(body) => body.into_bytes(),
+            Err(e) => {
+                let msg = format!("reading the response body failed: {e}");
+                return Err(self.failure("get", key, msg, true, Some(Box::new(e))));
+            }
+        };
+        if expected.is_some_and(|n| u64::try_from(n).ok() != Some(body.len() as u64)) {
+            let msg = format!("short body: {} bytes, expected {expected:?}", body.len());
+            return Err(self.failure("get", key, msg, true, None));
+        }
+        match (ranged, range) {
             // The store ignored the Range header and sent the whole object: cut it here.
-            (Some((body, false)), Some(r)) => {
+            (false, Some(r)) => {
                 let r = clamp_range(&self.name, key, r, body.len() as u64)?;
                 Ok(Some(body.slice(r.start as usize..r.end as usize)))
             }
-            (Some((body, _)), _) => Ok(Some(body)),
+            _ => Ok(Some(body)),
         }
     }
 
-    async fn head(&self, key: &str) -> Result<ObjectMeta> {
+    async fn head(&self, key: &str, retry: Option<&RetryPolicy>) -> Result<ObjectMeta> {
         let full = self.object_key(key);
         let out = self
-            .call("head", key, || {
+            .call("head", key, retry, || {
                 self.client
                     .head_object()
                     .bucket(&self.bucket)
@@ -675,11 +671,17 @@ impl Inner {
         }
     }
 
-    async fn put_single(&self, key: &str, body: Bytes, mode: PutMode) -> Result<ObjectMeta> {
+    async fn put_single(
+        &self,
+        key: &str,
+        body: Bytes,
+        mode: PutMode,
+        retry: Option<&RetryPolicy>,
+    ) -> Result<ObjectMeta> {
         let full = self.object_key(key);
         let if_none_match = (mode == PutMode::Create).then(|| "*".to_owned());
         let out = self
-            .call("put", key, || {
+            .call("put", key, retry, || {
                 let req = self.client.put_object().bucket(&self.bucket).key(&full);
                 req.content_length(body.len() as i64)
                     .set_if_none_match(if_none_match.clone())
@@ -696,9 +698,10 @@ impl Inner {
         first: Bytes,
         parts: &mut PartReader,
         mode: PutMode,
+        retry: Option<&RetryPolicy>,
     ) -> Result<ObjectMeta> {
         if mode == PutMode::Create {
-            match self.head(key).await {
+            match self.head(key, retry).await {
                 Ok(_) => {
                     let (backend, key) = (self.name.clone(), key.to_owned());
                     return Err(Error::AlreadyExists { backend, key });
@@ -709,7 +712,7 @@ impl Inner {
         }
         let full = self.object_key(key);
         let out = self
-            .call("put", key, || {
+            .call("put", key, retry, || {
                 let req = self.client.create_multipart_upload();
                 req.bucket(&self.bucket).key(&full).send()
             })
@@ -718,14 +721,25 @@ impl Inner {
             let msg = "CreateMultipartUpload returned no upload id".to_owned();
             return Err(self.fail("put", key, msg, None));
         };
-        let mut guard = AbortOnDrop(Some((Arc::clone(self), key.to_owned(), upload_id.clone())));
-        let result = self.upload_parts(key, &upload_id, first, parts).await;
+        let retry = retry.cloned();
+        let mut guard = AbortOnDrop(Some((
+            Arc::clone(self),
+            key.to_owned(),
+            upload_id.clone(),
+            retry.clone(),
+        )));
+        let result = self
+            .upload_parts(key, &upload_id, first, parts, retry.as_ref())
+            .await;
         let result = match result {
-            Ok((done, total)) => self.complete(key, &upload_id, done, total, mode).await,
+            Ok((done, total)) => {
+                let r = retry.as_ref();
+                self.complete(key, &upload_id, done, total, mode, r).await
+            }
             Err(e) => Err(e),
         };
         if result.is_err() {
-            self.abort(key, &upload_id).await;
+            self.abort(key, &upload_id, retry.as_ref()).await;
         }
         guard.0 = None;
         result
@@ -739,6 +753,7 @@ impl Inner {
         upload_id: &str,
         first: Bytes,
         parts: &mut PartReader,
+        retry: Option<&RetryPolicy>,
     ) -> Result<(Vec<CompletedPart>, u64)> {
         let mut tasks = tokio::task::JoinSet::new();
         let mut done = Vec::new();
@@ -755,7 +770,12 @@ impl Inner {
                 }
                 total += part.len() as u64;
                 let (inner, k, id) = (Arc::clone(self), key.to_owned(), upload_id.to_owned());
-                tasks.spawn(async move { inner.upload_part(&k, &id, number, part).await });
+                let retry = retry.cloned();
+                tasks.spawn(async move {
+                    inner
+                        .upload_part(&k, &id, number, part, retry.as_ref())
+                        .await
+                });
                 while tasks.len() >= self.concurrency {
                     done.push(self.joined(key, tasks.join_next().await)?);
                 }
@@ -810,10 +830,11 @@ impl Inner {
         upload_id: &str,
         number: i32,
         body: Bytes,
+        retry: Option<&RetryPolicy>,
     ) -> Result<CompletedPart> {
         let full = self.object_key(key);
         let out = self
-            .call("upload part of", key, || {
+            .call("upload part of", key, retry, || {
                 let req = self.client.upload_part().bucket(&self.bucket).key(&full);
                 req.upload_id(upload_id)
                     .part_number(number)
@@ -839,6 +860,7 @@ impl Inner {
         parts: Vec<CompletedPart>,
         total: u64,
         mode: PutMode,
+        retry: Option<&RetryPolicy>,
     ) -> Result<ObjectMeta> {
         let full = self.object_key(key);
         let if_none_match = (mode == PutMode::Create).then(|| "*".to_owned());
@@ -846,7 +868,7 @@ impl Inner {
             .set_parts(Some(parts))
             .build();
         let result = self
-            .call("put", key, || {
+            .call("put", key, retry, || {
                 let req = self.client.complete_multipart_upload().bucket(&self.bucket);
                 let req = req
                     .key(&full)
@@ -867,7 +889,7 @@ impl Inner {
             Err(e @ Error::Backend { attempts: 2.., .. })
                 if e.to_string().contains("NoSuchUpload") =>
             {
-                match self.head(key).await {
+                match self.head(key, retry).await {
                     Ok(meta) if meta.size == total => Ok(meta),
                     _ => Err(e),
                 }
@@ -877,10 +899,10 @@ impl Inner {
     }
 
     /// Abort a multipart upload, best effort (failures are logged).
-    async fn abort(&self, key: &str, upload_id: &str) {
+    async fn abort(&self, key: &str, upload_id: &str, retry: Option<&RetryPolicy>) {
         let full = self.object_key(key);
         let res = self
-            .call("abort multipart upload of", key, || {
+            .call("abort multipart upload of", key, retry, || {
                 let req = self.client.abort_multipart_upload().bucket(&self.bucket);
                 let req = req.key(&full).upload_id(upload_id);
                 async move {
@@ -898,16 +920,16 @@ impl Inner {
 }
 
 /// Aborts the multipart upload from a spawned task if the put future is dropped half-way.
-struct AbortOnDrop(Option<(Arc<Inner>, String, String)>);
+struct AbortOnDrop(Option<(Arc<Inner>, String, String, Option<RetryPolicy>)>);
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
-        let Some((inner, key, upload_id)) = self.0.take() else {
+        let Some((inner, key, upload_id, retry)) = self.0.take() else {
             return;
         };
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => {
-                handle.spawn(async move { inner.abort(&key, &upload_id).await });
+                handle.spawn(async move { inner.abort(&key, &upload_id, retry.as_ref()).await });
             }
             Err(_) => tracing::warn!(
                 backend = %inner.name, key, upload_id,
@@ -996,7 +1018,7 @@ impl Backend for S3Backend {
             }
         }
         // An empty range, or S3 said 416: the size decides between "no bytes" and an error.
-        let meta = inner.head(key).await?;
+        let meta = inner.head(key, None).await?;
         let clamped = clamp_range(&inner.name, key, range, meta.size)?;
         if clamped.is_empty() {
             return Ok(Bytes::new());
@@ -1014,6 +1036,65 @@ impl Backend for S3Backend {
     }
 
     async fn put_stream(&self, key: &str, body: ByteStream, mode: PutMode) -> Result<ObjectMeta> {
+        self.put_stream_with(key, body, mode, None).await
+    }
+
+    async fn put_stream_retrying(
+        &self,
+        key: &str,
+        body: ByteStream,
+        mode: PutMode,
+        retry: &RetryPolicy,
+    ) -> Result<ObjectMeta> {
+        self.put_stream_with(key, body, mode, Some(retry)).await
+    }
+
+    async fn head(&self, key: &str) -> Result<ObjectMeta> {
+        validate_key(key)?;
+        self.inner.head(key, None).await
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>> {
+        self.list_with(prefix, None).await
+    }
+
+    async fn list_retrying(&self, prefix: &str, retry: &RetryPolicy) -> Result<Vec<ObjectMeta>> {
+        self.list_with(prefix, Some(retry)).await
+    }
+
+    async fn delete(&self, key: &str) -> Result<()> {
+        validate_key(key)?;
+        let inner = &self.inner;
+        let full = inner.object_key(key);
+        inner
+            .call("delete", key, None, || {
+                let req = inner
+                    .client
+                    .delete_object()
+                    .bucket(&inner.bucket)
+                    .key(&full);
+                async move {
+                    match req.send().await {
+                        // Some stores answer NoSuchKey; a missing bucket stays an error.
+                        Err(e) if e.code() == Some("NoSuchKey") => Ok(None),
+                        other => other.map(Some),
+                    }
+                }
+            })
+            .await
+            .map(drop)
+    }
+}
+
+impl S3Backend {
+    /// A streaming put, its requests retried under `retry` if given.
+    async fn put_stream_with(
+        &self,
+        key: &str,
+        body: ByteStream,
+        mode: PutMode,
+        retry: Option<&RetryPolicy>,
+    ) -> Result<ObjectMeta> {
         validate_key(key)?;
         let inner = &self.inner;
         let mut parts = PartReader::new(body, inner.part_size);
@@ -1022,18 +1103,20 @@ impl Backend for S3Backend {
             .await
             .map_err(|e| inner.body_error(key, e))?;
         if last {
-            inner.put_single(key, first, mode).await
+            inner.put_single(key, first, mode, retry).await
         } else {
-            inner.put_multipart(key, first, &mut parts, mode).await
+            inner
+                .put_multipart(key, first, &mut parts, mode, retry)
+                .await
         }
     }
 
-    async fn head(&self, key: &str) -> Result<ObjectMeta> {
-        validate_key(key)?;
-        self.inner.head(key).await
-    }
-
-    async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>> {
+    /// A listing, each page retried under `retry` if given.
+    async fn list_with(
+        &self,
+        prefix: &str,
+        retry: Option<&RetryPolicy>,
+    ) -> Result<Vec<ObjectMeta>> {
         validate_prefix(prefix)?;
         let inner = &self.inner;
         let strip = match inner.prefix.as_str() {
@@ -1044,7 +1127,7 @@ impl Backend for S3Backend {
         let (mut out, mut token) = (Vec::new(), None::<String>);
         loop {
             let page = inner
-                .call("list", prefix, || {
+                .call("list", prefix, retry, || {
                     let req = inner.client.list_objects_v2().bucket(&inner.bucket);
                     req.prefix(&full)
                         .set_continuation_token(token.clone())
@@ -1075,29 +1158,6 @@ impl Backend for S3Backend {
         }
         out.sort_by(|a, b| a.key.cmp(&b.key));
         Ok(out)
-    }
-
-    async fn delete(&self, key: &str) -> Result<()> {
-        validate_key(key)?;
-        let inner = &self.inner;
-        let full = inner.object_key(key);
-        inner
-            .call("delete", key, || {
-                let req = inner
-                    .client
-                    .delete_object()
-                    .bucket(&inner.bucket)
-                    .key(&full);
-                async move {
-                    match req.send().await {
-                        // Some stores answer NoSuchKey; a missing bucket stays an error.
-                        Err(e) if e.code() == Some("NoSuchKey") => Ok(None),
-                        other => other.map(Some),
-                    }
-                }
-            })
-            .await
-            .map(drop)
     }
 }
 

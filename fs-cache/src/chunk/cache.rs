@@ -14,8 +14,11 @@
 //!    is not requested again: the reader waits for that request and shares its result or error.
 //! 4. Every fetched chunk is verified before it enters either level. A mismatch is retried once
 //!    with a request for that chunk alone, then reported as [`Error::Corrupt`] and counted.
-//!    Backend errors are retried with backoff up to a deadline ([`RetryPolicy`]); a read that
-//!    still fails gets the error, and the cache stays usable.
+//!    Backend errors are retried with backoff up to a deadline under the cache's
+//!    [`RetryPolicy`], which replaces the store's for the cache's requests (one layer of
+//!    retries, see [`crate::backend::retry`]); a body shorter than its range is retried too.
+//!    A read that still fails gets the error (final, never transient), and the cache stays
+//!    usable.
 //! 5. A read that starts where the previous read of the same blob ended (or inside the window
 //!    readahead already covers: concurrent readers finish out of order) is sequential: it
 //!    triggers readahead of the next `readahead_bytes`, in the background, at prefetch
@@ -42,7 +45,6 @@ use super::disk::{BlobPin, DiskCache, DiskCacheConfig, DiskStats, RangeRead};
 use super::stage::Staging;
 use super::table::ChunkTable;
 use super::ChunkId;
-use crate::backend::retry::RetryContext;
 use crate::backend::RetryPolicy;
 use crate::error::{Error, Result};
 use crate::store::{blob_key, Digest, Store};
@@ -63,7 +65,8 @@ pub struct CacheConfig {
     pub disk_readahead_bytes: u64,
     /// Prefetch requests in flight at once.
     pub prefetch_concurrency: usize,
-    /// Retries of backend requests.
+    /// Retries of the cache's backend requests (instead of the store's policy, not on top of
+    /// it).
     pub retry: RetryPolicy,
     /// Where cumulative counters are kept between runs (`stats.json`), if anywhere.
     pub stats_file: Option<PathBuf>,
@@ -97,6 +100,7 @@ pub struct CacheStats {
     pub bytes_read: u64,
     /// Bytes received from the backend.
     pub bytes_fetched: u64,
+    /// Backend requests, each counted once however many attempts it took.
     pub backend_requests: u64,
     /// Chunks fetched per backend request, summed (divide by `backend_requests`).
     pub coalesced_chunks: u64,
@@ -270,6 +274,8 @@ impl ChunkCache {
         let staging = Arc::new(Staging::new(
             STAGED_WINDOWS.saturating_mul(config.disk_readahead_bytes),
         ));
+        // The cache's requests retry under its own policy, in place of the store's.
+        let store = store.with_retry_policy(config.retry.clone());
         Ok(Self {
             inner: Arc::new(Inner {
                 store,
@@ -994,49 +1000,15 @@ impl Inner {
         }
     }
 
-    /// One ranged backend request with retries; the body must be exactly the range.
+    /// One ranged backend request (retried under the cache's policy); the body must be
+    /// exactly the range.
     async fn request(&self, table: &ChunkTable, span: Range<u64>, chunks: u64) -> Result<Bytes> {
+        add(&self.counters.backend_requests, 1);
+        add(&self.counters.coalesced_chunks, chunks);
         let key = blob_key(&table.blob);
-        let backend = self.store.backend().clone();
-        let name = backend.to_string();
-        let ctx = RetryContext {
-            backend: &name,
-            op: "get",
-            key: &key,
-        };
-        let want = span.end - span.start;
-        self.config
-            .retry
-            .run(ctx, |_| {
-                let backend = backend.clone();
-                let span = span.clone();
-                let key = key.clone();
-                let name = name.clone();
-                async move {
-                    add(&self.counters.backend_requests, 1);
-                    add(&self.counters.coalesced_chunks, chunks);
-                    let body = backend.get_range(&key, span.clone()).await?;
-                    add(&self.counters.bytes_fetched, body.len() as u64);
-                    if body.len() as u64 != want {
-                        // A short body is a transient fault (a cut connection), not corruption.
-                        return Err(Error::Backend {
-                            backend: name,
-                            op: "get",
-                            key,
-                            attempts: 1,
-                            message: format!(
-                                "short read: {} of {want} bytes at {}",
-                                body.len(),
-                                span.start
-                            ),
-                            transient: true,
-                            source: None,
-                        });
-                    }
-                    Ok(body)
-                }
-            })
-            .await
+        let body = self.store.retrying().get_range_exact(&key, span).await?;
+        add(&self.counters.bytes_fetched, body.len() as u64);
+        Ok(body)
     }
 
     /// Keep a fetched chunk that passed verification; refetch one that did not, alone, once.
