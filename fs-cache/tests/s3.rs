@@ -1,12 +1,12 @@
 //! S3-specific behaviour of `S3Backend` against a real S3 server (moto_server on 127.0.0.1, see
 //! `common::moto`): multipart uploads, cleanup after failures, retries through a proxy that
-//! answers 503 (under a `RetryingBackend`, as a store uses S3), not-found mapping, create-only
-//! puts, and URL parsing. The semantics shared with every backend are in the conformance suite
-//! (`tests/backends.rs`).
+//! answers 503 (under a `RetryingBackend`, as a store uses S3: one layer of retries, also
+//! through a store and a chunk cache), not-found mapping, create-only puts, and URL parsing.
+//! The semantics shared with every backend are in the conformance suite (`tests/backends.rs`).
 
 mod common;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -389,6 +389,140 @@ async fn endless_503s_hit_the_deadline_with_a_clear_error() {
         eprintln!("{op}: {msg}");
     }
     assert!(proxy.refused.load(Ordering::SeqCst) > 4);
+}
+
+/// A proxy in front of `upstream` that forwards one request per connection (with
+/// `Connection: close`, so that a switch applies to the very next request) until `refuse` is
+/// set, and then answers every request with `503 SlowDown`, counting them in `refused`.
+struct SwitchProxy {
+    endpoint: String,
+    refuse: Arc<AtomicBool>,
+    refused: Arc<AtomicU64>,
+}
+
+async fn switch_proxy(upstream: &str) -> SwitchProxy {
+    let up = url::Url::parse(upstream).unwrap();
+    let up = format!(
+        "{}:{}",
+        up.host_str().unwrap(),
+        up.port_or_known_default().unwrap()
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    let (refuse, refused) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicU64::new(0)),
+    );
+    let (switch, counter) = (Arc::clone(&refuse), Arc::clone(&refused));
+    tokio::spawn(async move {
+        while let Ok((conn, _)) = listener.accept().await {
+            if switch.load(Ordering::SeqCst) {
+                counter.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(answer_503(conn));
+            } else {
+                tokio::spawn(forward_one(conn, up.clone()));
+            }
+        }
+    });
+    SwitchProxy {
+        endpoint,
+        refuse,
+        refused,
+    }
+}
+
+/// Forward one request without a body (GET, HEAD) to `upstream` with `Connection: close`, and
+/// its answer back.
+async fn forward_one(mut conn: TcpStream, upstream: String) {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 16 * 1024];
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        match conn.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end - 4]).into_owned();
+    let mut request: String = head
+        .split("\r\n")
+        .filter(|l| !l.to_ascii_lowercase().starts_with("connection:"))
+        .map(|l| format!("{l}\r\n"))
+        .collect();
+    request.push_str("Connection: close\r\n\r\n");
+    let Ok(mut up) = TcpStream::connect(&upstream).await else {
+        return;
+    };
+    if up.write_all(request.as_bytes()).await.is_err() {
+        return;
+    }
+    let _ = tokio::io::copy(&mut up, &mut conn).await;
+    let _ = conn.shutdown().await;
+}
+
+/// The double-retry regression end to end: S3 behind a store and behind a chunk cache, every
+/// request answered `503 SlowDown` (transient). Each read makes exactly its policy's attempts
+/// (S3 does not retry underneath), and the error says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn failing_reads_through_the_store_and_the_cache_are_retried_once_over() {
+    use fs_cache::chunk::{CacheConfig, ChunkCache, CHUNK_SIZE};
+    use fs_cache::{ErrorKind, Store};
+
+    let Some(server) = moto::s3_server() else {
+        return;
+    };
+    if !server.endpoint.starts_with("http://") {
+        eprintln!("SKIPPED: the switch proxy needs a plain-http S3 endpoint");
+        return;
+    }
+    let policy = |attempts| RetryPolicy {
+        max_attempts: attempts,
+        initial_backoff: Duration::from_millis(1),
+        max_backoff: Duration::from_millis(5),
+        deadline: Duration::from_secs(60),
+        attempt_timeout: Duration::from_secs(30),
+    };
+    let bucket = moto::new_bucket(server).await;
+    let s3 = |endpoint: String| {
+        let url = format!("s3://{bucket}/r?endpoint={endpoint}&region=us-east-1");
+        async move { open_backend(&url).await.unwrap() }
+    };
+    let direct = Store::new(s3(server.endpoint.clone()).await);
+    let data = random_bytes(4, 3 * CHUNK_SIZE as usize);
+    let blob = direct.put_blob(data).await.unwrap().digest;
+
+    let proxy = switch_proxy(&server.endpoint).await;
+    let store = Store::with_retry(s3(proxy.endpoint.clone()).await, policy(4));
+    let config = CacheConfig {
+        readahead_bytes: 0,
+        retry: policy(3),
+        ..CacheConfig::default()
+    };
+    let cache = ChunkCache::open(store.clone(), config).await.unwrap();
+    cache.register(&blob).await.unwrap();
+    assert_eq!(proxy.refused.load(Ordering::SeqCst), 0);
+    proxy.refuse.store(true, Ordering::SeqCst);
+
+    for (path, attempts) in [("cache", 3), ("store", 4)] {
+        let before = proxy.refused.load(Ordering::SeqCst);
+        let err = match path {
+            "cache" => cache.read(&blob, 10, 100).await.unwrap_err(),
+            _ => store.get_blob(&blob).await.unwrap_err(),
+        };
+        let requests = proxy.refused.load(Ordering::SeqCst) - before;
+        eprintln!("{path}: {requests} requests: {err}");
+        assert_eq!(requests, attempts, "{path}: {err}");
+        assert!(!err.is_transient(), "{path}: {err}");
+        assert_eq!(err.kind(), ErrorKind::Backend, "{path}: {err}");
+        let msg = err.to_string();
+        assert!(
+            msg.contains(&format!("after {attempts} attempt(s)")),
+            "{msg}"
+        );
+        assert!(msg.contains("HTTP 503 SlowDown"), "{msg}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
