@@ -10,6 +10,8 @@
 //! - [`store`]: the content-addressed blob store (blobs named by blake3 digest, immutable).
 //! - [`layer`]: versioned layers `KIND/NAME:VERSION` resolving to JSON manifests.
 //! - [`gc`]: removal of blobs no manifest references, safe against concurrent pushes.
+//! - [`fsutil`]: local files replaced atomically ([`write_atomic`], [`AtomicFile`]), for every
+//!   crate that keeps state or outputs on local disk.
 //!
 //! # Invariants kept across the crate
 //! - A reader never sees a torn object: every backend put is atomic.
@@ -25,6 +27,7 @@
 
 pub mod backend;
 mod error;
+pub mod fsutil;
 pub mod gc;
 pub mod layer;
 pub mod store;
@@ -34,6 +37,7 @@ pub use backend::{
     PutMode, RetryPolicy, RetryingBackend, S3Backend, S3Config,
 };
 pub use error::{BoxError, Error, ErrorKind, Result};
+pub use fsutil::{write_atomic, AtomicFile};
 pub use layer::{BlobRef, LayerKind, LayerRef, Manifest, Pushed};
 pub use store::{Digest, PutBlob, Store};
 pub mod chunk;

@@ -597,7 +597,7 @@ impl ChunkCache {
     }
 
     /// Wait for pending level-2 writes, then persist level 2's recency and the cumulative
-    /// counters.
+    /// counters (the stats file is replaced atomically, [`crate::fsutil::write_atomic`]).
     pub async fn flush(&self) -> Result<()> {
         // Wait for the background writes to level 2 to finish.
         let all = self
@@ -612,13 +612,15 @@ impl ChunkCache {
                 .await
                 .map_err(|e| Error::io("flush", "disk cache", std::io::Error::other(e)))??;
         }
-        if let Some(p) = &self.inner.config.stats_file {
+        if let Some(p) = self.inner.config.stats_file.clone() {
             let mut s = self.stats();
             s.disk = None;
-            let tmp = p.with_extension("json.tmp");
             let body = serde_json::to_vec_pretty(&s).unwrap_or_default();
-            std::fs::write(&tmp, body).map_err(|e| Error::io("write", &tmp, e))?;
-            std::fs::rename(&tmp, p).map_err(|e| Error::io("rename", p, e))?;
+            tokio::task::spawn_blocking(move || {
+                crate::fsutil::write_atomic(&p, &body).map_err(|e| Error::io("write", &p, e))
+            })
+            .await
+            .map_err(|e| Error::io("write", "stats file", std::io::Error::other(e)))??;
         }
         Ok(())
     }
