@@ -4,11 +4,11 @@
 //! [`RawExtent`]s sorted by device offset, then the 128-byte [`RawTrailer`] at the very end.
 
 use std::fmt;
-use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use fs_cache::AtomicFile;
 use zerocopy::little_endian::{U32, U64};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
 
@@ -357,9 +357,10 @@ pub struct SealedInfo {
     pub extent_count: u64,
 }
 
-/// Write a sealed layer at `out` (through a temporary file, fsynced, renamed) from the
-/// segments `segs` (sorted, non-overlapping, inside `device_size`); the bytes of a data segment
-/// come from `read(offset, buf)` at the segment's data offset.
+/// Write a sealed layer at `out` (replaced atomically: a temporary file, fsynced, renamed,
+/// [`fs_cache::AtomicFile`]; on error the temporary file is removed) from the segments `segs`
+/// (sorted, non-overlapping, inside `device_size`); the bytes of a data segment come from
+/// `read(offset, buf)` at the segment's data offset.
 pub(crate) fn write_layer(
     out: &Path,
     parent: LayerId,
@@ -367,45 +368,25 @@ pub(crate) fn write_layer(
     segs: &[Seg],
     mut read: impl FnMut(u64, &mut [u8]) -> Result<()>,
 ) -> Result<SealedInfo> {
-    let dir = out
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = out
-        .file_name()
-        .ok_or_else(|| Error::io("create", out, std::io::Error::other("not a file path")))?;
-    let tmp = dir.join(format!(
-        ".{}.tmp-{}",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    let result = write_layer_to(&tmp, parent, device_size, segs, &mut read);
-    let info = match result {
-        Ok(i) => i,
-        Err(e) => {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(e);
-        }
-    };
-    std::fs::rename(&tmp, out).map_err(|e| Error::io("rename", out, e))?;
-    if let Ok(d) = File::open(dir) {
-        let _ = d.sync_all();
-    }
-    Ok(SealedInfo {
-        path: out.to_owned(),
-        ..info
-    })
+    let mut tmp = AtomicFile::create(out).map_err(|e| Error::io("create", out, e))?;
+    // On an error the temporary file goes with `tmp`.
+    let info = write_layer_to(&mut tmp, parent, device_size, segs, &mut read)?;
+    tmp.commit()
+        .map_err(|e| Error::io("fsync and rename", out, e))?;
+    Ok(info)
 }
 
+/// The layer's bytes into `out`'s temporary file (not yet fsynced: the commit does it).
 fn write_layer_to(
-    tmp: &Path,
+    out: &mut AtomicFile,
     parent: LayerId,
     device_size: u64,
     segs: &[Seg],
     read: &mut dyn FnMut(u64, &mut [u8]) -> Result<()>,
 ) -> Result<SealedInfo> {
-    let file = File::create(tmp).map_err(|e| Error::io("create", tmp, e))?;
-    let mut w = BufWriter::with_capacity(1 << 20, file);
+    let (path, tmp_path) = (out.path().to_owned(), out.temp_path().to_owned());
+    let tmp = tmp_path.as_path();
+    let mut w = BufWriter::with_capacity(1 << 20, out.file_mut());
     let mut h = id_hasher(parent, device_size);
     let mut extents: Vec<RawExtent> = Vec::new();
     let mut file_pos = 0u64;
@@ -492,12 +473,10 @@ fn write_layer_to(
         .map_err(|e| Error::io("write", tmp, e))?;
     w.write_all(t.as_bytes())
         .map_err(|e| Error::io("write", tmp, e))?;
-    let file = w
-        .into_inner()
+    w.into_inner()
         .map_err(|e| Error::io("write", tmp, e.into_error()))?;
-    file.sync_all().map_err(|e| Error::io("fsync", tmp, e))?;
     Ok(SealedInfo {
-        path: tmp.to_owned(),
+        path,
         id,
         parent,
         device_size,
