@@ -27,7 +27,13 @@ use serde::Serialize;
 )]
 struct Cli {
     /// Where blobs and layers live: a path, file:///path, or
-    /// s3://bucket/prefix?endpoint=http://host:port&region=REGION.
+    /// s3://bucket/prefix?endpoint=http://host:port&region=REGION [default: $STRATA_HOME/store].
+    ///
+    /// The node commands (mount, umount, status, warm) use the store of the daemon on
+    /// --run-dir, which serves one store: given here or in STRATA_STORE, the store must be that
+    /// one, else they fail and name both (a path and file:///path are the same store); left to
+    /// the default, they use the daemon's store. When no daemon runs, mount and warm start one
+    /// serving this store.
     #[arg(long, global = true, env = "STRATA_STORE")]
     store: Option<String>,
     /// Machine-readable output (JSON) instead of tables.
@@ -416,17 +422,22 @@ struct LayerRow {
 
 async fn run(cli: Cli) -> Result<()> {
     let home = strata_home()?;
+    let explicit = cli.store.is_some();
     let url = match cli.store {
         Some(s) => s,
         None => home.join("store").to_string_lossy().into_owned(),
     };
+    let node_store = node_cmd::StoreArg {
+        url: url.clone(),
+        explicit,
+    };
     // Commands served by the node daemon do not open the store here.
     let command = match cli.command {
         Command::Daemon(args) => return node_cmd::daemon(args, &url, &cli.cache, &home).await,
-        Command::Mount(args) => return node_cmd::mount(args, &url, &cli.cache, cli.json),
-        Command::Umount(args) => return node_cmd::umount(args, cli.json),
-        Command::Status(args) => return node_cmd::status(args, cli.json),
-        Command::Warm(args) => return node_cmd::warm(args, &url, &cli.cache, cli.json),
+        Command::Mount(args) => return node_cmd::mount(args, &node_store, &cli.cache, cli.json),
+        Command::Umount(args) => return node_cmd::umount(args, &node_store, cli.json),
+        Command::Status(args) => return node_cmd::status(args, &node_store, cli.json),
+        Command::Warm(args) => return node_cmd::warm(args, &node_store, &cli.cache, cli.json),
         other => other,
     };
     let backend = open_backend(&url).await?;

@@ -1,8 +1,14 @@
 //! `strata daemon`, `strata mount`, `strata umount`, `strata status`: the node daemon and
-//! the commands that talk to it over its socket (`<run-dir>/strata.sock`). `mount` starts the
-//! daemon when none is running (same store, cache options and run directory).
+//! the commands that talk to it over its socket (`<run-dir>/strata.sock`). `mount` and `warm`
+//! start the daemon when none is running (same store, cache options and run directory); many
+//! commands doing so at once start one daemon (`<run-dir>/start.lock`) and all use it.
+//!
+//! One daemon serves one store. A command given a store (`--store`, `STRATA_STORE`) refuses a
+//! daemon serving another, naming both; a command left with the default store uses the
+//! daemon's.
 
 use std::io::Read;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -19,7 +25,8 @@ use crate::cache_cmd::CacheOpts;
 /// Where the daemon keeps its socket, state and mounts.
 #[derive(clap::Args, Debug, Clone)]
 pub struct NodeOpts {
-    /// The daemon's run directory (socket, state, FUSE and layer mounts).
+    /// The daemon's run directory (socket, state, FUSE and layer mounts). One daemon runs on
+    /// a run directory and serves one store: another store needs a run directory of its own.
     #[arg(long, env = "STRATA_RUN_DIR", default_value = "/run/strata")]
     pub run_dir: PathBuf,
 }
@@ -105,6 +112,22 @@ fn explain(e: ApiError) -> anyhow::Error {
     anyhow!("{}{hint}", e.message)
 }
 
+/// [`explain`], and where a layer was not found in a store the command did not name, which
+/// store the daemon looked in.
+fn explain_in(e: ApiError, pong: &Pong, store: &StoreArg) -> anyhow::Error {
+    if e.kind == ErrorKind::UnknownLayer && !store.explicit && !same_store(&pong.store, &store.url)
+    {
+        return anyhow!(
+            "{} (see `strata --store {} layer ls`: the strata daemon on {} serves that store, not the default {})",
+            e.message,
+            pong.store,
+            pong.run_dir.display(),
+            absolute_url(&store.url)
+        );
+    }
+    explain(e)
+}
+
 /// `strata daemon`: run the node in the foreground until SIGTERM/SIGINT.
 pub async fn daemon(args: DaemonArgs, url: &str, cache: &CacheOpts, home: &Path) -> Result<()> {
     let url = absolute_url(url);
@@ -187,52 +210,374 @@ fn connect(node: &NodeOpts) -> Result<Option<Client>> {
     }
 }
 
-fn same_store(a: &str, b: &str) -> bool {
-    let canon = |u: &str| {
-        if u.contains("://") {
-            u.to_owned()
-        } else {
-            std::fs::canonicalize(u)
-                .map(|p| p.to_string_lossy().into_owned())
-                .unwrap_or_else(|_| u.to_owned())
-        }
+/// The daemon's client and its `ping` answer, if one answers on `node.run_dir`; a daemon
+/// that is shutting down counts as not answering. With `timeout`, so does one that accepts
+/// the connection but does not answer within it (still starting, or stopping) or drops it;
+/// without, those are errors.
+fn ping(node: &NodeOpts, timeout: Option<Duration>) -> Result<Option<(Client, Pong)>> {
+    let Some(mut c) = connect(node)? else {
+        return Ok(None);
     };
-    canon(a) == canon(b)
+    if let Some(t) = timeout {
+        c.set_read_timeout(Some(t.max(Duration::from_millis(1))))
+            .context("talking to the strata daemon")?;
+    }
+    match c.call::<Pong>(Request::Ping) {
+        Ok(pong) => {
+            if timeout.is_some() {
+                c.set_read_timeout(Some(CALL_TIMEOUT))
+                    .context("talking to the strata daemon")?;
+            }
+            Ok(Some((c, pong)))
+        }
+        Err(e)
+            if e.kind == ErrorKind::ShuttingDown
+                || (timeout.is_some() && e.kind == ErrorKind::Internal) =>
+        {
+            Ok(None)
+        }
+        Err(e) => Err(explain(e)),
+    }
+}
+
+/// How long a request may take once sent (what `Client::connect` sets).
+const CALL_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// How long a command waits for a daemon being started (by it or by anyone else) to answer.
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The store a command names, and whether the user named it (`--store` or `STRATA_STORE`)
+/// or it is the default (`$STRATA_HOME/store`).
+#[derive(Debug, Clone)]
+pub struct StoreArg {
+    pub url: String,
+    pub explicit: bool,
+}
+
+/// Undo `%XX` escapes; `None` if one is malformed or the result is not UTF-8.
+fn percent_decode(s: &str) -> Option<String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = s.get(i + 1..i + 3)?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// A path as the store opened at it sees it: absolute, `.` and trailing slashes gone,
+/// symlinks resolved as far as it exists.
+fn normal_path(p: &Path) -> PathBuf {
+    use std::path::Component;
+    let abs = std::path::absolute(p).unwrap_or_else(|_| p.to_owned());
+    if let Ok(real) = std::fs::canonicalize(&abs) {
+        return real;
+    }
+    let mut lexical = PathBuf::new();
+    for c in abs.components() {
+        match c {
+            Component::CurDir => {}
+            Component::ParentDir => {
+                lexical.pop();
+            }
+            other => lexical.push(other),
+        }
+    }
+    // The longest existing ancestor, canonicalised, and the rest as written.
+    let mut rest = Vec::new();
+    let mut at = lexical.as_path();
+    loop {
+        if let Ok(real) = std::fs::canonicalize(at) {
+            return rest.iter().rev().fold(real, |p, c| p.join(c));
+        }
+        match (at.parent(), at.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_owned());
+                at = parent;
+            }
+            _ => return lexical,
+        }
+    }
+}
+
+/// One spelling per store, for comparing the URL a command was given with the one a daemon
+/// serves: a path and `file:///path` (or `file://localhost/path`) are the same directory;
+/// `s3://` URLs are the same store when bucket, prefix and endpoint agree (region, profile
+/// and path style do not change which objects they name). Anything else, or a URL that does
+/// not parse, compares as written.
+fn store_identity(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return format!("file://{}", normal_path(Path::new(url)).display());
+    };
+    match scheme {
+        "file" => {
+            let path = rest.strip_prefix("localhost").unwrap_or(rest);
+            let path = path.split(['?', '#']).next().unwrap_or(path);
+            match percent_decode(path) {
+                Some(p) if p.starts_with('/') => {
+                    format!("file://{}", normal_path(Path::new(&p)).display())
+                }
+                _ => url.to_owned(),
+            }
+        }
+        "s3" => {
+            let (location, query) = rest.split_once('?').unwrap_or((rest, ""));
+            let (bucket, prefix) = location.split_once('/').unwrap_or((location, ""));
+            let Some(prefix) = percent_decode(prefix) else {
+                return url.to_owned();
+            };
+            let prefix = prefix.trim_matches('/');
+            let mut endpoint = String::new();
+            for pair in query.split('&') {
+                if let Some(("endpoint", v)) = pair.split_once('=') {
+                    let Some(v) = percent_decode(&v.replace('+', " ")) else {
+                        return url.to_owned();
+                    };
+                    endpoint = v.trim_end_matches('/').to_owned();
+                }
+            }
+            format!("s3://{bucket}/{prefix}?endpoint={endpoint}")
+        }
+        _ => url.to_owned(),
+    }
+}
+
+fn same_store(a: &str, b: &str) -> bool {
+    a == b || store_identity(a) == store_identity(b)
+}
+
+/// One daemon serves one store: a command given a store explicitly refuses a daemon that
+/// serves another. A command left with the default store uses whatever the daemon serves.
+fn check_store(node: &NodeOpts, pong: &Pong, store: &StoreArg) -> Result<()> {
+    if !store.explicit || same_store(&pong.store, &store.url) {
+        return Ok(());
+    }
+    bail!(
+        "the strata daemon on {} (pid {}) serves store {}, not {}: one daemon serves one store; \
+         use that store, or give this one a daemon of its own with --run-dir DIR (or STRATA_RUN_DIR)",
+        node.run_dir.display(),
+        pong.pid,
+        pong.store,
+        absolute_url(&store.url)
+    )
+}
+
+/// The running daemon, checked against `store`; `Ok(None)` if none runs.
+fn connect_running(node: &NodeOpts, store: &StoreArg) -> Result<Option<(Client, Pong)>> {
+    let Some((c, pong)) = ping(node, None)? else {
+        return Ok(None);
+    };
+    check_store(node, &pong, store)?;
+    Ok(Some((c, pong)))
+}
+
+/// The pid holding the run directory's lock (`strata.pid`, flocked by a running or starting
+/// daemon), read from `/proc/locks` without touching the lock; `None` if no one holds it (or
+/// it cannot be told).
+fn run_dir_lock_holder(run_dir: &Path) -> Option<i64> {
+    let path = run_dir.join("strata.pid");
+    let st = rustix::fs::stat(&path).ok()?;
+    let dev = format!(
+        "{:02x}:{:02x}:{}",
+        rustix::fs::major(st.st_dev),
+        rustix::fs::minor(st.st_dev),
+        st.st_ino
+    );
+    let ino = format!(":{}", st.st_ino);
+    let written: Option<i64> = std::fs::read_to_string(&path)
+        .ok()
+        .and_then(|s| s.trim().parse().ok());
+    let locks = std::fs::read_to_string("/proc/locks").ok()?;
+    locks.lines().find_map(|line| {
+        // "3: FLOCK  ADVISORY  WRITE 4242 00:1a:12345 0 EOF"; a waiter's line has "->"
+        // after the number.
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 6 || f[1] != "FLOCK" {
+            return None;
+        }
+        let pid: Option<i64> = f[4].parse().ok();
+        // Where stat(2) and the lock table name the device differently (btrfs subvolumes,
+        // overlayfs), the inode and the pid the daemon wrote must agree.
+        let ours = f[5] == dev || (f[5].ends_with(&ino) && pid.is_some() && pid == written);
+        ours.then(|| pid.unwrap_or(0))
+    })
+}
+
+/// The last non-empty line a daemon wrote to its log since `from`.
+fn log_tail(log_path: &Path, from: u64) -> String {
+    use std::io::Seek;
+    let mut bytes = Vec::new();
+    if let Ok(mut f) = std::fs::File::open(log_path) {
+        let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+        if f.seek(std::io::SeekFrom::Start(
+            from.max(len.saturating_sub(64 << 10)),
+        ))
+        .is_ok()
+        {
+            let _ = f.read_to_end(&mut bytes);
+        }
+    }
+    let text = String::from_utf8_lossy(&bytes);
+    text.lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("")
+        .trim_start_matches("strata: ")
+        .to_owned()
 }
 
 /// A client of the daemon on `node.run_dir`, started (detached, logging to
-/// `<run-dir>/daemon.log`) if none runs; the daemon must serve the store `url`.
-fn connect_or_start(node: &NodeOpts, url: &str, cache: &CacheOpts) -> Result<Client> {
-    let url = absolute_url(url);
-    if let Some(mut c) = connect(node)? {
-        let pong: Pong = c.call(Request::Ping).map_err(explain)?;
-        if !same_store(&pong.store, &url) {
-            bail!(
-                "the strata daemon on {} (pid {}) serves store {}, not {url}; stop it or use another --run-dir",
-                node.run_dir.display(),
-                pong.pid,
-                pong.store
-            );
-        }
-        return Ok(c);
+/// `<run-dir>/daemon.log`) if none runs.
+///
+/// Many commands may find no daemon at once: they take `<run-dir>/start.lock` in turn, and
+/// only the holder starts one; the others use it as soon as it answers. A daemon that is
+/// starting (or stopping) without a client's help holds the run directory's lock: it is
+/// waited for, not raced. Everything is bounded by [`START_TIMEOUT`].
+fn connect_or_start(
+    node: &NodeOpts,
+    store: &StoreArg,
+    cache: &CacheOpts,
+) -> Result<(Client, Pong)> {
+    if let Some(found) = connect_running(node, store)? {
+        return Ok(found);
     }
     if !rustix::process::geteuid().is_root() {
         bail!("no strata daemon is running and only root can start one (it mounts filesystems); run as root");
     }
-    std::fs::create_dir_all(&node.run_dir)
+    let deadline = Instant::now() + START_TIMEOUT;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&node.run_dir)
         .with_context(|| format!("create {}", node.run_dir.display()))?;
     let log_path = node.run_dir.join("daemon.log");
+    let lock_path = node.run_dir.join("start.lock");
+    let lock = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(&lock_path)
+        .with_context(|| format!("open {}", lock_path.display()))?;
+    loop {
+        match rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => break,
+            Err(rustix::io::Errno::WOULDBLOCK) | Err(rustix::io::Errno::INTR) => {}
+            Err(e) => bail!("lock {}: {e}", lock_path.display()),
+        }
+        // Another command is starting the daemon: use it as soon as it answers.
+        if let Some((c, pong)) = ping(
+            node,
+            Some(deadline.saturating_duration_since(Instant::now())),
+        )? {
+            check_store(node, &pong, store)?;
+            return Ok((c, pong));
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "another strata command has been starting the daemon on {} for {} s and it does not answer on {}; see {}",
+                node.run_dir.display(),
+                START_TIMEOUT.as_secs(),
+                socket(node).display(),
+                log_path.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Held until this returns (the file closes): no other command starts a daemon meanwhile.
+    let (c, pong) = start_locked(node, store, cache, &log_path, deadline)?;
+    drop(lock);
+    check_store(node, &pong, store)?;
+    Ok((c, pong))
+}
+
+/// [`connect_or_start`] with the start lock held: ping; if nothing answers and no daemon holds
+/// the run directory, start one; wait for whichever daemon that is to answer.
+fn start_locked(
+    node: &NodeOpts,
+    store: &StoreArg,
+    cache: &CacheOpts,
+    log_path: &Path,
+    deadline: Instant,
+) -> Result<(Client, Pong)> {
+    let mut child: Option<(std::process::Child, u64)> = None;
+    let mut spawned = 0;
+    let mut waited_for: Option<i64> = None;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if let Some(found) = ping(node, Some(left))? {
+            return Ok(found);
+        }
+        if let Some((c, from)) = &mut child {
+            if let Some(status) = c.try_wait().context("wait for the strata daemon")? {
+                let said = log_tail(log_path, *from);
+                child = None;
+                match run_dir_lock_holder(&node.run_dir) {
+                    // Lost the run directory to a daemon started otherwise: wait for it.
+                    Some(pid) => waited_for = Some(pid),
+                    // The same, where the lock table cannot tell (the daemon says so).
+                    None if said.contains("another strata daemon") => {}
+                    None => bail!("the strata daemon did not start ({status}): {said}"),
+                }
+            }
+        }
+        if Instant::now() > deadline {
+            let (sock, secs, log) = (socket(node), START_TIMEOUT.as_secs(), log_path.display());
+            let sock = sock.display();
+            match (&child, waited_for) {
+                (Some((c, _)), _) => bail!(
+                    "the strata daemon this command started (pid {}) did not answer on {sock} within {secs} s; see {log}",
+                    c.id()
+                ),
+                (None, Some(pid)) => bail!(
+                    "the strata daemon holding {} (pid {pid}) did not answer on {sock} within {secs} s (if a strata command started it, see {log})",
+                    node.run_dir.join("strata.pid").display()
+                ),
+                (None, None) => bail!("no strata daemon answered on {sock} within {secs} s; see {log}"),
+            }
+        }
+        if child.is_none() {
+            match run_dir_lock_holder(&node.run_dir) {
+                Some(pid) => waited_for = Some(pid),
+                // Bounded: a daemon that took the run directory and went away again, twice.
+                None if spawned < 3 => {
+                    child = Some(spawn_daemon(node, store, cache, log_path)?);
+                    spawned += 1;
+                }
+                None => {}
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Start `strata daemon` detached, with this command's store, cache options and run
+/// directory, its output appended to `log_path`; the child and where its output starts.
+fn spawn_daemon(
+    node: &NodeOpts,
+    store: &StoreArg,
+    cache: &CacheOpts,
+    log_path: &Path,
+) -> Result<(std::process::Child, u64)> {
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
-        .open(&log_path)
+        .open(log_path)
         .with_context(|| format!("open {}", log_path.display()))?;
     let log_start = log.metadata().map(|m| m.len()).unwrap_or(0);
     let exe = std::env::current_exe().context("find the strata executable")?;
     let mut cmd = std::process::Command::new(exe);
-    cmd.arg("--store").arg(&url);
+    cmd.arg("--store").arg(absolute_url(&store.url));
     if let Some(d) = &cache.cache_dir {
-        cmd.arg("--cache-dir").arg(std::path::absolute(d)?);
+        cmd.arg("--cache-dir").arg(absolute(d)?);
     }
     cmd.arg("--cache-memory")
         .arg(cache.cache_memory.to_string())
@@ -240,47 +585,14 @@ fn connect_or_start(node: &NodeOpts, url: &str, cache: &CacheOpts) -> Result<Cli
         .arg(cache.cache_disk.to_string())
         .arg("daemon")
         .arg("--run-dir")
-        .arg(std::path::absolute(&node.run_dir)?)
+        .arg(absolute(&node.run_dir)?)
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
         // Its own process group: a Ctrl-C meant for this command does not stop the daemon.
         .process_group(0);
-    let mut child = cmd.spawn().context("start the strata daemon")?;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Some(mut c) = connect(node)? {
-            if c.call::<Pong>(Request::Ping).is_ok() {
-                return Ok(c);
-            }
-        }
-        if let Some(status) = child.try_wait()? {
-            let mut text = String::new();
-            if let Ok(mut f) = std::fs::File::open(&log_path) {
-                use std::io::Seek;
-                let _ = f.seek(std::io::SeekFrom::Start(log_start));
-                let _ = f.take(4096).read_to_string(&mut text);
-            }
-            let last = text
-                .lines()
-                .rev()
-                .find(|l| !l.trim().is_empty())
-                .unwrap_or("");
-            bail!(
-                "the strata daemon did not start ({status}): {}",
-                last.trim_start_matches("strata: ")
-            );
-        }
-        if Instant::now() > deadline {
-            bail!(
-                "the strata daemon (pid {}) did not answer on {} within 60 s; see {}",
-                child.id(),
-                socket(node).display(),
-                log_path.display()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let child = cmd.spawn().context("start the strata daemon")?;
+    Ok((child, log_start))
 }
 
 fn absolute(p: &Path) -> Result<PathBuf> {
@@ -288,17 +600,19 @@ fn absolute(p: &Path) -> Result<PathBuf> {
 }
 
 /// `strata mount REF... MOUNTPOINT`.
-pub fn mount(args: MountArgs, url: &str, cache: &CacheOpts, json: bool) -> Result<()> {
+pub fn mount(args: MountArgs, store: &StoreArg, cache: &CacheOpts, json: bool) -> Result<()> {
     let mountpoint = absolute(&args.mountpoint)?;
-    let mut client = connect_or_start(&args.node, url, cache)?;
+    let upper = args.upper.as_deref().map(absolute).transpose()?;
+    let work = args.work.as_deref().map(absolute).transpose()?;
+    let (mut client, pong) = connect_or_start(&args.node, store, cache)?;
     let info: MountInfo = client
         .call(Request::Mount {
             layers: args.layers,
             mountpoint,
-            upper: args.upper.as_deref().map(absolute).transpose()?,
-            work: args.work.as_deref().map(absolute).transpose()?,
+            upper,
+            work,
         })
-        .map_err(explain)?;
+        .map_err(|e| explain_in(e, &pong, store))?;
     if json {
         crate::print_json(&info)
     } else {
@@ -308,15 +622,17 @@ pub fn mount(args: MountArgs, url: &str, cache: &CacheOpts, json: bool) -> Resul
 }
 
 /// `strata warm REF...`.
-pub fn warm(args: WarmArgs, url: &str, cache: &CacheOpts, json: bool) -> Result<()> {
-    let mut client = connect_or_start(&args.node, url, cache)?;
+pub fn warm(args: WarmArgs, store: &StoreArg, cache: &CacheOpts, json: bool) -> Result<()> {
+    let (mut client, pong) = connect_or_start(&args.node, store, cache)?;
     // A large layer over a slow backend takes as long as it takes.
     client
         .set_read_timeout(None)
         .context("talking to the strata daemon")?;
     let mut all = Vec::new();
     for layer in args.layers {
-        let info: WarmInfo = client.call(Request::Warm { layer }).map_err(explain)?;
+        let info: WarmInfo = client
+            .call(Request::Warm { layer })
+            .map_err(|e| explain_in(e, &pong, store))?;
         if !json {
             let why = info.no_passthrough_because.as_deref().unwrap_or("");
             let next = match (info.mounted, info.passthrough_next) {
@@ -352,8 +668,8 @@ pub fn warm(args: WarmArgs, url: &str, cache: &CacheOpts, json: bool) -> Result<
 }
 
 /// `strata umount MOUNTPOINT`.
-pub fn umount(args: UmountArgs, json: bool) -> Result<()> {
-    let Some(mut client) = connect(&args.node)? else {
+pub fn umount(args: UmountArgs, store: &StoreArg, json: bool) -> Result<()> {
+    let Some((mut client, _)) = connect_running(&args.node, store)? else {
         bail!(
             "no strata daemon runs on {}, so {} is not a strata mount",
             args.node.run_dir.display(),
@@ -374,8 +690,8 @@ pub fn umount(args: UmountArgs, json: bool) -> Result<()> {
 }
 
 /// `strata status`.
-pub fn status(args: StatusArgs, json: bool) -> Result<()> {
-    let Some(mut client) = connect(&args.node)? else {
+pub fn status(args: StatusArgs, store: &StoreArg, json: bool) -> Result<()> {
+    let Some((mut client, _)) = connect_running(&args.node, store)? else {
         if json {
             return crate::print_json(&serde_json::json!({"running": false}));
         }
@@ -436,4 +752,77 @@ pub fn running_daemon_cache_stats() -> Option<fs_cache::chunk::CacheStats> {
     let node = NodeOpts::from_env().ok()?;
     let mut client = connect(&node).ok()??;
     client.call::<Status>(Request::Stats).ok().map(|s| s.cache)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_spelling_per_store() {
+        let tmp = tempfile::tempdir().unwrap();
+        let real = tmp.path().join("store");
+        std::fs::create_dir(&real).unwrap();
+        std::os::unix::fs::symlink(&real, tmp.path().join("link")).unwrap();
+        let r = real.to_str().unwrap();
+        let t = tmp.path().to_str().unwrap();
+        let same = [
+            format!("{r}/"),
+            format!("{r}//"),
+            format!("file://{r}"),
+            format!("file://localhost{r}/"),
+            format!("file://{t}/st%6Fre"),
+            format!("{t}/link"),
+            format!("{t}/./store/../store"),
+            format!("{t}/link/sub/.."),
+        ];
+        for s in &same {
+            assert!(same_store(r, s), "{r} vs {s}");
+            assert!(same_store(s, r), "{s} vs {r}");
+        }
+        // Not created yet: compared as written, made absolute and lexically clean.
+        assert!(same_store(&format!("{t}/new/"), &format!("file://{t}/new")));
+        assert!(same_store(&format!("{t}/link/new"), &format!("{r}/new")));
+        for other in [
+            format!("{t}/other"),
+            format!("{r}/sub"),
+            format!("file://{t}"),
+            "memory://".to_owned(),
+            "s3://bucket/store".to_owned(),
+        ] {
+            assert!(!same_store(r, &other), "{r} vs {other}");
+        }
+
+        let s3 = "s3://bkt/pre/fix?endpoint=http://127.0.0.1:9000&region=us-east-1";
+        for s in [
+            "s3://bkt/pre/fix/?endpoint=http://127.0.0.1:9000/",
+            "s3://bkt/pre/fix?region=eu-west-1&endpoint=http%3A%2F%2F127.0.0.1%3A9000",
+            "s3://bkt/pre%2Ffix?endpoint=http://127.0.0.1:9000&path_style=true",
+        ] {
+            assert!(same_store(s3, s), "{s3} vs {s}");
+        }
+        for s in [
+            "s3://bkt/pre?endpoint=http://127.0.0.1:9000",
+            "s3://other/pre/fix?endpoint=http://127.0.0.1:9000",
+            "s3://bkt/pre/fix?endpoint=http://127.0.0.1:9001",
+            "s3://bkt/pre/fix",
+            "file:///bkt/pre/fix",
+        ] {
+            assert!(!same_store(s3, s), "{s3} vs {s}");
+        }
+        assert!(same_store("s3://bkt", "s3://bkt/"));
+        // Malformed URLs compare as written, without a panic.
+        for bad in [
+            "file://%zz",
+            "s3://b/%",
+            "file://",
+            "s3://",
+            "x://y",
+            "%",
+            "",
+        ] {
+            let _ = store_identity(bad);
+            assert!(same_store(bad, bad));
+        }
+    }
 }

@@ -723,3 +723,297 @@ fn tar_input_from_a_file_and_stdin_and_chunk_size_checks() {
     assert!(!refused.status.success());
     assert!(!out.exists());
 }
+
+/// What is mounted from `run_dir` or at a path under `under`.
+fn mounted_from(run_dir: &Path, under: &Path) -> Vec<String> {
+    ublk_daemon::node::sys::mounts()
+        .unwrap()
+        .into_iter()
+        .filter(|m| ublk_daemon::node::sys::is_ours(m, run_dir) || m.mount_point.starts_with(under))
+        .map(|m| format!("{} {}", m.fstype, m.mount_point.display()))
+        .collect()
+}
+
+/// A small layer `base/conc:1` in `store`, built with `strata layer build`.
+fn build_small_layer(tmp: &Path, home: &Path, store: &Path, name: &str) {
+    let src = tmp.join(format!("src-{}", name.replace(['/', ':'], "-")));
+    std::fs::create_dir_all(src.join("etc")).unwrap();
+    std::fs::write(src.join("etc/hostname"), b"sandbox\n").unwrap();
+    std::fs::write(src.join("data.bin"), vec![5u8; 300_000]).unwrap();
+    ok(strata_cmd(home, store)
+        .args(["layer", "build", src.to_str().unwrap(), "--name", name])
+        .output()
+        .unwrap());
+}
+
+/// Stop the daemon on the guard's run directory with SIGTERM (it unmounts everything) and
+/// wait for it to exit.
+fn stop_daemon(guard: &DaemonGuard) {
+    let pid = guard.pid().expect("a running daemon");
+    DaemonGuard::signal(pid, rustix::process::Signal::TERM);
+    wait_gone(pid);
+}
+
+#[test]
+fn concurrent_first_mounts_start_one_daemon() {
+    if !require_root("concurrent_first_mounts_start_one_daemon") {
+        return;
+    }
+    const N: usize = 64;
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let home = tmp.path().join("home");
+    let run_dir = tmp.path().join("run");
+    let mnt = tmp.path().join("mnt");
+    let mountpoints: Vec<_> = (0..N).map(|i| mnt.join(i.to_string())).collect();
+    let guard = DaemonGuard {
+        run_dir: run_dir.clone(),
+        child: None,
+        mountpoints: mountpoints.clone(),
+    };
+    for m in &mountpoints {
+        std::fs::create_dir_all(m).unwrap();
+    }
+    build_small_layer(tmp.path(), &home, &store, "base/conc:1");
+    let cmd = || {
+        let mut c = strata_cmd(&home, &store);
+        c.env("STRATA_RUN_DIR", &run_dir);
+        c
+    };
+    let upper = |round: &str, i: usize| tmp.path().join(format!("up/{round}-{i}"));
+    let mount = |round: &str, i: usize| {
+        cmd()
+            .args(["mount", "base/conc:1"])
+            .arg(&mountpoints[i])
+            .arg("--upper")
+            .arg(upper(round, i))
+            .output()
+            .unwrap()
+    };
+    let umount_all = || {
+        let children: Vec<_> = mountpoints
+            .iter()
+            .map(|m| {
+                cmd()
+                    .arg("umount")
+                    .arg(m)
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        for c in children {
+            ok(c.wait_with_output().unwrap());
+        }
+    };
+    assert_eq!(
+        json(cmd().args(["--json", "status"]).output().unwrap())["running"],
+        false
+    );
+
+    // 64 first uses at once, no daemon running: one daemon starts, every mount succeeds.
+    let children: Vec<_> = (0..N)
+        .map(|i| {
+            cmd()
+                .args(["mount", "base/conc:1"])
+                .arg(&mountpoints[i])
+                .arg("--upper")
+                .arg(upper("first", i))
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outputs: Vec<_> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
+    let failed: Vec<String> = outputs
+        .iter()
+        .enumerate()
+        .filter(|(_, o)| !o.status.success())
+        .map(|(i, o)| format!("{i}: {}", String::from_utf8_lossy(&o.stderr).trim()))
+        .collect();
+    assert!(
+        failed.is_empty(),
+        "{} of {N} failed:\n{}",
+        failed.len(),
+        failed.join("\n")
+    );
+    let log = std::fs::read_to_string(run_dir.join("daemon.log")).unwrap();
+    assert_eq!(
+        log.matches("strata daemon: pid").count(),
+        1,
+        "exactly one daemon started: {log}"
+    );
+    assert!(
+        !log.contains("another strata daemon"),
+        "no daemon lost a race: {log}"
+    );
+    for (i, m) in mountpoints.iter().enumerate() {
+        assert_eq!(std::fs::read(m.join("etc/hostname")).unwrap(), b"sandbox\n");
+        std::fs::write(m.join("mine"), i.to_string()).unwrap();
+        assert_eq!(
+            std::fs::read(upper("first", i).join("mine")).unwrap(),
+            i.to_string().as_bytes()
+        );
+    }
+    let status = json(cmd().args(["--json", "status"]).output().unwrap());
+    assert_eq!(status["mounts"].as_array().unwrap().len(), N, "{status}");
+    assert_eq!(status["layers"].as_array().unwrap().len(), 1, "{status}");
+    umount_all();
+    let status = json(cmd().args(["--json", "status"]).output().unwrap());
+    assert_eq!(status["mounts"].as_array().unwrap().len(), 0, "{status}");
+
+    // Mounts per second with the daemon running, for 1, 8 and 64 clients at once; 64 mounts
+    // each round (every client mounts its share one after another). Printed, not asserted.
+    for clients in [1, 8, N] {
+        let round = format!("c{clients}");
+        let started = std::time::Instant::now();
+        std::thread::scope(|s| {
+            let workers: Vec<_> = (0..clients)
+                .map(|c| {
+                    let (round, mount) = (&round, &mount);
+                    s.spawn(move || {
+                        (c..N)
+                            .step_by(clients)
+                            .map(|i| mount(round, i))
+                            .filter(|o| !o.status.success())
+                            .map(|o| String::from_utf8_lossy(&o.stderr).into_owned())
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            let failed: Vec<String> = workers
+                .into_iter()
+                .flat_map(|w| w.join().unwrap())
+                .collect();
+            assert!(failed.is_empty(), "{clients} clients: {failed:?}");
+        });
+        let seconds = started.elapsed().as_secs_f64();
+        println!(
+            "strata mount --upper, daemon running, {clients:>2} concurrent clients: {N} mounts in {seconds:.2} s, {:.1} mounts/s",
+            N as f64 / seconds
+        );
+        umount_all();
+    }
+
+    // Stopped: nothing of it stays mounted.
+    stop_daemon(&guard);
+    assert_eq!(mounted_from(&run_dir, tmp.path()), Vec::<String>::new());
+    assert!(!run_dir.join("strata.sock").exists());
+}
+
+#[test]
+fn a_daemon_serves_one_store_and_says_so() {
+    if !require_root("a_daemon_serves_one_store_and_says_so") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let other = tmp.path().join("other");
+    let home = tmp.path().join("home");
+    let run_dir = tmp.path().join("run");
+    let (mp, mp2) = (tmp.path().join("mnt"), tmp.path().join("mnt2"));
+    let guard = DaemonGuard {
+        run_dir: run_dir.clone(),
+        child: None,
+        mountpoints: vec![mp.clone(), mp2.clone()],
+    };
+    std::fs::create_dir(&mp).unwrap();
+    std::fs::create_dir(&mp2).unwrap();
+    build_small_layer(tmp.path(), &home, &store, "base/one:1");
+    build_small_layer(tmp.path(), &home, &other, "base/one:1");
+    // `--store S` (or none, with `None`) on the test's run directory.
+    let run = |store: Option<&str>, args: &[&str]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_strata"));
+        c.env("STRATA_HOME", &home)
+            .env("STRATA_RUN_DIR", &run_dir)
+            .env_remove("STRATA_STORE");
+        if let Some(s) = store {
+            c.args(["--store", s]);
+        }
+        c.args(args).output().unwrap()
+    };
+    let s = store.to_str().unwrap();
+    let o = other.to_str().unwrap();
+    let one_line_error = |out: Output| {
+        assert!(
+            !out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+        err
+    };
+    ok(run(Some(s), &["mount", "base/one:1", mp.to_str().unwrap()]));
+
+    // Another store: refused by every command that talks to the daemon, naming both stores,
+    // the run directory and how to pick another.
+    for args in [
+        &["mount", "base/one:1", mp2.to_str().unwrap()][..],
+        &["warm", "base/one:1"],
+        &["status"],
+        &["umount", mp.to_str().unwrap()],
+    ] {
+        let err = one_line_error(run(Some(o), args));
+        for want in [
+            format!("serves store {s}, not {o}"),
+            format!("daemon on {}", run_dir.display()),
+            "--run-dir".to_owned(),
+        ] {
+            assert!(err.contains(&want), "{args:?}: {want:?} not in {err}");
+        }
+    }
+    // STRATA_STORE names a store as explicitly as --store does.
+    let mut c = Command::new(env!("CARGO_BIN_EXE_strata"));
+    c.env("STRATA_HOME", &home)
+        .env("STRATA_RUN_DIR", &run_dir)
+        .env("STRATA_STORE", &other)
+        .args(["mount", "base/one:1", mp2.to_str().unwrap()]);
+    assert!(one_line_error(c.output().unwrap()).contains(&format!("not {o}")));
+    assert!(
+        std::fs::read_dir(&mp2).unwrap().next().is_none(),
+        "nothing mounted"
+    );
+    let status = json(run(Some(s), &["--json", "status"]));
+    assert_eq!(status["mounts"].as_array().unwrap().len(), 1, "{status}");
+
+    // The same store spelled another way is the same store.
+    let spellings = [
+        format!("file://{s}"),
+        format!("file://localhost{s}/"),
+        format!("{s}/"),
+        format!("{s}/./"),
+        format!("{}/home/../store", tmp.path().display()),
+    ];
+    for spelling in &spellings {
+        let status = json(run(Some(spelling), &["--json", "status"]));
+        assert_eq!(status["running"], true, "{spelling}: {status}");
+    }
+    ok(run(
+        Some(&spellings[0]),
+        &["mount", "base/one:1", mp2.to_str().unwrap()],
+    ));
+    ok(run(Some(&spellings[2]), &["umount", mp2.to_str().unwrap()]));
+
+    // No store given (the default, $STRATA_HOME/store, is neither): the daemon's store is
+    // used, and a layer it lacks is reported with the store it looked in.
+    assert_eq!(json(run(None, &["--json", "status"]))["running"], true);
+    ok(run(None, &["mount", "base/one:1", mp2.to_str().unwrap()]));
+    ok(run(None, &["umount", mp2.to_str().unwrap()]));
+    let err = one_line_error(run(None, &["mount", "base/nope:1", mp2.to_str().unwrap()]));
+    assert!(
+        err.contains("layer not found: base/nope:1")
+            && err.contains("serves that store")
+            && err.contains(s),
+        "{err}"
+    );
+
+    ok(run(Some(s), &["umount", mp.to_str().unwrap()]));
+    stop_daemon(&guard);
+    assert_eq!(mounted_from(&run_dir, tmp.path()), Vec::<String>::new());
+}
