@@ -344,7 +344,7 @@ fn main() {
         cfg.direct_io = direct_io;
         cfg.passthrough = pt;
         cfg.threads = threads;
-        BlobFs::mount(cfg, cache.clone(), rt.handle().clone()).expect("mount BlobFs")
+        BlobFs::mount(cfg, cache.clone(), rt.handle().clone(), None).expect("mount BlobFs")
     };
     let fs = mount_blobfs("blobs", &cache, true, false);
     let blob_file = rt.block_on(fs.add_blob(put.digest)).expect("add blob");

@@ -243,7 +243,12 @@ impl BlobFs {
             file_root: false,
             read_only: true,
         };
-        fusemount::mount_fuse(&mountpoint, std::os::fd::AsRawFd::as_raw_fd(&dev), cfg.max_read, how)?;
+        fusemount::mount_fuse(
+            &mountpoint,
+            std::os::fd::AsRawFd::as_raw_fd(&dev),
+            cfg.max_read,
+            how,
+        )?;
         // From here on, a failure must not leave the mount (nor the holder's entry) behind.
         let undo = |e: Error| {
             let _ = umount(&mountpoint, rustix::mount::UnmountFlags::DETACH);
@@ -258,22 +263,24 @@ impl BlobFs {
         // is served before the holder has the connection. A crash before this leaves a mount
         // nobody can have used yet, which the next daemon detaches.
         if let Some(h) = &holder {
-            h.put(HOLDER_ENTRY, &saved.to_json(), dev.as_fd()).map_err(|e| {
-                undo(Error::io(
-                    "hand the FUSE connection to the fd holder",
-                    &mountpoint,
-                    e,
-                ))
-            })?;
+            h.put(HOLDER_ENTRY, &saved.to_json(), dev.as_fd())
+                .map_err(|e| {
+                    undo(Error::io(
+                        "hand the FUSE connection to the fd holder",
+                        &mountpoint,
+                        e,
+                    ))
+                })?;
         }
-        let negotiated = crate::fuse::handshake(&dev, &cfg.policy(), Duration::from_secs(30), |neg| {
-            saved.negotiated = Some(*neg);
-            match &holder {
-                Some(h) => h.set_meta(HOLDER_ENTRY, &saved.to_json()),
-                None => Ok(()),
-            }
-        })
-        .map_err(|e| undo(Error::io("FUSE handshake on", &mountpoint, e)))?;
+        let negotiated =
+            crate::fuse::handshake(&dev, &cfg.policy(), Duration::from_secs(30), |neg| {
+                saved.negotiated = Some(*neg);
+                match &holder {
+                    Some(h) => h.set_meta(HOLDER_ENTRY, &saved.to_json()),
+                    None => Ok(()),
+                }
+            })
+            .map_err(|e| undo(Error::io("FUSE handshake on", &mountpoint, e)))?;
         let fs = Self::new(mountpoint.clone(), cache, negotiated, holder.clone());
         let fs = fs
             .start(rt, dev, false, &cfg, saved.dev.as_deref())
@@ -380,7 +387,10 @@ impl BlobFs {
         // Drop the kernel's cached dentry so the name disappears at once. ENOENT (nothing
         // cached) is expected.
         if let Some(s) = &self.session {
-            if let Err(err) = s.channel().inval_entry(crate::fuse::abi::ROOT_ID, e.name.as_bytes()) {
+            if let Err(err) = s
+                .channel()
+                .inval_entry(crate::fuse::abi::ROOT_ID, e.name.as_bytes())
+            {
                 if err.raw_os_error() != Some(libc::ENOENT) {
                     tracing::debug!(blob = %e.name, error = %err, "invalidating a dentry failed");
                 }

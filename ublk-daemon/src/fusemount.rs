@@ -83,15 +83,13 @@ pub(crate) fn open_dev() -> Result<std::os::fd::OwnedFd> {
 pub(crate) fn mount_dev(target: &Path) -> Option<String> {
     let text = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
     let target = target.to_str()?;
-    text.lines()
-        .filter_map(|l| {
-            let mut f = l.split(' ');
-            let dev = f.nth(2)?;
-            let _root = f.next()?;
-            let mp = f.next()?;
-            (crate::node::sys::unescape_field(mp) == target).then(|| dev.to_owned())
-        })
-        .last()
+    text.lines().rev().find_map(|l| {
+        let mut f = l.split(' ');
+        let dev = f.nth(2)?;
+        let _root = f.next()?;
+        let mp = f.next()?;
+        (crate::node::sys::unescape_field(mp) == target).then(|| dev.to_owned())
+    })
 }
 
 /// Unmount `target` and wait for our session's workers (they end with the connection). If

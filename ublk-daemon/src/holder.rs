@@ -97,7 +97,12 @@ fn send(sock: BorrowedFd<'_>, body: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result
     if !fds.is_empty() && !control.push(SendAncillaryMessage::ScmRights(fds)) {
         return Err(io::Error::other("too many descriptors for one message"));
     }
-    let n = rustix::net::sendmsg(sock, &[IoSlice::new(body)], &mut control, SendFlags::NOSIGNAL)?;
+    let n = rustix::net::sendmsg(
+        sock,
+        &[IoSlice::new(body)],
+        &mut control,
+        SendFlags::NOSIGNAL,
+    )?;
     if n != body.len() {
         return Err(io::Error::other("short send on the holder socket"));
     }
@@ -125,7 +130,10 @@ fn recv(sock: BorrowedFd<'_>) -> io::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
         return Ok(None);
     }
     if msg.bytes > buf.len() || msg.flags.contains(rustix::net::ReturnFlags::TRUNC) {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, "message too long"));
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "message too long",
+        ));
     }
     buf.truncate(msg.bytes);
     Ok(Some((buf, fds)))
@@ -228,7 +236,10 @@ impl HolderClient {
         let (bytes, fds) = recv(sock.as_fd())?.ok_or_else(|| {
             io::Error::new(
                 io::ErrorKind::UnexpectedEof,
-                format!("the fd holder at {} closed the connection", self.path.display()),
+                format!(
+                    "the fd holder at {} closed the connection",
+                    self.path.display()
+                ),
             )
         })?;
         let resp: Resp = serde_json::from_slice(&bytes)
@@ -311,7 +322,12 @@ pub fn run(run_dir: &Path) -> io::Result<()> {
         .write(true)
         .open(run_dir.join("holder.lock"))?;
     rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive).map_err(
-        |e| io::Error::other(format!("another fd holder runs on {}: {e}", run_dir.display())),
+        |e| {
+            io::Error::other(format!(
+                "another fd holder runs on {}: {e}",
+                run_dir.display()
+            ))
+        },
     )?;
     let path = socket_path(run_dir);
     match std::fs::remove_file(&path) {
@@ -328,7 +344,11 @@ pub fn run(run_dir: &Path) -> io::Result<()> {
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
     rustix::net::listen(&listener, 16)?;
     let me = rustix::process::geteuid();
-    eprintln!("strata fd holder {}: holding for {}", std::process::id(), run_dir.display());
+    eprintln!(
+        "strata fd holder {}: holding for {}",
+        std::process::id(),
+        run_dir.display()
+    );
 
     let started = Instant::now();
     let mut ever_connected = false;
@@ -438,7 +458,9 @@ fn serve_one(client: BorrowedFd<'_>, entries: &mut Vec<Held>) -> io::Result<Opti
             (Some(fd), true) => {
                 entries.retain(|e| e.name != name);
                 if entries.len() >= MAX_ENTRIES {
-                    fail(format!("the holder keeps at most {MAX_ENTRIES} descriptors"))
+                    fail(format!(
+                        "the holder keeps at most {MAX_ENTRIES} descriptors"
+                    ))
                 } else {
                     entries.push(Held { name, meta, fd });
                     ok

@@ -100,7 +100,10 @@ impl BlobFsImpl {
         if let Some(backing) = b.as_ref() {
             return Some(backing.clone());
         }
-        match reply.channel().backing_open(std::os::fd::AsFd::as_fd(pin.file())) {
+        match reply
+            .channel()
+            .backing_open(std::os::fd::AsFd::as_fd(pin.file()))
+        {
             Ok(id) => {
                 let backing = Arc::new(Backing {
                     id,

@@ -54,7 +54,11 @@ pub enum ParseError {
     /// Fewer bytes than the header, or than the header says.
     Short { got: usize, need: usize },
     /// The opcode's argument is shorter than its struct.
-    Argument { opcode: u32, got: usize, need: usize },
+    Argument {
+        opcode: u32,
+        got: usize,
+        need: usize,
+    },
     /// A name without its NUL terminator.
     Name { opcode: u32 },
 }
@@ -66,7 +70,10 @@ impl std::fmt::Display for ParseError {
                 write!(f, "request of {got} bytes, {need} expected")
             }
             ParseError::Argument { opcode, got, need } => {
-                write!(f, "opcode {opcode}: argument of {got} bytes, {need} expected")
+                write!(
+                    f,
+                    "opcode {opcode}: argument of {got} bytes, {need} expected"
+                )
             }
             ParseError::Name { opcode } => write!(f, "opcode {opcode}: name without NUL"),
         }

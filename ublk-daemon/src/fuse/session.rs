@@ -282,7 +282,10 @@ fn read_dev(fd: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<usize> {
 
 /// Wait up to `timeout` for the device to be readable.
 fn wait_readable(fd: BorrowedFd<'_>, timeout: Duration) -> io::Result<bool> {
-    let mut pfd = [rustix::event::PollFd::new(&fd, rustix::event::PollFlags::IN)];
+    let mut pfd = [rustix::event::PollFd::new(
+        &fd,
+        rustix::event::PollFlags::IN,
+    )];
     let ts = rustix::time::Timespec {
         tv_sec: timeout.as_secs() as i64,
         tv_nsec: i64::from(timeout.subsec_nanos()),
@@ -504,9 +507,8 @@ impl<H: Handler> Worker<H> {
                 Err(e) => match e.raw_os_error() {
                     Some(libc::EAGAIN) => {
                         // SAFETY: `ep` is open and `events` is a writable array of 2.
-                        let rc = unsafe {
-                            libc::epoll_wait(ep.as_raw_fd(), events.as_mut_ptr(), 2, -1)
-                        };
+                        let rc =
+                            unsafe { libc::epoll_wait(ep.as_raw_fd(), events.as_mut_ptr(), 2, -1) };
                         if rc < 0 && errno().raw_os_error() != Some(libc::EINTR) {
                             tracing::error!(error = %errno(), "FUSE worker: epoll_wait");
                             return;
@@ -530,8 +532,7 @@ impl<H: Handler> Worker<H> {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(error = %e, "malformed FUSE request");
-                if let Ok((h, _)) =
-                    <abi::InHeader as zerocopy::FromBytes>::read_from_prefix(bytes)
+                if let Ok((h, _)) = <abi::InHeader as zerocopy::FromBytes>::read_from_prefix(bytes)
                 {
                     let _ = self.ch.reply(h.unique, libc::EIO, &[]);
                 }

@@ -241,7 +241,13 @@ pub fn prepare_machine() -> Vec<String> {
                     .to_owned(),
             );
         } else {
-            match rustix::mount::mount("fusectl", conns, "fusectl", rustix::mount::MountFlags::empty(), None::<&std::ffi::CStr>) {
+            match rustix::mount::mount(
+                "fusectl",
+                conns,
+                "fusectl",
+                rustix::mount::MountFlags::empty(),
+                None::<&std::ffi::CStr>,
+            ) {
                 Ok(()) => tracing::info!("mounted fusectl at {}", conns.display()),
                 Err(e) => notes.push(format!(
                     "could not mount fusectl at {}: {e}: warm layers are read through the \
@@ -262,7 +268,10 @@ pub fn prepare_machine() -> Vec<String> {
 /// What the fd holder kept of an earlier daemon's blob mount, if it is the live FUSE mount
 /// at `<run-dir>/blobs` and was initialised: the connection and what was saved with it.
 /// Everything else the holder listed is closed here (our copies only).
-fn kept_connection(holder: &HolderClient, run_dir: &Path) -> Option<(std::os::fd::OwnedFd, SavedConnection)> {
+fn kept_connection(
+    holder: &HolderClient,
+    run_dir: &Path,
+) -> Option<(std::os::fd::OwnedFd, SavedConnection)> {
     let held = match holder.list() {
         Ok(h) => h,
         Err(e) => {
@@ -273,11 +282,17 @@ fn kept_connection(holder: &HolderClient, run_dir: &Path) -> Option<(std::os::fd
     let blobs = run_dir.join("blobs");
     let entry = held.into_iter().find(|h| h.name == HOLDER_ENTRY)?;
     let Some(saved) = SavedConnection::from_json(&entry.meta) else {
-        tracing::error!("the fd holder's blob-mount record does not parse: {:?}", entry.meta);
+        tracing::error!(
+            "the fd holder's blob-mount record does not parse: {:?}",
+            entry.meta
+        );
         return None;
     };
     if saved.mountpoint != blobs || saved.negotiated.is_none() {
-        tracing::warn!("the fd holder's blob mount was never initialised, or is not {}", blobs.display());
+        tracing::warn!(
+            "the fd holder's blob mount was never initialised, or is not {}",
+            blobs.display()
+        );
         return None;
     }
     let live = crate::fusemount::mount_dev(&blobs);
@@ -353,7 +368,8 @@ impl Node {
         } else {
             let (rd, cmd) = (run_dir.clone(), config.holder_command.clone());
             match blocking(move || {
-                HolderClient::connect_or_spawn(&rd, &cmd).map_err(|e| internal("start the fd holder", e))
+                HolderClient::connect_or_spawn(&rd, &cmd)
+                    .map_err(|e| internal("start the fd holder", e))
             })
             .await
             {
@@ -385,9 +401,13 @@ impl Node {
             // Keep what the state names; detach what the old daemon made but never recorded
             // (it died between mount(2) and saving): the FUSE mount, listed layers' EROFS
             // mounts, recorded user mounts stay.
-            let keep_layers: std::collections::HashSet<PathBuf> =
-                prev.layers.keys().map(|id| run_dir.join("layers").join(id).join("mnt")).collect();
-            let keep_mounts: std::collections::HashSet<PathBuf> = prev.mounts.keys().cloned().collect();
+            let keep_layers: std::collections::HashSet<PathBuf> = prev
+                .layers
+                .keys()
+                .map(|id| run_dir.join("layers").join(id).join("mnt"))
+                .collect();
+            let keep_mounts: std::collections::HashSet<PathBuf> =
+                prev.mounts.keys().cloned().collect();
             let (rd, bd) = (run_dir.clone(), blobs_dir.clone());
             let detached = blocking(move || {
                 sys::detach_ours_except(&rd, |m| {
@@ -399,7 +419,10 @@ impl Node {
             })
             .await?;
             for m in &detached {
-                tracing::warn!("detached a mount the earlier daemon never recorded: {}", m.display());
+                tracing::warn!(
+                    "detached a mount the earlier daemon never recorded: {}",
+                    m.display()
+                );
             }
             let blobs: Vec<(Digest, u64)> = prev
                 .layers
@@ -420,7 +443,11 @@ impl Node {
                         "took over the blob mount at {} from the earlier daemon ({} blob files{})",
                         blobs_dir.display(),
                         blobs.len(),
-                        if fs.negotiated().has_resend() { ", unanswered requests resent" } else { "" }
+                        if fs.negotiated().has_resend() {
+                            ", unanswered requests resent"
+                        } else {
+                            ""
+                        }
                     );
                     resumed = Some(fs);
                 }
@@ -466,7 +493,9 @@ impl Node {
         };
         let neg = blobfs.negotiated();
         if config.passthrough && !neg.passthrough() {
-            tracing::warn!("the kernel refused FUSE passthrough: warm layers are read through the daemon");
+            tracing::warn!(
+                "the kernel refused FUSE passthrough: warm layers are read through the daemon"
+            );
         }
         if holder.is_some() && !neg.has_resend() {
             tracing::warn!(
@@ -547,7 +576,11 @@ impl Node {
         let mut mounts: Vec<_> = prev.mounts.into_iter().collect();
         mounts.sort_by_key(|(_, m)| m.seq);
         for (mp, m) in mounts {
-            let want = if m.kind() == "bind" { "erofs" } else { "overlay" };
+            let want = if m.kind() == "bind" {
+                "erofs"
+            } else {
+                "overlay"
+            };
             let result = if mounted.get(&mp).map(String::as_str) == Some(want) {
                 Ok(())
             } else {
