@@ -2,7 +2,8 @@
 //!
 //! A device is a directory: a writable upper (overlaybd's `data` + `log`) and a descriptor
 //! naming the stored block layer it sits on (see `ublk_daemon::bd`). `serve` exposes it as a
-//! FUSE image file or as `/dev/ublkbN` until SIGTERM/SIGINT; `commit` seals the upper into a
+//! FUSE image file or as `/dev/ublkbN` until SIGTERM/SIGINT (a `serve --ublk` after a crash
+//! reattaches to the `/dev/ublkbN` the dead server left: ublk user recovery); `commit` seals the upper into a
 //! new layer and pushes it, its manifest naming the base as parent. Bases are read lazily
 //! through the node's chunk cache.
 
@@ -30,7 +31,8 @@ pub enum BdCommand {
         base: Option<String>,
     },
     /// Serve a device until SIGTERM/SIGINT, then flush it and take it down: as an image file
-    /// (--fuse FILE, usable by losetup, mkfs, file-backed mounts) or as /dev/ublkbN (--ublk).
+    /// (--fuse FILE, usable by losetup, mkfs, file-backed mounts) or as /dev/ublkbN (--ublk;
+    /// after a crash, the same /dev/ublkbN is reattached and the requests it held are served).
     #[command(group(clap::ArgGroup::new("frontend").required(true).args(["fuse", "ublk"])))]
     Serve {
         /// The device directory.
@@ -47,9 +49,17 @@ pub enum BdCommand {
         /// ublk requests in flight per queue.
         #[arg(long, default_value_t = 64)]
         depth: u16,
-        /// Reattach to /dev/ublkbID, left by a daemon that died (ublk user recovery).
-        #[arg(long, requires = "ublk")]
-        recover: Option<u32>,
+        /// Require reattaching to the /dev/ublkbN a server of this directory left when it died
+        /// (recorded in strata-bd.ublk.json); fail rather than add a new device. Without it,
+        /// serve reattaches when it can and adds a new device otherwise.
+        // (`conflicts_with = "fuse"`, not `requires = "ublk"`: a flag's default counts as
+        // present for `requires`; the frontend group makes "not --fuse" mean --ublk.)
+        #[arg(long, conflicts_with_all = ["fuse", "new_device"])]
+        recover: bool,
+        /// Never reattach: delete the ublk device a dead server of this directory left
+        /// (requests it holds fail) and add a new one. Also ignores an unreadable record.
+        #[arg(long, conflicts_with = "fuse")]
+        new_device: bool,
         /// FUSE request threads.
         #[arg(long, default_value_t = 4)]
         threads: usize,
@@ -71,6 +81,8 @@ struct Served {
     image: Option<String>,
     ublk_device: Option<String>,
     ublk_id: Option<u32>,
+    /// Whether the ublk device was reattached (left by a server that died) rather than added.
+    ublk_recovered: Option<bool>,
 }
 
 #[derive(Serialize)]
@@ -148,6 +160,7 @@ pub async fn run(
             queues,
             depth,
             recover,
+            new_device,
             threads,
         } => {
             // Handlers first: a signal during setup still ends in a clean shutdown.
@@ -164,31 +177,57 @@ pub async fn run(
                 image: None,
                 ublk_device: None,
                 ublk_id: None,
+                ublk_recovered: None,
             };
             enum Frontend {
-                Fuse(bd::BdFuse),
+                Fuse(bd::BdFuse, bd::OpenDevice),
                 Ublk(bd::BdUblk),
             }
             let frontend = match (fuse, ublk) {
                 (Some(file), _) => {
+                    // The kernel may still hold requests for this upper on a ublk device whose
+                    // server died: they must reach the same upper, through ublk, first.
+                    let pending = bd::pending_ublk_device(&dev).with_context(|| {
+                        format!(
+                            "{}: is a ublk device still waiting for it? (serve it with --ublk \
+                             --new-device to replace an unreadable record)",
+                            upper.display()
+                        )
+                    })?;
+                    if let Some(id) = pending {
+                        anyhow::bail!(
+                            "{}: /dev/ublkb{id} still belongs to this device and waits for its \
+                             server; serve it with --ublk (or --ublk --new-device to drop it)",
+                            upper.display()
+                        );
+                    }
                     let mut cfg = bd::BdFuseConfig::default();
                     cfg.threads = threads;
                     let f = bd::serve_fuse_with(dev.device.clone(), &file, &cfg).with_context(
                         || format!("serve {} over {}", upper.display(), file.display()),
                     )?;
                     served.image = Some(f.path().display().to_string());
-                    Frontend::Fuse(f)
+                    Frontend::Fuse(f, dev)
                 }
                 (None, _) => {
                     debug_assert!(ublk, "clap requires --fuse or --ublk");
                     let mut cfg = bd::UblkConfig::default();
                     cfg.queues = queues;
                     cfg.depth = depth;
-                    cfg.recover = recover;
-                    let u = bd::serve_ublk(dev.device.clone(), &cfg)
+                    cfg.recovery = match (recover, new_device) {
+                        (true, _) => bd::Recovery::Require,
+                        (_, true) => bd::Recovery::Fresh,
+                        _ => bd::Recovery::Auto,
+                    };
+                    // The served device keeps the directory locked until it is stopped.
+                    let u = bd::serve_ublk(dev, &cfg)
                         .with_context(|| format!("serve {} through ublk", upper.display()))?;
+                    if u.recovered() {
+                        tracing::info!(device = %u.path().display(), "reattached");
+                    }
                     served.ublk_device = Some(u.path().display().to_string());
                     served.ublk_id = Some(u.dev_id());
+                    served.ublk_recovered = Some(u.recovered());
                     Frontend::Ublk(u)
                 }
             };
@@ -202,14 +241,15 @@ pub async fn run(
             let sig = stop.wait().await;
             tracing::info!(signal = sig, "stopping");
             match frontend {
-                Frontend::Fuse(f) => f
-                    .unmount()
-                    .context("unmount the image file and flush the device")?,
+                Frontend::Fuse(f, dev) => {
+                    f.unmount()
+                        .context("unmount the image file and flush the device")?;
+                    drop(dev);
+                }
                 Frontend::Ublk(u) => u
                     .stop()
                     .context("remove the ublk device and flush the device")?,
             }
-            drop(dev);
             cache.flush().await?;
         }
         BdCommand::Commit { upper, name } => {

@@ -7,8 +7,9 @@
 //!   that file *is* the device: `losetup`, `mkfs.ext4`, `e2fsck` or a file-backed mount use it
 //!   like any disk image. Works on every kernel with FUSE (this machine has no ublk driver).
 //! - [`ublk`]: [`serve_ublk`] exposes the device as `/dev/ublkbN` through the kernel's ublk
-//!   driver (io_uring), with several queues and user recovery (`UBLK_F_USER_RECOVERY`), so a
-//!   restarted daemon reattaches to the same `/dev/ublkbN` without the users noticing.
+//!   driver (io_uring), with several queues and user recovery (`UBLK_F_USER_RECOVERY` +
+//!   `UBLK_F_USER_RECOVERY_REISSUE`), so a daemon restarted after a crash reattaches to the
+//!   same `/dev/ublkbN`: requests issued meanwhile wait, none fails.
 //!
 //! This module also manages a **device directory** (what `strata bd create|serve|commit` work
 //! on): the upper's files (`data`, `log`, owned by [`overlaybd::Upper`]) plus
@@ -16,6 +17,8 @@
 //! ```text
 //! <dir>/strata-bd.json   {"version":1,"size":N,"base":"KIND/NAME:VERSION"|null,"base_id":"<hex>"}
 //! <dir>/strata-bd.lock   flock(LOCK_EX) held by whoever has the upper open (serve, commit)
+//! <dir>/strata-bd.ublk.json  while a ublk device exists for it: what reattaching needs
+//!                        (device id, queues, depth, size, the directory, a tag; ublk::UblkRecord)
 //! ```
 //!
 //! `base` names the top stored layer the upper sits on (its parents come from the store's
@@ -31,6 +34,9 @@
 //!   returned; a flush (FUSE `fsync`/`flush`, ublk `FLUSH` or `FUA`) is acknowledged only after
 //!   [`overlaybd::Device::flush`] returned, so it survives kill -9 of the daemon.
 //! - Each kernel error number comes from [`overlaybd::Error::errno`] (or [`Error::errno`]).
+//! - A ublk device of a directory is served only by the holder of its lock, and a new server
+//!   reattaches only to the device its record names, in the directory the record names, with
+//!   the tag the kernel keeps for that device ([`ublk::plan`]).
 
 pub mod fuse;
 pub mod ublk;
@@ -48,7 +54,10 @@ use serde::{Deserialize, Serialize};
 pub use crate::signal::StopSignal;
 pub use fuse::{serve_fuse, serve_fuse_with, BdFuse, BdFuseConfig};
 pub use overlaybd;
-pub use ublk::{serve_ublk, ublk_available, BdUblk, IoDesc, UblkConfig};
+pub use ublk::{
+    pending_ublk_device, serve_ublk, ublk_available, ublk_device_info, BdUblk, DevState, IoDesc,
+    Plan, Recovery, UblkConfig, UblkDeviceInfo, UblkRecord,
+};
 
 use crate::{Error, Result};
 
