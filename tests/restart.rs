@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 const KILLS: usize = 50;
 const READERS: usize = 16;
 
-fn strata(home: &Path, store: &Path, run_dir: &Path) -> Command {
+fn strata(home: &Path, store: &str, run_dir: &Path) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_strata"));
     c.env("STRATA_HOME", home)
         .env("STRATA_RUN_DIR", run_dir)
@@ -148,7 +148,7 @@ fn cmdline(pid: i32) -> Vec<String> {
         .collect()
 }
 
-fn wait_answering(home: &Path, store: &Path, run_dir: &Path, not: i32, log: &Path) -> i32 {
+fn wait_answering(home: &Path, store: &str, run_dir: &Path, not: i32, log: &Path) -> i32 {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         if let Some(pid) = daemon_pid(run_dir).filter(|p| *p != not && alive(*p)) {
@@ -202,23 +202,71 @@ while not os.path.exists(sys.argv[4]):
 print('done %d %d' % (n, bad))
 "#;
 
+fn is_root(test: &str) -> bool {
+    if rustix::process::geteuid().is_root() {
+        return true;
+    }
+    eprintln!("SKIPPED {test}: needs root (mounts)");
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "CI runs as root"
+    );
+    false
+}
+
 #[test]
 fn kill9_and_takeover_under_load_lose_nothing() {
-    if !rustix::process::geteuid().is_root() {
-        println!("SKIPPED kill9_and_takeover_under_load_lose_nothing: needs root (mounts)");
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "CI runs as root"
-        );
+    if !is_root("kill9_and_takeover_under_load_lose_nothing") {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let (home, store, run_dir) = (
-        tmp.path().join("home"),
-        tmp.path().join("store"),
-        tmp.path().join("run"),
-    );
-    let mp = tmp.path().join("mnt");
+    let store = tmp.path().join("store").to_string_lossy().into_owned();
+    scenario(tmp.path(), &store, "posix");
+}
+
+/// Make bucket `name` on the S3 test server at `endpoint` (`http://127.0.0.1:PORT`; moto
+/// takes an unsigned `PUT /bucket`).
+fn make_bucket(endpoint: &str, name: &str) {
+    use std::io::{Read, Write};
+    let host = endpoint.trim_start_matches("http://").trim_end_matches('/');
+    let mut c = std::net::TcpStream::connect(host).expect("connect to the S3 test server");
+    write!(
+        c,
+        "PUT /{name} HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut answer = String::new();
+    c.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "create bucket {name}: {answer}");
+}
+
+#[test]
+fn kill9_and_takeover_under_load_lose_nothing_over_s3() {
+    if !is_root("kill9_and_takeover_under_load_lose_nothing_over_s3") {
+        return;
+    }
+    let Ok(endpoint) = std::env::var("STRATA_TEST_S3_ENDPOINT") else {
+        eprintln!(
+            "SKIPPED kill9_and_takeover_under_load_lose_nothing_over_s3: STRATA_TEST_S3_ENDPOINT \
+             is not set (scripts/test.sh starts moto and sets it)"
+        );
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "scripts/test.sh sets STRATA_TEST_S3_ENDPOINT under CI"
+        );
+        return;
+    };
+    let bucket = format!("restart-{}", std::process::id());
+    make_bucket(&endpoint, &bucket);
+    let tmp = tempfile::tempdir().unwrap();
+    let store = format!("s3://{bucket}/strata?endpoint={endpoint}&region=us-east-1");
+    scenario(tmp.path(), &store, "s3");
+}
+
+fn scenario(tmp: &Path, store: &str, label: &str) {
+    let store = store.to_owned();
+    let (home, run_dir) = (tmp.join("home"), tmp.join("run"));
+    let mp = tmp.join("mnt");
     std::fs::create_dir_all(&mp).unwrap();
     let children = Arc::new(Mutex::new(Vec::new()));
     let _cleanup = Cleanup {
@@ -229,7 +277,7 @@ fn kill9_and_takeover_under_load_lose_nothing() {
     let names = ["base/os:1", "workspace/task:1", "toolkit/py:1"];
     let mut sources = Vec::new();
     for (i, name) in names.iter().enumerate() {
-        let src = tmp.path().join(format!("src{i}"));
+        let src = tmp.join(format!("src{i}"));
         make_tree(&src, i as u64 + 1, 160);
         let mut c = strata(&home, &store, &run_dir);
         c.args(["layer", "build", "--quiet"])
@@ -239,7 +287,7 @@ fn kill9_and_takeover_under_load_lose_nothing() {
         sources.push(src);
     }
     let files = Arc::new(merged(&sources));
-    let upper = tmp.path().join("upper");
+    let upper = tmp.join("upper");
     let mut c = strata(&home, &store, &run_dir);
     c.arg("mount")
         .args(names)
@@ -332,7 +380,7 @@ fn kill9_and_takeover_under_load_lose_nothing() {
         .find(|(r, _)| std::fs::metadata(mp.join(r)).unwrap().len() > 100_000)
         .cloned()
         .expect("a file of more than 100 kB");
-    let done_flag = tmp.path().join("child.stop");
+    let done_flag = tmp.join("child.stop");
     let mut child = Command::new("python3")
         .args(["-c", CHILD])
         .arg(&mp)
@@ -372,7 +420,7 @@ fn kill9_and_takeover_under_load_lose_nothing() {
         // Readers meanwhile wait in the kernel; give them a moment of outage too.
         std::thread::sleep(Duration::from_millis(rng.below(100)));
         let started = Instant::now();
-        let log_path = tmp.path().join(format!("daemon{k}.log"));
+        let log_path = tmp.join(format!("daemon{k}.log"));
         let log = std::fs::File::create(&log_path).unwrap();
         let c = Command::new(&args[0])
             .args(&args[1..])
@@ -387,7 +435,7 @@ fn kill9_and_takeover_under_load_lose_nothing() {
         restarts.push(started.elapsed());
     }
     // A planned upgrade.
-    let log = std::fs::File::create(tmp.path().join("takeover.log")).unwrap();
+    let log = std::fs::File::create(tmp.join("takeover.log")).unwrap();
     let mut up = strata(&home, &store, &run_dir);
     up.args(["daemon", "--takeover"])
         .stdout(log.try_clone().unwrap())
@@ -399,7 +447,7 @@ fn kill9_and_takeover_under_load_lose_nothing() {
         &store,
         &run_dir,
         old,
-        &tmp.path().join("takeover.log"),
+        &tmp.join("takeover.log"),
     );
     let mut old_child = current.take().expect("the last restarted daemon");
     let status = old_child.wait().unwrap();
@@ -423,7 +471,7 @@ fn kill9_and_takeover_under_load_lose_nothing() {
         .collect();
     restarts.sort();
     println!(
-        "{KILLS} kill -9 + 1 takeover: {} reads by {READERS} readers, {} errors, {} wrong; \
+        "{label}: {KILLS} kill -9 + 1 takeover: {} reads by {READERS} readers, {} errors, {} wrong; \
          longest read {:.1} ms; restart to answering p50 {:.0} ms, max {:.0} ms; child {} \
          loops, {} bad; {} writes, {} write errors",
         reads.load(Ordering::Relaxed),
@@ -440,7 +488,7 @@ fn kill9_and_takeover_under_load_lose_nothing() {
     if errors.load(Ordering::Relaxed) + wrong.load(Ordering::Relaxed) > 0 {
         // What the daemons said about it.
         for k in 0..KILLS {
-            let log = std::fs::read_to_string(tmp.path().join(format!("daemon{k}.log")))
+            let log = std::fs::read_to_string(tmp.join(format!("daemon{k}.log")))
                 .unwrap_or_default();
             for l in log
                 .lines()

@@ -955,3 +955,67 @@ async fn the_api_socket_speaks_versioned_json_lines() {
     server.abort();
     node.shutdown().await.unwrap();
 }
+
+/// A mount of a layer the node already has never waits behind a slow first mount of another:
+/// with every backend request taking 300 ms, a first `register` of a fresh layer A (manifest
+/// and meta image from the backend) is started, and while it fetches, a second mount of an
+/// already-mounted layer B is made and finishes first. (An ordering, not a timing: before the
+/// node's lock stopped being held across I/O, B waited for A.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_slow_fetch_for_one_layer_does_not_delay_another() {
+    if !require_root("a_slow_fetch_for_one_layer_does_not_delay_another") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let posix = Arc::new(PosixBackend::open(tmp.path().join("store")).unwrap());
+    let faulty = Arc::new(FaultyBackend::new(posix, 3));
+    let store = Store::new(faulty.clone());
+    for (name, seed) in [("base/b:1", 11), ("base/a:1", 12)] {
+        let src = tmp.path().join(name.replace(['/', ':'], "_"));
+        write(&src.join("f"), &noise(seed, 300 << 10));
+        push_layer(&store, &src, name, tmp.path()).await;
+    }
+    let run_dir = tmp.path().join("run");
+    let (mp1, mp2) = (tmp.path().join("b1"), tmp.path().join("b2"));
+    let _guard = MountGuard {
+        run_dir: run_dir.clone(),
+        extra: vec![Detach(mp1.clone()), Detach(mp2.clone())],
+    };
+    for mp in [&mp1, &mp2] {
+        std::fs::create_dir(mp).unwrap();
+    }
+    let node = start(&run_dir, &tmp.path().join("cache"), store).await;
+    node.mount(&["base/b:1".into()], &mp1, None, None)
+        .await
+        .unwrap();
+    faulty.set(FaultConfig {
+        latency: Duration::from_millis(300),
+        ..FaultConfig::default()
+    });
+    let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
+    let slow = {
+        let (node, tx) = (node.clone(), done_tx.clone());
+        tokio::spawn(async move {
+            let r = node.register("base/a:1").await;
+            let _ = tx.send("a");
+            r
+        })
+    };
+    // Let A's fetch begin.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let fast = {
+        let (node, tx, mp2) = (node.clone(), done_tx, mp2.clone());
+        tokio::spawn(async move {
+            let r = node.mount(&["base/b:1".into()], &mp2, None, None).await;
+            let _ = tx.send("b");
+            r
+        })
+    };
+    let first = done_rx.recv().await.unwrap();
+    fast.await.unwrap().unwrap();
+    slow.await.unwrap().unwrap();
+    assert_eq!(first, "b", "the mount of the mounted layer finished first");
+    assert_eq!(std::fs::read(mp2.join("f")).unwrap(), noise(11, 300 << 10));
+    faulty.set(FaultConfig::default());
+    node.shutdown().await.unwrap();
+}

@@ -74,6 +74,13 @@ impl MountState {
     }
 }
 
+/// An absolute path with only normal components (what `canonicalize` returns).
+fn is_plain_absolute(p: &Path) -> bool {
+    use std::path::Component;
+    let mut c = p.components();
+    c.next() == Some(Component::RootDir) && c.all(|c| matches!(c, Component::Normal(_)))
+}
+
 /// Everything that survives a restart.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct State {
@@ -115,13 +122,39 @@ impl State {
         self.layers.get(id).is_some_and(|l| l.pins > 0) || self.users(id) > 0
     }
 
-    /// Check the invariants of a loaded file.
+    /// Check the invariants of a loaded file, and everything in it that becomes a path or a
+    /// mount option: a layer id is its meta image's digest in lowercase hex (it names a
+    /// directory under `layers/`), references parse, mountpoints, uppers and work
+    /// directories are absolute and normal (no `.`, `..`, or empty components).
     pub fn check(&self) -> Result<(), String> {
         if self.version != STATE_VERSION {
             return Err(format!(
                 "version {} (this build reads {STATE_VERSION})",
                 self.version
             ));
+        }
+        for (id, l) in &self.layers {
+            if *id != l.meta.digest.to_hex() {
+                return Err(format!(
+                    "layer id {id:?} is not its meta image's digest {}",
+                    l.meta.digest
+                ));
+            }
+            if let Some(r) = l.refs.iter().find(|r| r.parse::<fs_cache::LayerRef>().is_err()) {
+                return Err(format!("layer {id}: bad reference {r:?}"));
+            }
+        }
+        for (mp, m) in &self.mounts {
+            for (what, p) in [("mountpoint", Some(mp)), ("upper", m.upper.as_ref()), ("work", m.work.as_ref())] {
+                if let Some(p) = p {
+                    if !is_plain_absolute(p) {
+                        return Err(format!("mount {}: {what} {p:?} is not a plain absolute path", mp.display()));
+                    }
+                }
+            }
+            if m.upper.is_some() != m.work.is_some() {
+                return Err(format!("mount {}: an upper needs a work directory", mp.display()));
+            }
         }
         for (mp, m) in &self.mounts {
             if m.layer_ids.is_empty() || m.layer_ids.len() != m.layers.len() {
@@ -199,5 +232,63 @@ mod tests {
         assert!(State::load(&path).unwrap_err().contains("unknown layer"));
         std::fs::write(&path, b"{").unwrap();
         assert!(State::load(&path).unwrap_err().contains("not a state file"));
+
+        // Whatever becomes a path is checked before it is trusted.
+        let mut good = State::new("/store");
+        good.layers.insert(
+            id.clone(),
+            LayerState {
+                refs: ["base/os:1".to_owned()].into(),
+                meta: BlobRef {
+                    digest: Digest::of(b"meta"),
+                    size: 4,
+                },
+                blobs: vec![],
+                pins: 1,
+                passthrough_blobs: 0,
+            },
+        );
+        good.save(&path).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(State::load(&path).unwrap().is_some());
+        // Truncated anywhere: refused.
+        for cut in [1, text.len() / 3, text.len() / 2, text.len() - 3] {
+            std::fs::write(&path, &text[..cut]).unwrap();
+            assert!(State::load(&path).is_err(), "truncated at {cut}");
+        }
+        let hostile = [
+            text.replace(&id, "../../etc"),
+            text.replace("base/os:1", "base/../x"),
+        ];
+        for bad in hostile {
+            std::fs::write(&path, bad).unwrap();
+            assert!(State::load(&path).is_err());
+        }
+        let mut bad_mount = good.clone();
+        bad_mount.mounts.insert(
+            "/mnt/../etc".into(),
+            MountState {
+                seq: 0,
+                layers: vec!["base/os:1".into()],
+                layer_ids: vec![id.clone()],
+                upper: None,
+                work: None,
+            },
+        );
+        bad_mount.save(&path).unwrap();
+        assert!(State::load(&path).unwrap_err().contains("plain absolute"));
+        let mut bad_upper = good.clone();
+        bad_upper.mounts.insert(
+            "/mnt/a".into(),
+            MountState {
+                seq: 0,
+                layers: vec!["base/os:1".into()],
+                layer_ids: vec![id.clone()],
+                upper: Some("relative/upper".into()),
+                work: Some("/w".into()),
+            },
+        );
+        bad_upper.save(&path).unwrap();
+        assert!(State::load(&path).unwrap_err().contains("upper"));
     }
 }
