@@ -501,10 +501,17 @@ fn passthrough_serves_the_level2_file_without_the_daemon() {
     if !require_root("passthrough_serves_the_level2_file_without_the_daemon") {
         return;
     }
+    // What the daemon sets up at start (fusectl: passthrough holds its pins by a connection
+    // directory).
+    for note in ublk_daemon::node::prepare_machine() {
+        eprintln!("{note}");
+    }
     let env = Env::new(true, |cfg| cfg.passthrough = true);
     if !env.fs().passthrough_available() {
-        let _ = std::io::stderr().write_all(
-            b"\n*** SKIPPED passthrough_serves_the_level2_file_without_the_daemon: the kernel refused FUSE_PASSTHROUGH ***\n\n",
+        common::skip_feature(
+            "passthrough_serves_the_level2_file_without_the_daemon",
+            "the kernel refused FUSE_PASSTHROUGH or fusectl is not mounted",
+            (6, 9),
         );
         return;
     }

@@ -303,7 +303,11 @@ async fn real_tree(store: Store, label: &str, budget: u64) {
     assert!(w.local && !w.mounted, "{label}: {w:?}");
     let passthrough = node.passthrough_available().await;
     if !passthrough {
-        eprintln!("*** SKIPPED ({label}): passthrough checks: this kernel refused FUSE passthrough or fusectl is not mounted ***");
+        common::skip_feature(
+            &format!("real_tree ({label}): passthrough checks"),
+            "this kernel refused FUSE passthrough or fusectl is not mounted",
+            (6, 9),
+        );
     }
     assert_eq!(w.passthrough_next, passthrough, "{label}: {w:?}");
     node.mount(&["base/usr:1".into()], &mp, None, None)
@@ -326,7 +330,11 @@ async fn real_tree(store: Store, label: &str, budget: u64) {
     let directio = erofs.super_options.split(',').any(|o| o == "directio");
     match sys::erofs_directio() {
         Some(true) => assert!(directio, "{}", erofs.super_options),
-        _ => eprintln!("*** SKIPPED ({label}): this kernel's EROFS has no `directio` option ***"),
+        _ => common::skip_feature(
+            &format!("real_tree ({label}): EROFS directio"),
+            "this kernel's EROFS has no `directio` option",
+            (6, 13),
+        ),
     }
     let before = node.cache().stats();
     let (_, again) = tokio::task::spawn_blocking({
@@ -623,7 +631,11 @@ async fn three_layers_with_an_upper() {
     }
     let passthrough = node.passthrough_available().await;
     if !passthrough {
-        eprintln!("*** SKIPPED: stacked passthrough layers: this kernel refused FUSE passthrough or fusectl is not mounted ***");
+        common::skip_feature(
+            "three_layers_with_an_upper: stacked passthrough layers",
+            "this kernel refused FUSE passthrough or fusectl is not mounted",
+            (6, 9),
+        );
     }
     node.mount(&layers, &mp, Some(&upper), None).await.unwrap();
     node.mount(&layers[..1], &single, None, None).await.unwrap();
@@ -694,7 +706,11 @@ async fn a_warmed_layer_is_mounted_in_passthrough_and_fetches_nothing_more() {
     let node = start(&run_dir, &tmp.path().join("cache"), store).await;
 
     if !node.passthrough_available().await {
-        eprintln!("*** SKIPPED a_warmed_layer_is_mounted_in_passthrough_and_fetches_nothing_more: this kernel refused FUSE passthrough or fusectl is not mounted ***");
+        common::skip_feature(
+            "a_warmed_layer_is_mounted_in_passthrough_and_fetches_nothing_more",
+            "this kernel refused FUSE passthrough or fusectl is not mounted",
+            (6, 9),
+        );
         node.shutdown().await.unwrap();
         return;
     }
