@@ -457,6 +457,24 @@ async fn run(cli: Cli) -> Result<()> {
             length,
             output,
         }) => {
+            // A running daemon holds the node cache: read through it.
+            let through_daemon = match &output {
+                Some(path) => {
+                    let mut f = std::fs::File::create(path)
+                        .with_context(|| format!("create {}", path.display()))?;
+                    node_cmd::cat_through_daemon(&node_store, &digest, offset, length, &mut f)?
+                }
+                None => node_cmd::cat_through_daemon(
+                    &node_store,
+                    &digest,
+                    offset,
+                    length,
+                    &mut std::io::stdout().lock(),
+                )?,
+            };
+            if through_daemon.is_some() {
+                return Ok(());
+            }
             let cache = cache_cmd::open(store.clone(), &cli.cache, &home).await?;
             let result = match &output {
                 Some(path) => {

@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use fs_cache::Store;
 use ublk_daemon::node::client::Client;
-use ublk_daemon::node::proto::{ApiError, ErrorKind, MountInfo, Pong, Request, Status, WarmInfo};
+use ublk_daemon::node::proto::{
+    ApiError, BlobBytes, ErrorKind, MountInfo, Pong, Request, Status, WarmInfo, MAX_READ_BLOB,
+};
 use ublk_daemon::node::{server, Node, NodeConfig};
 
 use crate::cache_cmd::CacheOpts;
@@ -748,6 +750,57 @@ pub fn status(args: StatusArgs, store: &StoreArg, json: bool) -> Result<()> {
 
 /// The cache counters of a daemon running on `$STRATA_RUN_DIR` (default `/run/strata`), if
 /// one runs: while it does, it holds the cache open, so `strata cache stats` asks it.
+/// `strata blob cat` while a daemon runs (it holds the node cache): the bytes come through
+/// its cache, `read_blob` by `read_blob`. `Ok(None)` when no daemon runs on `$STRATA_RUN_DIR`
+/// (the caller then opens the cache itself).
+pub fn cat_through_daemon(
+    store: &StoreArg,
+    digest: &str,
+    offset: u64,
+    length: Option<u64>,
+    out: &mut dyn std::io::Write,
+) -> Result<Option<u64>> {
+    let node = NodeOpts::from_env()?;
+    let Some((mut c, pong)) = connect_running(&node, store)? else {
+        return Ok(None);
+    };
+    let mut at = offset;
+    let mut end = length.map(|l| offset.saturating_add(l));
+    loop {
+        let want = end.map_or(MAX_READ_BLOB, |e| e.saturating_sub(at).min(MAX_READ_BLOB));
+        if want == 0 {
+            break;
+        }
+        let got: BlobBytes = c
+            .call(Request::ReadBlob {
+                blob: digest.to_owned(),
+                offset: at,
+                length: want,
+            })
+            .map_err(|e| explain_in(e, &pong, store))?;
+        let bytes = hex_decode(&got.hex)
+            .ok_or_else(|| anyhow!("the daemon's read_blob answer is not hex"))?;
+        end = Some(end.unwrap_or(got.size).min(got.size));
+        out.write_all(&bytes).context("write output")?;
+        at += bytes.len() as u64;
+        if bytes.is_empty() {
+            break;
+        }
+    }
+    out.flush().context("write output")?;
+    Ok(Some(at - offset))
+}
+
+fn hex_decode(s: &str) -> Option<Vec<u8>> {
+    if s.len() % 2 != 0 {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
 pub fn running_daemon_cache_stats() -> Option<fs_cache::chunk::CacheStats> {
     let node = NodeOpts::from_env().ok()?;
     let mut client = connect(&node).ok()??;

@@ -1016,3 +1016,77 @@ fn a_daemon_serves_one_store_and_says_so() {
     stop_daemon(&guard);
     assert_eq!(mounted_from(&run_dir, tmp.path()), Vec::<String>::new());
 }
+
+#[test]
+fn blob_cat_goes_through_a_running_daemon() {
+    if !require_root("blob_cat_goes_through_a_running_daemon") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let (home, store, run_dir) = (
+        tmp.path().join("home"),
+        tmp.path().join("store"),
+        tmp.path().join("run"),
+    );
+    let mp = tmp.path().join("mnt");
+    std::fs::create_dir(&mp).unwrap();
+    let guard = DaemonGuard {
+        run_dir: run_dir.clone(),
+        child: None,
+        mountpoints: vec![mp.clone()],
+    };
+    build_small_layer(tmp.path(), &home, &store, "base/cat:1");
+    let cmd = || {
+        let mut c = strata_cmd(&home, &store);
+        c.env("STRATA_RUN_DIR", &run_dir);
+        c
+    };
+    ok(cmd()
+        .args(["mount", "base/cat:1", mp.to_str().unwrap()])
+        .output()
+        .unwrap());
+    // The daemon holds the node cache; cat must read through it, not fail on its lock.
+    let status = json(cmd().args(["--json", "status"]).output().unwrap());
+    let blob = status["layers"][0]["blobs"][0][0]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let size = status["layers"][0]["blobs"][0][1].as_u64().unwrap();
+    let whole = cmd().args(["blob", "cat", &blob]).output().unwrap();
+    assert!(
+        whole.status.success(),
+        "{}",
+        String::from_utf8_lossy(&whole.stderr)
+    );
+    assert_eq!(whole.stdout.len() as u64, size);
+    assert_eq!(
+        blake3::hash(&whole.stdout).to_hex().as_str(),
+        blob,
+        "the bytes are the blob's"
+    );
+    // A range past one read_blob answer (256 KiB), and one past the end.
+    let part = cmd()
+        .args([
+            "blob", "cat", &blob, "--offset", "4096", "--length", "300000",
+        ])
+        .output()
+        .unwrap();
+    assert!(part.status.success());
+    let end = (4096 + 300_000).min(size as usize);
+    assert_eq!(part.stdout, whole.stdout[4096..end]);
+    let past = cmd()
+        .args(["blob", "cat", &blob, "--offset", &(size + 1).to_string()])
+        .output()
+        .unwrap();
+    assert!(!past.status.success());
+    assert!(
+        String::from_utf8_lossy(&past.stderr).contains("past the end"),
+        "{}",
+        String::from_utf8_lossy(&past.stderr)
+    );
+    ok(cmd()
+        .args(["umount", mp.to_str().unwrap()])
+        .output()
+        .unwrap());
+    stop_daemon(&guard);
+}

@@ -163,7 +163,6 @@ impl std::fmt::Debug for Node {
     }
 }
 
-
 type Result<T, E = ApiError> = std::result::Result<T, E>;
 
 fn internal(what: impl std::fmt::Display, e: impl std::fmt::Display) -> ApiError {
@@ -186,7 +185,8 @@ impl Node {
     /// kernel agreed, fusectl mounted).
     pub async fn passthrough_available(&self) -> bool {
         self.config.passthrough
-            && (self.inner.lock().await.blobfs.as_deref()).is_some_and(BlobFs::passthrough_available)
+            && (self.inner.lock().await.blobfs.as_deref())
+                .is_some_and(BlobFs::passthrough_available)
     }
 
     pub fn cache(&self) -> &Arc<ChunkCache> {
@@ -243,6 +243,13 @@ impl Node {
             Request::Stats => json(serde_json::to_value(self.status().await)),
             Request::Warm { layer } => json(serde_json::to_value(self.warm(&layer).await?)),
             Request::Handover => Err(internal("handover", "handled above")),
+            Request::ReadBlob {
+                blob,
+                offset,
+                length,
+            } => json(serde_json::to_value(
+                self.read_blob(&blob, offset, length).await?,
+            )),
         }
     }
 
@@ -280,6 +287,50 @@ impl Node {
         self.handed_over.store(true, Ordering::SeqCst);
         tracing::info!("handed over to the next daemon");
         Ok(self.pong())
+    }
+
+    /// `length` bytes (at most [`proto::MAX_READ_BLOB`]) of stored blob `blob` from `offset`,
+    /// through the node's chunk cache (verified like every read).
+    pub async fn read_blob(
+        &self,
+        blob: &str,
+        offset: u64,
+        length: u64,
+    ) -> Result<proto::BlobBytes> {
+        self.check_running()?;
+        let digest: fs_cache::Digest = blob
+            .parse()
+            .map_err(|e| ApiError::from_store("bad blob digest", &e))?;
+        if length > proto::MAX_READ_BLOB {
+            return Err(ApiError::new(
+                ErrorKind::BadRequest,
+                format!(
+                    "read_blob reads at most {} bytes at a time",
+                    proto::MAX_READ_BLOB
+                ),
+            ));
+        }
+        let size = self
+            .cache
+            .blob_size(&digest)
+            .await
+            .map_err(|e| ApiError::from_store(&format!("blob {digest}"), &e))?;
+        if offset > size {
+            return Err(ApiError::new(
+                ErrorKind::BadRequest,
+                format!("offset {offset} is past the end of blob {digest} ({size} bytes)"),
+            ));
+        }
+        let bytes = self
+            .cache
+            .read(&digest, offset, length)
+            .await
+            .map_err(|e| ApiError::from_store(&format!("read blob {digest}"), &e))?;
+        Ok(proto::BlobBytes {
+            size,
+            offset,
+            hex: hex::encode(&bytes),
+        })
     }
 
     /// Whether this node has handed over ([`Node::handover`]): its process should exit
@@ -394,4 +445,3 @@ impl Node {
         }
     }
 }
-

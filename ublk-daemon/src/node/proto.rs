@@ -19,6 +19,7 @@
 //! | `stats` | — | [`Status`] |
 //! | `warm` | `layer` | [`WarmInfo`] (every chunk of the layer's blobs in the node's level 2) |
 //! | `handover` | — | [`Pong`] of the daemon that stops serving (`strata daemon --takeover`) |
+//! | `read_blob` | `blob` (hex), `offset`, `length` (≤ [`MAX_READ_BLOB`]) | [`BlobBytes`] through the node's cache |
 //!
 //! Adding an optional field or a new op keeps [`VERSION`]; changing the meaning of one bumps it.
 
@@ -63,6 +64,28 @@ pub enum Request {
     /// Stop serving without unmounting anything and exit, leaving the mounts and their FUSE
     /// connection (kept by the fd holder) to the daemon that asked.
     Handover,
+    /// Bytes of a stored blob, read through the node's chunk cache (what `strata blob cat`
+    /// uses while the daemon holds the cache).
+    ReadBlob {
+        blob: String,
+        #[serde(default)]
+        offset: u64,
+        length: u64,
+    },
+}
+
+/// The most bytes one `read_blob` answers (hex-encoded, it stays under [`MAX_LINE`]).
+pub const MAX_READ_BLOB: u64 = 256 << 10;
+
+/// `read_blob`'s answer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlobBytes {
+    /// The blob's size.
+    pub size: u64,
+    /// Where these bytes start.
+    pub offset: u64,
+    /// The bytes, hex-encoded (fewer than asked for only at the end of the blob).
+    pub hex: String,
 }
 
 /// A request line: the version and the request.

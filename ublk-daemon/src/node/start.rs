@@ -432,7 +432,11 @@ impl Node {
         let mut mounts: Vec<_> = prev.mounts.into_iter().collect();
         mounts.sort_by_key(|(_, m)| m.seq);
         for (mp, m) in mounts {
-            let want = if m.kind() == "bind" { "erofs" } else { "overlay" };
+            let want = if m.kind() == "bind" {
+                "erofs"
+            } else {
+                "overlay"
+            };
             let result = if mounted.get(&mp).map(String::as_str) == Some(want) {
                 Ok(())
             } else {
@@ -452,7 +456,15 @@ impl Node {
         }
         // Layers nothing needs any more (a mount that was dropped) go; layers still needed
         // but not mounted are mounted again.
-        let ids: Vec<String> = self.inner.lock().await.state.layers.keys().cloned().collect();
+        let ids: Vec<String> = self
+            .inner
+            .lock()
+            .await
+            .state
+            .layers
+            .keys()
+            .cloned()
+            .collect();
         self.release_unused(&ids).await;
         for id in ids {
             let missing = {
