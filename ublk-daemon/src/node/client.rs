@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 
-use super::proto::{ApiError, ErrorKind, Request, RequestLine, ResponseLine, MAX_LINE, VERSION};
+use super::proto::{
+    ApiError, ErrorKind, Request, RequestLine, ResponseLine, MAX_RESPONSE_LINE, VERSION,
+};
 
 /// One connection to a daemon.
 #[derive(Debug)]
@@ -51,7 +53,7 @@ impl Client {
         self.writer.write_all(&line).map_err(transport)?;
         let mut answer = Vec::new();
         (&mut self.reader)
-            .take(MAX_LINE as u64)
+            .take(MAX_RESPONSE_LINE as u64)
             .read_until(b'\n', &mut answer)
             .map_err(transport)?;
         if answer.last() != Some(&b'\n') {
@@ -77,5 +79,63 @@ impl Client {
                 format!("the daemon's answer has an unexpected shape: {e}"),
             )
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::node::proto::{MountInfo, Pong, Status};
+
+    /// A `stats` answer for a node with 10,000 mounts (several MiB on one line) is read whole.
+    #[test]
+    fn a_status_of_ten_thousand_mounts_is_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let mounts: Vec<MountInfo> = (0..10_000)
+            .map(|i| MountInfo {
+                mountpoint: format!("/sandboxes/{i:05}/root").into(),
+                layers: vec!["base/os:1".into(), "toolkit/py:3".into()],
+                layer_ids: vec!["ab".repeat(32), "cd".repeat(32)],
+                kind: "overlay".into(),
+                upper: Some(format!("/sandboxes/{i:05}/upper").into()),
+                work: Some(format!("/sandboxes/{i:05}/upper.work").into()),
+            })
+            .collect();
+        let status = Status {
+            pong: Pong {
+                version: VERSION,
+                pid: 1,
+                store: "/store".into(),
+                run_dir: "/run/strata".into(),
+            },
+            layers: vec![],
+            mounts,
+            cache: Default::default(),
+            blob_files: vec![],
+        };
+        let answer = ResponseLine {
+            v: VERSION,
+            ok: true,
+            result: Some(serde_json::to_value(&status).unwrap()),
+            error: None,
+        };
+        let mut line = serde_json::to_vec(&answer).unwrap();
+        line.push(b'\n');
+        assert!(line.len() > 2 << 20, "{} bytes", line.len());
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut req = String::new();
+            BufReader::new(s.try_clone().unwrap())
+                .read_line(&mut req)
+                .unwrap();
+            s.write_all(&line).unwrap();
+        });
+        let mut c = Client::connect(&path).unwrap();
+        let got: Status = c.call(Request::Stats).unwrap();
+        server.join().unwrap();
+        assert_eq!(got.mounts.len(), 10_000);
+        assert_eq!(got.mounts[9_999].mountpoint, status.mounts[9_999].mountpoint);
     }
 }

@@ -31,8 +31,12 @@ use serde::{Deserialize, Serialize};
 /// The protocol version this build speaks.
 pub const VERSION: u32 = 1;
 
-/// The longest request or response line accepted (bytes, newline included).
+/// The longest request line accepted (bytes, newline included).
 pub const MAX_LINE: usize = 1 << 20;
+
+/// The longest response line a client accepts: a `stats` answer of a node with 10,000 mounts
+/// is a few MiB.
+pub const MAX_RESPONSE_LINE: usize = 256 << 20;
 
 /// A request, without its envelope.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
