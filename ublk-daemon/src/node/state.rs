@@ -140,20 +140,34 @@ impl State {
                     l.meta.digest
                 ));
             }
-            if let Some(r) = l.refs.iter().find(|r| r.parse::<fs_cache::LayerRef>().is_err()) {
+            if let Some(r) = l
+                .refs
+                .iter()
+                .find(|r| r.parse::<fs_cache::LayerRef>().is_err())
+            {
                 return Err(format!("layer {id}: bad reference {r:?}"));
             }
         }
         for (mp, m) in &self.mounts {
-            for (what, p) in [("mountpoint", Some(mp)), ("upper", m.upper.as_ref()), ("work", m.work.as_ref())] {
+            for (what, p) in [
+                ("mountpoint", Some(mp)),
+                ("upper", m.upper.as_ref()),
+                ("work", m.work.as_ref()),
+            ] {
                 if let Some(p) = p {
                     if !is_plain_absolute(p) {
-                        return Err(format!("mount {}: {what} {p:?} is not a plain absolute path", mp.display()));
+                        return Err(format!(
+                            "mount {}: {what} {p:?} is not a plain absolute path",
+                            mp.display()
+                        ));
                     }
                 }
             }
             if m.upper.is_some() != m.work.is_some() {
-                return Err(format!("mount {}: an upper needs a work directory", mp.display()));
+                return Err(format!(
+                    "mount {}: an upper needs a work directory",
+                    mp.display()
+                ));
             }
         }
         for (mp, m) in &self.mounts {
