@@ -237,7 +237,10 @@ fn make_bucket(endpoint: &str, name: &str) {
     .unwrap();
     let mut answer = String::new();
     c.read_to_string(&mut answer).unwrap();
-    assert!(answer.starts_with("HTTP/1.1 200"), "create bucket {name}: {answer}");
+    assert!(
+        answer.starts_with("HTTP/1.1 200"),
+        "create bucket {name}: {answer}"
+    );
 }
 
 #[test]
@@ -442,13 +445,7 @@ fn scenario(tmp: &Path, store: &str, label: &str) {
         .stderr(log);
     let mut upgraded = up.spawn().unwrap();
     let old = pid;
-    pid = wait_answering(
-        &home,
-        &store,
-        &run_dir,
-        old,
-        &tmp.join("takeover.log"),
-    );
+    pid = wait_answering(&home, &store, &run_dir, old, &tmp.join("takeover.log"));
     let mut old_child = current.take().expect("the last restarted daemon");
     let status = old_child.wait().unwrap();
     assert!(
@@ -488,8 +485,8 @@ fn scenario(tmp: &Path, store: &str, label: &str) {
     if errors.load(Ordering::Relaxed) + wrong.load(Ordering::Relaxed) > 0 {
         // What the daemons said about it.
         for k in 0..KILLS {
-            let log = std::fs::read_to_string(tmp.join(format!("daemon{k}.log")))
-                .unwrap_or_default();
+            let log =
+                std::fs::read_to_string(tmp.join(format!("daemon{k}.log"))).unwrap_or_default();
             for l in log
                 .lines()
                 .filter(|l| l.contains("WARN") || l.contains("ERROR"))

@@ -136,6 +136,9 @@ mod tests {
         let got: Status = c.call(Request::Stats).unwrap();
         server.join().unwrap();
         assert_eq!(got.mounts.len(), 10_000);
-        assert_eq!(got.mounts[9_999].mountpoint, status.mounts[9_999].mountpoint);
+        assert_eq!(
+            got.mounts[9_999].mountpoint,
+            status.mounts[9_999].mountpoint
+        );
     }
 }
