@@ -9,7 +9,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::ffi::CString;
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, MetadataExt};
