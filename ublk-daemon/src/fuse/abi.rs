@@ -28,10 +28,13 @@ pub mod op {
     pub const LOOKUP: u32 = 1;
     pub const FORGET: u32 = 2;
     pub const GETATTR: u32 = 3;
+    pub const SETATTR: u32 = 4;
     pub const OPEN: u32 = 14;
     pub const READ: u32 = 15;
+    pub const WRITE: u32 = 16;
     pub const STATFS: u32 = 17;
     pub const RELEASE: u32 = 18;
+    pub const FSYNC: u32 = 20;
     pub const GETXATTR: u32 = 22;
     pub const LISTXATTR: u32 = 23;
     pub const FLUSH: u32 = 25;
@@ -43,6 +46,7 @@ pub mod op {
     pub const INTERRUPT: u32 = 36;
     pub const DESTROY: u32 = 38;
     pub const BATCH_FORGET: u32 = 42;
+    pub const FALLOCATE: u32 = 43;
 }
 
 /// Notification codes (`enum fuse_notify_code`).
@@ -67,8 +71,28 @@ pub mod init {
 pub mod fopen {
     pub const DIRECT_IO: u32 = 1 << 0;
     pub const KEEP_CACHE: u32 = 1 << 1;
+    /// Direct writes to the file may run in parallel (no per-inode lock in the kernel).
+    pub const PARALLEL_DIRECT_WRITES: u32 = 1 << 6;
     pub const PASSTHROUGH: u32 = 1 << 7;
 }
+
+/// `fuse_setattr_in.valid`: which attributes a SETATTR changes.
+pub mod fattr {
+    pub const MODE: u32 = 1 << 0;
+    pub const UID: u32 = 1 << 1;
+    pub const GID: u32 = 1 << 2;
+    pub const SIZE: u32 = 1 << 3;
+    pub const ATIME: u32 = 1 << 4;
+    pub const MTIME: u32 = 1 << 5;
+    pub const FH: u32 = 1 << 6;
+    pub const ATIME_NOW: u32 = 1 << 7;
+    pub const MTIME_NOW: u32 = 1 << 8;
+    pub const LOCKOWNER: u32 = 1 << 9;
+    pub const CTIME: u32 = 1 << 10;
+}
+
+/// `fuse_fsync_in.fsync_flags`.
+pub const FSYNC_FDATASYNC: u32 = 1 << 0;
 
 /// `struct fuse_in_header`.
 #[repr(C)]
@@ -221,6 +245,85 @@ pub struct ReadIn {
     pub padding: u32,
 }
 const _: () = assert!(std::mem::size_of::<ReadIn>() == 40);
+
+/// `struct fuse_write_in` (followed by `size` bytes of data).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, KnownLayout, Immutable)]
+pub struct WriteIn {
+    pub fh: u64,
+    pub offset: u64,
+    pub size: u32,
+    pub write_flags: u32,
+    pub lock_owner: u64,
+    pub flags: u32,
+    pub padding: u32,
+}
+const _: () = assert!(std::mem::size_of::<WriteIn>() == 40);
+const _: () = assert!(std::mem::offset_of!(WriteIn, size) == 16);
+const _: () = assert!(std::mem::offset_of!(WriteIn, lock_owner) == 24);
+const _: () = assert!(std::mem::offset_of!(WriteIn, flags) == 32);
+
+/// `struct fuse_write_out`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, KnownLayout, Immutable)]
+pub struct WriteOut {
+    pub size: u32,
+    pub padding: u32,
+}
+const _: () = assert!(std::mem::size_of::<WriteOut>() == 8);
+
+/// `struct fuse_setattr_in` (each field is meaningful only where its [`fattr`] bit is set in
+/// `valid`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, KnownLayout, Immutable)]
+pub struct SetattrIn {
+    pub valid: u32,
+    pub padding: u32,
+    pub fh: u64,
+    pub size: u64,
+    pub lock_owner: u64,
+    pub atime: u64,
+    pub mtime: u64,
+    pub ctime: u64,
+    pub atimensec: u32,
+    pub mtimensec: u32,
+    pub ctimensec: u32,
+    pub mode: u32,
+    pub unused4: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub unused5: u32,
+}
+const _: () = assert!(std::mem::size_of::<SetattrIn>() == 88);
+const _: () = assert!(std::mem::offset_of!(SetattrIn, size) == 16);
+const _: () = assert!(std::mem::offset_of!(SetattrIn, atime) == 32);
+const _: () = assert!(std::mem::offset_of!(SetattrIn, atimensec) == 56);
+const _: () = assert!(std::mem::offset_of!(SetattrIn, mode) == 68);
+const _: () = assert!(std::mem::offset_of!(SetattrIn, uid) == 76);
+
+/// `struct fuse_fsync_in`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, KnownLayout, Immutable)]
+pub struct FsyncIn {
+    pub fh: u64,
+    pub fsync_flags: u32,
+    pub padding: u32,
+}
+const _: () = assert!(std::mem::size_of::<FsyncIn>() == 16);
+
+/// `struct fuse_fallocate_in` (`mode` as fallocate(2)'s).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, FromBytes, IntoBytes, KnownLayout, Immutable)]
+pub struct FallocateIn {
+    pub fh: u64,
+    pub offset: u64,
+    pub length: u64,
+    pub mode: u32,
+    pub padding: u32,
+}
+const _: () = assert!(std::mem::size_of::<FallocateIn>() == 32);
+const _: () = assert!(std::mem::offset_of!(FallocateIn, length) == 16);
+const _: () = assert!(std::mem::offset_of!(FallocateIn, mode) == 24);
 
 /// `struct fuse_release_in` (also RELEASEDIR's argument).
 #[repr(C)]
