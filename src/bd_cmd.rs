@@ -2,19 +2,25 @@
 //!
 //! A device is a directory: a writable upper (overlaybd's `data` + `log`) and a descriptor
 //! naming the stored block layer it sits on (see `ublk_daemon::bd`). `serve` exposes it as a
-//! FUSE image file or as `/dev/ublkbN` until SIGTERM/SIGINT (a `serve --ublk` after a crash
-//! reattaches to the `/dev/ublkbN` the dead server left: ublk user recovery); `commit` seals the upper into a
-//! new layer and pushes it, its manifest naming the base as parent. Bases are read lazily
-//! through the node's chunk cache.
+//! FUSE image file or as `/dev/ublkbN` until SIGTERM/SIGINT. Both survive the server: a
+//! `serve --ublk` after a crash reattaches to the `/dev/ublkbN` the dead server left (ublk user
+//! recovery), and `serve --fuse` keeps its FUSE connection in an fd holder (`strata
+//! fuse-holder`, run in `<dir>/holder/`), so that after a crash the image file stays mounted,
+//! its I/O waits, and the next `serve --fuse` takes the connection over. `commit` seals the
+//! upper into a new layer and pushes it, its manifest naming the base as parent. Bases are
+//! read lazily through the node's chunk cache.
 
 use std::io::Write;
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use fs_cache::chunk::{CacheConfig, ChunkCache};
 use fs_cache::{LayerRef, Store};
 use serde::Serialize;
 use ublk_daemon::bd;
+use ublk_daemon::holder::HolderClient;
 
 #[derive(clap::Subcommand, Debug)]
 pub enum BdCommand {
@@ -31,8 +37,10 @@ pub enum BdCommand {
         base: Option<String>,
     },
     /// Serve a device until SIGTERM/SIGINT, then flush it and take it down: as an image file
-    /// (--fuse FILE, usable by losetup, mkfs, file-backed mounts) or as /dev/ublkbN (--ublk;
-    /// after a crash, the same /dev/ublkbN is reattached and the requests it held are served).
+    /// (--fuse FILE, usable by losetup, mkfs, file-backed mounts) or as /dev/ublkbN (--ublk).
+    /// Either survives a crash of the server: the next serve takes over the same image file
+    /// (kept open by an fd holder) or reattaches the same /dev/ublkbN, and the requests that
+    /// waited meanwhile are served.
     #[command(group(clap::ArgGroup::new("frontend").required(true).args(["fuse", "ublk"])))]
     Serve {
         /// The device directory.
@@ -83,6 +91,9 @@ struct Served {
     ublk_id: Option<u32>,
     /// Whether the ublk device was reattached (left by a server that died) rather than added.
     ublk_recovered: Option<bool>,
+    /// Whether the image file's FUSE connection was taken over from a server that died
+    /// (kept by the fd holder) rather than mounted anew.
+    fuse_resumed: Option<bool>,
 }
 
 #[derive(Serialize)]
@@ -122,6 +133,67 @@ async fn cache_for(
         .await
         .context("open a memory chunk cache"),
     }
+}
+
+/// The fd holder of the device in `dir` (`<dir>/holder/`), started if none runs: this very
+/// binary as `strata fuse-holder`. `None` (with a warning) if it cannot be had: the image file
+/// then does not survive this process.
+fn fuse_holder(dir: &Path) -> Option<Arc<HolderClient>> {
+    let start = || -> Result<HolderClient> {
+        let run_dir = bd::fuse::holder_run_dir(dir)?;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&run_dir)
+            .with_context(|| format!("create {}", run_dir.display()))?;
+        let exe = std::env::current_exe().context("find the strata binary (for its fd holder)")?;
+        let cmd = [exe.into_os_string(), "fuse-holder".into()];
+        HolderClient::connect_or_spawn(&run_dir, &cmd)
+            .with_context(|| format!("start the fd holder in {}", run_dir.display()))
+    };
+    match start() {
+        Ok(h) => Some(Arc::new(h)),
+        Err(e) => {
+            tracing::warn!("{e:#}: the image file will not survive this process");
+            None
+        }
+    }
+}
+
+/// Serve `dev` over `file`: take over the connection the fd holder keeps for it (a server of
+/// this directory died while serving `file`: the mount is still there and its I/O waits), or
+/// mount anew, the connection handed to the holder.
+fn serve_image(dev: &bd::OpenDevice, file: &Path, cfg: &bd::BdFuseConfig) -> Result<bd::BdFuse> {
+    let holder = fuse_holder(dev.dir());
+    if let Some(h) = &holder {
+        match bd::fuse::kept_connection(h, &dev.device, file) {
+            Ok(Some((fd, saved))) => {
+                match bd::fuse::resume_fuse(dev.device.clone(), fd, &saved, cfg, holder.clone()) {
+                    Ok(f) => {
+                        tracing::info!(
+                            image = %f.path().display(),
+                            resend = f.negotiated().has_resend(),
+                            "took over the image file from the server before"
+                        );
+                        if !f.negotiated().has_resend() {
+                            tracing::warn!(
+                                "this kernel has no FUSE_NOTIFY_RESEND (Linux < 6.9): requests \
+                                 the dead server had read stay unanswered"
+                            );
+                        }
+                        return Ok(f);
+                    }
+                    // Mounting anew lets the kept connection go first.
+                    Err(e) => {
+                        tracing::error!("taking over the image file failed: {e}; mounting anew")
+                    }
+                }
+            }
+            Ok(None) => {}
+            Err(e) => tracing::error!("{e}; mounting anew"),
+        }
+    }
+    Ok(bd::serve_fuse_with(dev.device.clone(), file, cfg, holder)?)
 }
 
 /// Run one `strata bd` command against `store`; bases are read through the node's chunk
@@ -178,6 +250,7 @@ pub async fn run(
                 ublk_device: None,
                 ublk_id: None,
                 ublk_recovered: None,
+                fuse_resumed: None,
             };
             enum Frontend {
                 Fuse(bd::BdFuse, bd::OpenDevice),
@@ -203,14 +276,26 @@ pub async fn run(
                     }
                     let mut cfg = bd::BdFuseConfig::default();
                     cfg.threads = threads;
-                    let f = bd::serve_fuse_with(dev.device.clone(), &file, &cfg).with_context(
-                        || format!("serve {} over {}", upper.display(), file.display()),
-                    )?;
+                    let f = serve_image(&dev, &file, &cfg).with_context(|| {
+                        format!("serve {} over {}", upper.display(), file.display())
+                    })?;
                     served.image = Some(f.path().display().to_string());
+                    served.fuse_resumed = Some(f.resumed());
                     Frontend::Fuse(f, dev)
                 }
                 (None, _) => {
                     debug_assert!(ublk, "clap requires --fuse or --ublk");
+                    // Likewise, the kernel may hold requests for this upper on an image file
+                    // whose server died, kept by the fd holder.
+                    if let Some(image) = bd::fuse::kept_image(dev.dir()) {
+                        anyhow::bail!(
+                            "{}: the image file {} still belongs to this device and waits for \
+                             its server; serve it with --fuse {} first",
+                            upper.display(),
+                            image.display(),
+                            image.display()
+                        );
+                    }
                     let mut cfg = bd::UblkConfig::default();
                     cfg.queues = queues;
                     cfg.depth = depth;

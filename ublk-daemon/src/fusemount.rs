@@ -19,16 +19,6 @@ pub(crate) struct FuseMount {
     pub read_only: bool,
 }
 
-/// `listxattr` of a file without extended attributes: the size of an empty list, or the
-/// empty list.
-pub(crate) fn reply_no_xattrs(size: u32, reply: fuser::ReplyXattr) {
-    if size == 0 {
-        reply.size(0)
-    } else {
-        reply.data(&[])
-    }
-}
-
 /// umount2(`path`, `flags`).
 pub(crate) fn umount(path: &Path, flags: UnmountFlags) -> std::io::Result<()> {
     rustix::mount::unmount(path, flags).map_err(std::io::Error::from)
@@ -134,67 +124,6 @@ fn unmount_retrying(target: &Path) -> std::io::Result<()> {
                 std::thread::sleep(std::time::Duration::from_millis(20));
             }
             other => return other,
-        }
-    }
-}
-
-/// Open `/dev/fuse`, mount it at `target` and answer the kernel's INIT with `fs` on `threads`
-/// threads (each with its own cloned descriptor). A failure after mount(2) detaches the mount.
-pub(crate) fn start<FS: fuser::Filesystem + Send + Sync + 'static>(
-    target: &Path,
-    max_read: u32,
-    threads: usize,
-    how: FuseMount,
-    fs: FS,
-) -> Result<fuser::BackgroundSession> {
-    use std::os::fd::{AsRawFd, OwnedFd};
-    use std::os::unix::fs::OpenOptionsExt;
-    let dev = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_CLOEXEC)
-        .open("/dev/fuse")
-        .map_err(|e| Error::io("open", "/dev/fuse", e))?;
-    let dev: OwnedFd = dev.into();
-    mount_fuse(target, dev.as_raw_fd(), max_read, how)?;
-    // From here on, a failure must not leave the mount behind.
-    let detach = |e: Error| {
-        let _ = umount(target, UnmountFlags::DETACH);
-        e
-    };
-    let mut config = fuser::Config::default();
-    config.n_threads = Some(threads);
-    config.clone_fd = true;
-    // The kernel sent INIT when the mount was made; the handshake answers it.
-    let session = fuser::Session::from_fd(fs, dev, fuser::SessionACL::All, config)
-        .map_err(|e| detach(Error::io("FUSE handshake on", target, e)))?;
-    session
-        .spawn()
-        .map_err(|e| detach(Error::io("start FUSE threads for", target, e)))
-}
-
-/// Unmount `target` and wait for `session`'s threads. If the mount is still in use, detach
-/// it lazily (the threads serve the remaining users, then end) and return [`Error::Busy`]
-/// saying `busy`.
-pub(crate) fn stop(target: &Path, session: fuser::BackgroundSession, busy: &str) -> Result<()> {
-    match unmount_retrying(target) {
-        Ok(()) => session
-            .join()
-            .map_err(|e| Error::io("stop FUSE threads of", target, e)),
-        Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
-            let detached = umount(target, UnmountFlags::DETACH);
-            // The threads stop on their own when the kernel drops the connection.
-            drop(session);
-            detached.map_err(|e| Error::io("umount2(MNT_DETACH)", target, e))?;
-            Err(Error::Busy {
-                path: target.to_path_buf(),
-                what: busy.into(),
-            })
-        }
-        Err(e) => {
-            // Not mounted any more, or another failure: the threads end with the connection.
-            drop(session);
-            Err(Error::io("umount", target, e))
         }
     }
 }

@@ -406,7 +406,40 @@ fn image_file_requests() {
     assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{e}");
     assert_eq!(f.write_at(&buf, size - 100).unwrap(), 100);
     assert!(f.set_len(size + 4096).is_err());
+    // Truncating to its own size, chmod and utimes are accepted (and change nothing).
+    f.set_len(size).unwrap();
+    std::fs::set_permissions(
+        fuse.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o644),
+    )
+    .unwrap();
+    f.set_modified(std::time::SystemTime::now()).unwrap();
+    assert_eq!(f.metadata().unwrap().len(), size);
+    // No extended attributes; statfs counts the device's 4 KiB blocks.
+    let e = rustix::fs::fgetxattr(&f, "user.x", &mut [0u8; 16]).unwrap_err();
+    assert_eq!(e, rustix::io::Errno::NODATA, "{e}");
+    assert_eq!(rustix::fs::flistxattr(&f, &mut [0u8; 16]).unwrap(), 0);
+    let st = rustix::fs::fstatfs(&f).unwrap();
+    assert_eq!((st.f_blocks, st.f_bsize), (size / 4096, 4096));
     drop(f);
+    // Big writes: a 1 MiB direct write is one request (max_write and max_pages at INIT).
+    let neg = fuse.negotiated();
+    assert_eq!(neg.max_write, 1 << 20, "{neg:?}");
+    let direct = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(fuse.path())
+        .unwrap();
+    let mut raw = vec![0u8; (1 << 20) + 4096];
+    let skew = raw.as_ptr().align_offset(4096);
+    let big = &mut raw[skew..skew + (1 << 20)];
+    fastrand::Rng::with_seed(5).fill(big);
+    let before = fuse.stats().writes;
+    direct.write_all_at(big, 1 << 20).unwrap();
+    assert_eq!(fuse.stats().writes - before, 1, "a 1 MiB write was split");
+    model[1 << 20..2 << 20].copy_from_slice(big);
+    drop(direct);
     let stats = fuse.stats();
     assert!(stats.discards >= 2 && stats.flushes >= 1, "{stats:?}");
     fuse.unmount().unwrap();
