@@ -3,8 +3,8 @@
 //!
 //! `fuser` 0.18 can only start a session with the kernel's INIT; a connection taken over from
 //! the fd holder (`crate::holder`) after a crash or an upgrade has had its INIT already. The
-//! blob mount needs a dozen opcodes, so this module implements them directly rather than
-//! patching `fuser`; the OverlayBD image file (`crate::bd::fuse`) still runs on `fuser`.
+//! blob mount and the OverlayBD image file (`crate::bd::fuse`) need a few dozen opcodes
+//! between them, so this module implements them directly rather than patching `fuser`.
 
 pub mod abi;
 pub mod request;
