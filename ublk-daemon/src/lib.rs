@@ -36,18 +36,7 @@ mod signal;
 
 pub use blobfs::{clean_stale_mount, mount_bdi, set_mount_readahead, BlobFs, BlobFsConfig};
 
-use std::io::Write;
-use std::path::{Path, PathBuf};
-
-/// Replace `path` with `bytes` atomically: write `tmp`, fsync it, rename it over `path`, fsync
-/// the directory.
-pub(crate) fn write_atomic(path: &Path, tmp: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let mut f = std::fs::File::create(tmp)?;
-    f.write_all(bytes)?;
-    f.sync_all()?;
-    std::fs::rename(tmp, path)?;
-    std::fs::File::open(path.parent().unwrap_or(Path::new(".")))?.sync_all()
-}
+use std::path::PathBuf;
 
 /// What went wrong in a frontend.
 #[derive(Debug, thiserror::Error)]
@@ -99,7 +88,7 @@ impl Error {
             Error::Busy { .. } => libc::EBUSY,
             Error::InvalidConfig(_) => libc::EINVAL,
             Error::UnknownBlob(_) => libc::ENOENT,
-            Error::Cache(fs_cache::Error::NotFound { .. }) => libc::ENOENT,
+            Error::Cache(e) if e.kind() == fs_cache::ErrorKind::NotFound => libc::ENOENT,
             Error::Cache(_) => libc::EIO,
             Error::Device(e) => e.errno(),
             Error::BadDevice { .. } => libc::EINVAL,

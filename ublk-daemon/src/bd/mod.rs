@@ -116,12 +116,11 @@ impl Descriptor {
     /// Write it to `<dir>/strata-bd.json` atomically (temporary file, fsync, rename).
     fn write(&self, dir: &Path) -> Result<()> {
         let path = dir.join(DESCRIPTOR_FILE);
-        let tmp = dir.join(format!(".{DESCRIPTOR_FILE}.tmp"));
         let body = serde_json::to_vec_pretty(self).map_err(|e| Error::BadDevice {
             path: path.clone(),
             reason: e.to_string(),
         })?;
-        crate::write_atomic(&path, &tmp, &body).map_err(|e| Error::io("write", &path, e))
+        fs_cache::write_atomic(&path, &body).map_err(|e| Error::io("write", &path, e))
     }
 }
 

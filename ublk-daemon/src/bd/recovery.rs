@@ -223,12 +223,11 @@ impl UblkRecord {
     /// Write it to `<dir>/strata-bd.ublk.json` atomically.
     pub(super) fn write(&self, dir: &Path) -> Result<()> {
         let path = dir.join(RECORD_FILE);
-        let tmp = dir.join(format!(".{RECORD_FILE}.tmp"));
         let body = self.encode().map_err(|reason| Error::BadDevice {
             path: path.clone(),
             reason,
         })?;
-        crate::write_atomic(&path, &tmp, &body).map_err(|e| Error::io("write", &path, e))
+        fs_cache::write_atomic(&path, &body).map_err(|e| Error::io("write", &path, e))
     }
 
     /// Remove `<dir>/strata-bd.ublk.json` (nothing to do if it is gone). Not fsynced: a record

@@ -175,17 +175,18 @@ impl ApiError {
 
     /// Classify a storage error: unknown layers, unreachable backends, bad layers.
     pub fn from_store(context: &str, e: &fs_cache::Error) -> Self {
-        use fs_cache::Error as E;
-        let kind = match e {
-            E::LayerNotFound(_) | E::InvalidLayerRef { .. } => ErrorKind::UnknownLayer,
-            E::Backend { .. } | E::DeadlineExceeded { .. } => ErrorKind::BackendUnreachable,
-            E::Shared(inner) => return Self::from_store(context, inner),
-            E::NotFound { .. }
-            | E::MissingBlob { .. }
-            | E::BadManifest { .. }
-            | E::BadChunkTable { .. }
-            | E::DigestMismatch { .. }
-            | E::Corrupt { .. } => ErrorKind::BadLayer,
+        use fs_cache::{Error as E, ErrorKind as K};
+        // The layer itself is unknown (or misnamed); any other missing or damaged object
+        // makes a known layer unservable. `kind()` sees through shared errors; so does this.
+        let mut root = e;
+        while let E::Shared(inner) = root {
+            root = inner;
+        }
+        let kind = match (root, e.kind()) {
+            (E::LayerNotFound(_) | E::InvalidLayerRef { .. }, _) => ErrorKind::UnknownLayer,
+            (_, K::Transient | K::Backend) => ErrorKind::BackendUnreachable,
+            (_, K::NotFound | K::Corrupt) => ErrorKind::BadLayer,
+            (_, K::InvalidInput) => ErrorKind::BadRequest,
             _ => ErrorKind::Internal,
         };
         Self::new(kind, format!("{context}: {e}"))

@@ -198,7 +198,7 @@ impl State {
     pub fn save(&self, path: &Path) -> std::io::Result<()> {
         let mut body = serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?;
         body.push(b'\n');
-        crate::write_atomic(path, &path.with_extension("json.tmp"), &body)
+        fs_cache::write_atomic(path, &body)
     }
 }
 
