@@ -58,7 +58,7 @@ use serde::{Deserialize, Serialize};
 use zerocopy::IntoBytes;
 
 use crate::blobfs::clean_stale_mount;
-use crate::fuse::abi::{self, fattr, fopen, init as flag, Attr, AttrOut, OpenOut, StatfsOut};
+use crate::fuse::abi::{self, fattr, fopen, init as flag, Attr, AttrOut, OpenOut};
 use crate::fuse::{Handler, InitPolicy, Negotiated, Op, Reply, Request, Session};
 use crate::fusemount::{self, umount, FuseMount};
 use crate::holder::HolderClient;
@@ -795,26 +795,9 @@ impl Handler for ImageFs {
             // close(2): make everything written through this descriptor durable as well.
             Op::Flush | Op::Fsync(_) => self.flush_device(reply),
             Op::Release(_) => reply.ok(&[]),
-            Op::Statfs => {
-                let out = StatfsOut {
-                    blocks: self.device.size().div_ceil(4096),
-                    files: 1,
-                    bsize: 4096,
-                    namelen: 255,
-                    frsize: 4096,
-                    ..Default::default()
-                };
-                reply.ok(&[out.as_bytes()])
-            }
+            Op::Statfs => reply.statfs(self.device.size().div_ceil(4096), 1),
             Op::Getxattr { .. } => reply.error(libc::ENODATA),
-            Op::Listxattr { size } => {
-                // No extended attributes: the size of an empty list, or the empty list.
-                if *size == 0 {
-                    reply.ok(&[abi::GetxattrOut::default().as_bytes()])
-                } else {
-                    reply.ok(&[])
-                }
-            }
+            Op::Listxattr { size } => reply.no_xattrs(*size),
             Op::Opendir(_) | Op::Readdir(_) | Op::Releasedir(_) | Op::Lookup { .. } => {
                 reply.error(libc::ENOTDIR)
             }

@@ -18,7 +18,7 @@ use tokio::runtime::Handle;
 use zerocopy::IntoBytes;
 
 use super::table::{Backing, Entry, Table};
-use crate::fuse::abi::{self, fopen, Attr, AttrOut, Dirent, EntryOut, OpenOut, StatfsOut};
+use crate::fuse::abi::{self, fopen, Attr, AttrOut, Dirent, EntryOut, OpenOut};
 use crate::fuse::{Handler, Negotiated, Op, Reply, Request};
 
 /// How long the kernel may cache blob entries and attributes: blobs are immutable, and a
@@ -314,25 +314,10 @@ impl Handler for BlobFsImpl {
             }
             Op::Statfs => {
                 let (files, bytes) = self.table.totals();
-                let out = StatfsOut {
-                    blocks: bytes.div_ceil(4096),
-                    files: files + 1,
-                    bsize: 4096,
-                    namelen: 255,
-                    frsize: 4096,
-                    ..Default::default()
-                };
-                reply.ok(&[out.as_bytes()])
+                reply.statfs(bytes.div_ceil(4096), files + 1)
             }
             Op::Getxattr { .. } => reply.error(libc::ENODATA),
-            Op::Listxattr { size } => {
-                // No extended attributes: the size of an empty list, or the empty list.
-                if *size == 0 {
-                    reply.ok(&[abi::GetxattrOut::default().as_bytes()])
-                } else {
-                    reply.ok(&[])
-                }
-            }
+            Op::Listxattr { size } => reply.no_xattrs(*size),
             _ => reply.error(libc::ENOSYS),
         }
     }

@@ -114,6 +114,9 @@ impl InitPolicy {
     }
 }
 
+/// The most payload pieces one reply or notification carries (a struct, a name and its NUL).
+const MAX_PAYLOAD_PARTS: usize = 3;
+
 /// The device descriptor, shared by the workers and the filesystem (replies, notifications,
 /// backing files).
 #[derive(Debug)]
@@ -130,10 +133,27 @@ impl Channel {
         self.dev.as_fd()
     }
 
-    fn write_parts(&self, parts: &[&[u8]]) -> io::Result<()> {
-        let slices: Vec<IoSlice<'_>> = parts.iter().map(|p| IoSlice::new(p)).collect();
-        let n = rustix::io::writev(self.fd(), &slices).map_err(io::Error::from)?;
-        let want: usize = parts.iter().map(|p| p.len()).sum();
+    /// Write one message: an [`OutHeader`] (`error` and `unique` as given) and `payload`, in
+    /// one `writev` with no allocation (this runs once per answered request). At most
+    /// [`MAX_PAYLOAD_PARTS`] payload pieces.
+    fn send(&self, error: i32, unique: u64, payload: &[&[u8]]) -> io::Result<()> {
+        if payload.len() > MAX_PAYLOAD_PARTS {
+            return Err(io::Error::other("too many pieces for one FUSE message"));
+        }
+        let body: usize = payload.iter().map(|p| p.len()).sum();
+        let want = std::mem::size_of::<OutHeader>() + body;
+        let h = OutHeader {
+            len: want as u32,
+            error,
+            unique,
+        };
+        let mut slices = [IoSlice::new(&[]); MAX_PAYLOAD_PARTS + 1];
+        slices[0] = IoSlice::new(h.as_bytes());
+        for (s, p) in slices[1..].iter_mut().zip(payload) {
+            *s = IoSlice::new(p);
+        }
+        let n =
+            rustix::io::writev(self.fd(), &slices[..=payload.len()]).map_err(io::Error::from)?;
         if n != want {
             return Err(io::Error::other(format!(
                 "short write to /dev/fuse: {n} of {want} bytes"
@@ -144,32 +164,16 @@ impl Channel {
 
     /// Answer request `unique` with `error` (0 or a positive errno) and `payload`.
     pub fn reply(&self, unique: u64, error: i32, payload: &[&[u8]]) -> io::Result<()> {
-        let len = std::mem::size_of::<OutHeader>() + payload.iter().map(|p| p.len()).sum::<usize>();
-        let h = OutHeader {
-            len: len as u32,
-            error: -error,
-            unique,
-        };
-        let mut parts = Vec::with_capacity(payload.len() + 1);
-        parts.push(h.as_bytes());
-        parts.extend_from_slice(payload);
-        match self.write_parts(&parts) {
+        match self.send(-error, unique, payload) {
             // The request was interrupted and is gone: nothing to answer.
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(()),
             other => other,
         }
     }
 
+    /// A notification: `unique` 0, the code in `error`.
     fn notify(&self, code: i32, payload: &[&[u8]]) -> io::Result<()> {
-        let len = std::mem::size_of::<OutHeader>() + payload.iter().map(|p| p.len()).sum::<usize>();
-        let h = OutHeader {
-            len: len as u32,
-            error: code,
-            unique: 0,
-        };
-        let mut parts = vec![h.as_bytes()];
-        parts.extend_from_slice(payload);
-        self.write_parts(&parts)
+        self.send(code, 0, payload)
     }
 
     /// Drop the kernel's cached dentry `name` in directory `parent`.
@@ -245,6 +249,30 @@ impl Reply<'_> {
     /// Answer with `payload` (the opcode's reply struct, or data).
     pub fn ok(mut self, payload: &[&[u8]]) {
         self.send(0, payload);
+    }
+
+    /// Answer LISTXATTR for a file without extended attributes: the size of an empty list
+    /// (`size` 0), or the empty list.
+    pub fn no_xattrs(self, size: u32) {
+        if size == 0 {
+            self.ok(&[abi::GetxattrOut::default().as_bytes()])
+        } else {
+            self.ok(&[])
+        }
+    }
+
+    /// Answer STATFS for a read-mostly filesystem of 4 KiB blocks: `blocks` in use, `files`
+    /// inodes, nothing free.
+    pub fn statfs(self, blocks: u64, files: u64) {
+        let out = abi::StatfsOut {
+            blocks,
+            files,
+            bsize: 4096,
+            namelen: 255,
+            frsize: 4096,
+            ..Default::default()
+        };
+        self.ok(&[out.as_bytes()])
     }
 
     /// The channel (to open backing files while answering an OPEN).
