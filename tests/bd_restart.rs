@@ -19,6 +19,8 @@
 //!
 //! Children, the holder and the mount are cleaned up by a Drop guard however the test ends.
 
+mod common;
+
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -38,18 +40,6 @@ const STATIC: u64 = 128;
 const OUTAGE: u64 = STATIC;
 /// The writer's blocks: WRITER..BLOCKS, round and round.
 const WRITER: u64 = STATIC + KILLS as u64;
-
-fn is_root(test: &str) -> bool {
-    if rustix::process::geteuid().is_root() {
-        return true;
-    }
-    eprintln!("SKIPPED {test}: needs root (mounts)");
-    assert!(
-        std::env::var("CI").as_deref() != Ok("true"),
-        "CI runs as root"
-    );
-    false
-}
 
 /// Block `i`'s contents in generation `g` (the block number and generation in its first bytes).
 fn pattern(i: u64, g: u64) -> Vec<u8> {
@@ -401,7 +391,7 @@ fn image_file_survives_kill9_of_its_server() {
     if let Some(image) = std::env::var_os(IO_CHILD) {
         io_child(Path::new(&image));
     }
-    if !is_root("image_file_survives_kill9_of_its_server") {
+    if !common::require_root("image_file_survives_kill9_of_its_server") {
         return;
     }
     let tmpdir = tempfile::tempdir().unwrap();
@@ -639,7 +629,7 @@ fn image_file_survives_kill9_of_its_server() {
 /// data. While it is kept, `strata bd serve --ublk` refuses the directory.
 #[test]
 fn kept_image_file_for_another_path_is_let_go() {
-    if !is_root("kept_image_file_for_another_path_is_let_go") {
+    if !common::require_root("kept_image_file_for_another_path_is_let_go") {
         return;
     }
     let tmpdir = tempfile::tempdir().unwrap();

@@ -1,5 +1,7 @@
 //! The `strata` binary end to end on a real directory store.
 
+mod common;
+
 use std::path::Path;
 use std::process::{Command, Output};
 
@@ -329,20 +331,6 @@ fn layer_build_pushes_a_lazy_layer_that_reads_back() {
 }
 
 /// Root only (mount(2), FUSE); prints a loud SKIPPED line otherwise (a failure under CI).
-fn require_root(test: &str) -> bool {
-    if rustix::process::geteuid().is_root() {
-        return true;
-    }
-    use std::io::Write;
-    let _ =
-        std::io::stderr().write_all(format!("\n*** SKIPPED {test}: needs root ***\n\n").as_bytes());
-    assert!(
-        std::env::var("CI").as_deref() != Ok("true"),
-        "{test} must run as root under CI"
-    );
-    false
-}
-
 fn pid_alive(pid: i32) -> bool {
     // A zombie (dead, not yet reaped by whoever adopted it) counts as gone.
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
@@ -414,7 +402,7 @@ fn ours_mounted(run_dir: &Path, mp: &Path) -> Vec<String> {
 
 #[test]
 fn mount_umount_status_crash_and_sigterm() {
-    if !require_root("mount_umount_status_crash_and_sigterm") {
+    if !common::require_root("mount_umount_status_crash_and_sigterm") {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -755,7 +743,7 @@ fn stop_daemon(guard: &DaemonGuard) {
 
 #[test]
 fn concurrent_first_mounts_start_one_daemon() {
-    if !require_root("concurrent_first_mounts_start_one_daemon") {
+    if !common::require_root("concurrent_first_mounts_start_one_daemon") {
         return;
     }
     const N: usize = 64;
@@ -907,7 +895,7 @@ fn concurrent_first_mounts_start_one_daemon() {
 
 #[test]
 fn a_daemon_serves_one_store_and_says_so() {
-    if !require_root("a_daemon_serves_one_store_and_says_so") {
+    if !common::require_root("a_daemon_serves_one_store_and_says_so") {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -1019,7 +1007,7 @@ fn a_daemon_serves_one_store_and_says_so() {
 
 #[test]
 fn blob_cat_goes_through_a_running_daemon() {
-    if !require_root("blob_cat_goes_through_a_running_daemon") {
+    if !common::require_root("blob_cat_goes_through_a_running_daemon") {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();

@@ -9,6 +9,8 @@
 //! zero errors and zero wrong bytes, the child must keep working, and every write must be in
 //! the upper. The longest time one read took (the stall a reader saw) is printed.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -202,21 +204,9 @@ while not os.path.exists(sys.argv[4]):
 print('done %d %d' % (n, bad))
 "#;
 
-fn is_root(test: &str) -> bool {
-    if rustix::process::geteuid().is_root() {
-        return true;
-    }
-    eprintln!("SKIPPED {test}: needs root (mounts)");
-    assert!(
-        std::env::var("CI").as_deref() != Ok("true"),
-        "CI runs as root"
-    );
-    false
-}
-
 #[test]
 fn kill9_and_takeover_under_load_lose_nothing() {
-    if !is_root("kill9_and_takeover_under_load_lose_nothing") {
+    if !common::require_root("kill9_and_takeover_under_load_lose_nothing") {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -245,7 +235,7 @@ fn make_bucket(endpoint: &str, name: &str) {
 
 #[test]
 fn kill9_and_takeover_under_load_lose_nothing_over_s3() {
-    if !is_root("kill9_and_takeover_under_load_lose_nothing_over_s3") {
+    if !common::require_root("kill9_and_takeover_under_load_lose_nothing_over_s3") {
         return;
     }
     let Ok(endpoint) = std::env::var("STRATA_TEST_S3_ENDPOINT") else {
