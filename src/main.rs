@@ -7,6 +7,7 @@ mod bd_cmd;
 mod build_cmd;
 mod cache_cmd;
 mod node_cmd;
+mod sandbox_cmd;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -87,6 +88,10 @@ enum Command {
         #[arg(long)]
         run_dir: PathBuf,
     },
+    /// Sandboxes on layer stacks, owned by the node daemon: create, exec, cp, ls, inspect,
+    /// rm, warm pools.
+    #[command(subcommand)]
+    Sandbox(sandbox_cmd::SandboxCmd),
     /// Mount layers lazily: `strata mount REF... MOUNTPOINT` (first REF lowest; several
     /// layers or --upper make an overlay). Prints the mountpoint.
     Mount(node_cmd::MountArgs),
@@ -438,6 +443,16 @@ async fn run(cli: Cli) -> Result<()> {
         Command::Umount(args) => return node_cmd::umount(args, &node_store, cli.json),
         Command::Status(args) => return node_cmd::status(args, &node_store, cli.json),
         Command::Warm(args) => return node_cmd::warm(args, &node_store, &cli.cache, cli.json),
+        Command::Sandbox(cmd) => {
+            // Blocking client calls: off the async runtime's threads.
+            let cache = cli.cache.clone();
+            let json = cli.json;
+            return tokio::task::spawn_blocking(move || {
+                sandbox_cmd::run(cmd, &node_store, &cache, json)
+            })
+            .await
+            .context("the sandbox command's thread")?;
+        }
         other => other,
     };
     let backend = open_backend(&url).await?;
@@ -751,7 +766,8 @@ async fn run(cli: Cli) -> Result<()> {
         | Command::Mount(_)
         | Command::Umount(_)
         | Command::Status(_)
-        | Command::Warm(_) => {
+        | Command::Warm(_)
+        | Command::Sandbox(_) => {
             anyhow::bail!("internal: node commands are dispatched before the store is opened")
         }
         Command::Gc { grace, dry_run } => {

@@ -50,6 +50,10 @@ pub struct DaemonArgs {
     /// and FUSE connections (kept by the fd holder); readers wait, none fails.
     #[arg(long)]
     pub takeover: bool,
+    /// Where the node's sandboxes keep their records, bundles and uppers (local disk)
+    /// [default: $STRATA_HOME/sandboxes].
+    #[arg(long, env = "STRATA_SANDBOX_DIR")]
+    pub sandbox_dir: Option<PathBuf>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -157,6 +161,27 @@ pub async fn daemon(args: DaemonArgs, url: &str, cache: &CacheOpts, home: &Path)
     let node = Node::start(node_config, Store::new(backend))
         .await
         .map_err(explain)?;
+    // The node's sandboxes: found again (and reattached) before the socket answers.
+    let sandbox_dir = args
+        .sandbox_dir
+        .clone()
+        .unwrap_or_else(|| home.join("sandboxes"));
+    let manager = match sandbox_runtime::Manager::start(
+        sandbox_runtime::ManagerConfig::new(sandbox_dir, &args.node.run_dir),
+        node.clone(),
+    )
+    .await
+    {
+        Ok(m) => m,
+        Err(e) => {
+            let _ = node.shutdown().await;
+            bail!("sandboxes: {e}");
+        }
+    };
+    let ext: server::SharedExtension =
+        Some(std::sync::Arc::new(sandbox_runtime::SandboxExtension {
+            manager,
+        }));
     let listener = match server::bind(&node.socket_path()) {
         Ok(l) => l,
         Err(e) => {
@@ -169,7 +194,7 @@ pub async fn daemon(args: DaemonArgs, url: &str, cache: &CacheOpts, home: &Path)
         std::process::id(),
         node.socket_path().display()
     );
-    server::serve_until_signal(node, listener)
+    server::serve_until_signal(node, listener, ext)
         .await
         .map_err(explain)
 }
@@ -189,6 +214,11 @@ impl NodeOpts {
 
 fn socket(node: &NodeOpts) -> PathBuf {
     ublk_daemon::node::socket_path(&node.run_dir)
+}
+
+/// A running daemon's client, whatever store it serves; `Ok(None)` if none answers.
+pub(crate) fn connect_running_any(node: &NodeOpts) -> Result<Option<Client>> {
+    Ok(ping(node, Some(START_TIMEOUT))?.map(|(c, _)| c))
 }
 
 /// Connect to a running daemon; `Ok(None)` if none is running.
@@ -442,7 +472,7 @@ fn log_tail(log_path: &Path, from: u64) -> String {
 /// only the holder starts one; the others use it as soon as it answers. A daemon that is
 /// starting (or stopping) without a client's help holds the run directory's lock: it is
 /// waited for, not raced. Everything is bounded by [`START_TIMEOUT`].
-fn connect_or_start(
+pub(crate) fn connect_or_start(
     node: &NodeOpts,
     store: &StoreArg,
     cache: &CacheOpts,

@@ -1,5 +1,106 @@
-//! # sandbox-runtime (not yet implemented)
+//! # sandbox-runtime: sandboxes on lazily mounted layer stacks
 //!
-//! Will compose sandbox roots (overlayfs over read-only layers with a local upper), run them,
-//! suspend and resume them, and turn a live upper into a new layer (pack_diff). Nothing is here
-//! yet. This crate exports no API until then.
+//! A sandbox is a **stack + an upper + a bundle**: its root is an overlay the node daemon
+//! composes (`ublk_daemon::node`: every layer mounted once per node and shared, the
+//! sandbox's own upper on local disk), its `config.json` is generated with `oci-spec`
+//! ([`spec`]), and a standard OCI runtime (`runc`, [`runc`]) runs it. The node daemon owns
+//! its sandboxes ([`Manager`]): a client that exits or disconnects changes nothing, and a
+//! daemon that restarts (kill -9, upgrade) finds them again from their records.
+//!
+//! ## On disk (`<dir>` = the manager's sandbox directory, on local disk)
+//! ```text
+//! <dir>/<id>/sandbox.json    the record (Record): stack, limits, env, state; written
+//!                            atomically before any change is acknowledged
+//! <dir>/<id>/bundle/         config.json (spec.rs) + rootfs/ (the node's overlay mount)
+//! <dir>/<id>/upper, work     the overlay's upper and work directories
+//! <dir>/<id>/etc/            hostname, hosts, resolv.conf (bound read-only over /etc's)
+//! <dir>/<id>/secrets/        a 1 MiB tmpfs, one file per secret, bound at /run/secrets
+//! <run-dir>/runc/            runc's state (--root)
+//! ```
+//! ## Invariants
+//! - A sandbox's record exists before its root is mounted and is removed last: a daemon that
+//!   dies at any point finds every sandbox, or the leftovers of one, and `rm` finishes it.
+//! - Nothing of the node is in a sandbox's mount namespace (runc pivots into the overlay);
+//!   the sandbox reaches the host only through the daemon's operations.
+//! - Captured exec output never exceeds the exec's cap; past it, output is read, counted
+//!   and dropped, so a writer can fill neither memory nor disk.
+//! - Paths given to `cp` resolve inside the sandbox's root (`openat2(RESOLVE_IN_ROOT)`): a
+//!   symlink inside never reaches the host.
+
+pub mod cgroup;
+mod exec;
+mod ext;
+pub mod files;
+mod manager;
+mod pool;
+pub mod proto;
+pub mod runc;
+pub mod spec;
+
+use ublk_daemon::node::proto::{ApiError, ErrorKind};
+
+pub use ext::SandboxExtension;
+pub use manager::{Manager, ManagerConfig};
+pub use proto::Limits;
+
+/// What can go wrong with a sandbox.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// No sandbox, exec or pool of that name.
+    #[error("{0}")]
+    NotFound(String),
+    /// The request is malformed or names something impossible.
+    #[error("{0}")]
+    InvalidSpec(String),
+    /// The sandbox exists already, or its state does not allow the operation.
+    #[error("{0}")]
+    Conflict(String),
+    /// A size or count limit refused the request.
+    #[error("{0}")]
+    Limit(String),
+    /// The OCI runtime failed.
+    #[error("{0}")]
+    Runtime(String),
+    /// The bundle's config could not be built.
+    #[error("OCI config: {0}")]
+    Spec(String),
+    /// The node daemon refused to mount or unmount the stack.
+    #[error("{0}")]
+    Node(ApiError),
+    /// A local file operation failed.
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    /// An I/O error with what was being done.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}
+
+impl From<Error> for ApiError {
+    fn from(e: Error) -> ApiError {
+        let kind = match &e {
+            Error::NotFound(_) => ErrorKind::UnknownSandbox,
+            Error::InvalidSpec(_) => ErrorKind::BadRequest,
+            Error::Conflict(_) => ErrorKind::Conflict,
+            Error::Limit(_) => ErrorKind::LimitExceeded,
+            Error::Runtime(_) => ErrorKind::Runtime,
+            Error::Node(a) => return a.clone(),
+            Error::Spec(_) | Error::Io { .. } => ErrorKind::Internal,
+        };
+        ApiError::new(kind, e.to_string())
+    }
+}
+
+/// The crate's result.
+pub type Result<T> = std::result::Result<T, Error>;

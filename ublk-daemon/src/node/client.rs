@@ -38,47 +38,72 @@ impl Client {
 
     /// Send one request and decode its result.
     pub fn call<T: DeserializeOwned>(&mut self, request: Request) -> Result<T, ApiError> {
+        let request = serde_json::to_value(RequestLine {
+            v: VERSION,
+            request,
+        })
+        .map_err(|e| ApiError::new(ErrorKind::BadRequest, e.to_string()))?;
+        self.call_streaming(&request, |_| Ok(()))
+    }
+
+    /// Send `request` (a whole request object: `op` and its fields; `v` is set here) and
+    /// decode its result, handing every `event` line that comes before it to `on_event` (an
+    /// extension's streamed answer, see `server::Extension`). An error from `on_event` stops
+    /// reading and is returned.
+    pub fn call_streaming<T: DeserializeOwned>(
+        &mut self,
+        request: &serde_json::Value,
+        mut on_event: impl FnMut(serde_json::Value) -> Result<(), ApiError>,
+    ) -> Result<T, ApiError> {
         let transport = |e: std::io::Error| {
             ApiError::new(
                 ErrorKind::Internal,
                 format!("talking to the strata daemon: {e}"),
             )
         };
-        let mut line = serde_json::to_vec(&RequestLine {
-            v: VERSION,
-            request,
-        })
-        .map_err(|e| ApiError::new(ErrorKind::BadRequest, e.to_string()))?;
+        let mut request = request.clone();
+        if let Some(o) = request.as_object_mut() {
+            o.insert("v".into(), VERSION.into());
+        }
+        let mut line = serde_json::to_vec(&request)
+            .map_err(|e| ApiError::new(ErrorKind::BadRequest, e.to_string()))?;
         line.push(b'\n');
         self.writer.write_all(&line).map_err(transport)?;
-        let mut answer = Vec::new();
-        (&mut self.reader)
-            .take(MAX_RESPONSE_LINE as u64)
-            .read_until(b'\n', &mut answer)
-            .map_err(transport)?;
-        if answer.last() != Some(&b'\n') {
-            return Err(transport(std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                "the daemon closed the connection without an answer",
-            )));
+        loop {
+            let mut answer = Vec::new();
+            (&mut self.reader)
+                .take(MAX_RESPONSE_LINE as u64)
+                .read_until(b'\n', &mut answer)
+                .map_err(transport)?;
+            if answer.last() != Some(&b'\n') {
+                return Err(transport(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "the daemon closed the connection without an answer",
+                )));
+            }
+            let response: ResponseLine = serde_json::from_slice(&answer).map_err(|e| {
+                ApiError::new(
+                    ErrorKind::Internal,
+                    format!("the daemon's answer is not a response line: {e}"),
+                )
+            })?;
+            if let Some(event) = response.event {
+                on_event(event)?;
+                continue;
+            }
+            if !response.ok {
+                return Err(response.error.unwrap_or_else(|| {
+                    ApiError::new(ErrorKind::Internal, "the daemon failed without saying why")
+                }));
+            }
+            return serde_json::from_value(response.result.unwrap_or(serde_json::Value::Null))
+                .map_err(|e| {
+                    ApiError::new(
+                        ErrorKind::Internal,
+                        format!("the daemon's answer has an unexpected shape: {e}"),
+                    )
+                });
         }
-        let response: ResponseLine = serde_json::from_slice(&answer).map_err(|e| {
-            ApiError::new(
-                ErrorKind::Internal,
-                format!("the daemon's answer is not a response line: {e}"),
-            )
-        })?;
-        if !response.ok {
-            return Err(response.error.unwrap_or_else(|| {
-                ApiError::new(ErrorKind::Internal, "the daemon failed without saying why")
-            }));
-        }
-        serde_json::from_value(response.result.unwrap_or(serde_json::Value::Null)).map_err(|e| {
-            ApiError::new(
-                ErrorKind::Internal,
-                format!("the daemon's answer has an unexpected shape: {e}"),
-            )
-        })
     }
 }
 
@@ -115,12 +140,7 @@ mod tests {
             cache: Default::default(),
             blob_files: vec![],
         };
-        let answer = ResponseLine {
-            v: VERSION,
-            ok: true,
-            result: Some(serde_json::to_value(&status).unwrap()),
-            error: None,
-        };
+        let answer = ResponseLine::success(serde_json::to_value(&status).unwrap());
         let mut line = serde_json::to_vec(&answer).unwrap();
         line.push(b'\n');
         assert!(line.len() > 2 << 20, "{} bytes", line.len());

@@ -109,6 +109,44 @@ pub struct ResponseLine {
     pub result: Option<serde_json::Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<ApiError>,
+    /// One line of a streamed answer (`server::Extension`): more lines follow.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub event: Option<serde_json::Value>,
+}
+
+impl ResponseLine {
+    /// The final line of a successful answer.
+    pub fn success(result: serde_json::Value) -> Self {
+        Self {
+            v: VERSION,
+            ok: true,
+            result: Some(result),
+            error: None,
+            event: None,
+        }
+    }
+
+    /// The final line of a failed answer.
+    pub fn failure(e: ApiError) -> Self {
+        Self {
+            v: VERSION,
+            ok: false,
+            result: None,
+            error: Some(e),
+            event: None,
+        }
+    }
+
+    /// A line of a streamed answer, more to come.
+    pub fn event(event: serde_json::Value) -> Self {
+        Self {
+            v: VERSION,
+            ok: true,
+            result: None,
+            error: None,
+            event: Some(event),
+        }
+    }
 }
 
 /// What kind of failure an error is: the command line maps each to a message a user can act
@@ -135,6 +173,15 @@ pub enum ErrorKind {
     KernelUnsupported,
     /// The daemon is shutting down.
     ShuttingDown,
+    /// No sandbox (or exec, or pool) of that id on this node.
+    UnknownSandbox,
+    /// A sandbox of that id exists already, or the sandbox is not in a state that allows the
+    /// operation (stopped, being removed).
+    Conflict,
+    /// A limit refused the request (sizes, counts, the node's capacity).
+    LimitExceeded,
+    /// The OCI runtime failed; the message has its words.
+    Runtime,
     /// Anything else (a local I/O error, a failed mount(2)); the message says what.
     Internal,
 }
@@ -152,6 +199,10 @@ impl ErrorKind {
             ErrorKind::NotRoot => "not_root",
             ErrorKind::KernelUnsupported => "kernel_unsupported",
             ErrorKind::ShuttingDown => "shutting_down",
+            ErrorKind::UnknownSandbox => "unknown_sandbox",
+            ErrorKind::Conflict => "conflict",
+            ErrorKind::LimitExceeded => "limit_exceeded",
+            ErrorKind::Runtime => "runtime",
             ErrorKind::Internal => "internal",
         }
     }
@@ -309,15 +360,10 @@ mod tests {
         assert_eq!(ping.request, Request::Ping);
         assert!(serde_json::from_str::<RequestLine>(r#"{"v":1,"op":"format_disk"}"#).is_err());
         assert!(serde_json::from_str::<RequestLine>(r#"{"op":"ping"}"#).is_err());
-        let err = ResponseLine {
-            v: VERSION,
-            ok: false,
-            result: None,
-            error: Some(ApiError::new(
-                ErrorKind::UnknownLayer,
-                "layer not found: base/x:1",
-            )),
-        };
+        let err = ResponseLine::failure(ApiError::new(
+            ErrorKind::UnknownLayer,
+            "layer not found: base/x:1",
+        ));
         assert_eq!(
             serde_json::to_string(&err).unwrap(),
             r#"{"v":1,"ok":false,"error":{"kind":"unknown_layer","message":"layer not found: base/x:1"}}"#

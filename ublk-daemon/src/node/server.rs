@@ -1,5 +1,11 @@
 //! The API socket: accept connections, check the peer is root (or the daemon's own user),
 //! read one request line at a time, answer it; stop on SIGTERM/SIGINT.
+//!
+//! Another crate may serve more operations on the same socket through an [`Extension`] (the
+//! sandbox runtime's `sandbox_*` ops, wired in by the `strata` binary): a request whose `op`
+//! the extension claims is answered by a stream of lines, each `{"v": 1, "ok": true,
+//! "event": {...}}`, ended by one ordinary response line (`result` or `error`). A client that
+//! goes away mid-stream drops the stream; what the operation started goes on.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -10,6 +16,22 @@ use tokio::net::{UnixListener, UnixStream};
 
 use super::proto::{ApiError, ErrorKind, RequestLine, ResponseLine, MAX_LINE, VERSION};
 use super::Node;
+
+/// Operations another crate serves on the node's socket (see the module docs).
+pub trait Extension: Send + Sync + 'static {
+    /// Whether `op` is one of this extension's operations.
+    fn claims(&self, op: &str) -> bool;
+    /// Answer `request` (the whole request object, `v` and `op` included): the lines to send,
+    /// in order; the last one carries `result` or `error`, the ones before it `event`. The
+    /// receiver is dropped when the client goes away.
+    fn handle(&self, request: serde_json::Value) -> tokio::sync::mpsc::Receiver<ResponseLine>;
+    /// Whether a stop (SIGTERM/SIGINT) must leave every mount in place for the next daemon,
+    /// as a handover does, because the extension's users (running sandboxes) still need them.
+    fn keeps_mounts(&self) -> bool;
+}
+
+/// The extension a server answers with, if any.
+pub type SharedExtension = Option<Arc<dyn Extension>>;
 
 /// Bind the socket at `path` (replacing a stale one: the caller holds the run-dir lock),
 /// mode 0600.
@@ -25,8 +47,14 @@ pub fn bind(path: &Path) -> std::io::Result<UnixListener> {
     Ok(listener)
 }
 
-/// Serve `node` on `listener` until SIGTERM or SIGINT, then shut the node down.
-pub async fn serve_until_signal(node: Arc<Node>, listener: UnixListener) -> Result<(), ApiError> {
+/// Serve `node` (and `ext`'s operations) on `listener` until SIGTERM or SIGINT, then shut
+/// the node down, unless `ext` keeps its mounts: then the daemon exits as after a handover,
+/// and the next one resumes everything.
+pub async fn serve_until_signal(
+    node: Arc<Node>,
+    listener: UnixListener,
+    ext: SharedExtension,
+) -> Result<(), ApiError> {
     let stop = crate::signal::StopSignal::install()
         .map_err(|e| ApiError::new(ErrorKind::Internal, format!("catch SIGTERM/SIGINT: {e}")))?;
     tokio::select! {
@@ -38,20 +66,39 @@ pub async fn serve_until_signal(node: Arc<Node>, listener: UnixListener) -> Resu
             // socket by the time it asked, or binds it when it starts).
             return Ok(());
         }
-        () = serve(node.clone(), listener) => {}
+        () = serve_with(node.clone(), listener, ext.clone()) => {}
     }
     let _ = std::fs::remove_file(node.socket_path());
+    if ext.as_ref().is_some_and(|e| e.keeps_mounts()) {
+        // As for a takeover: nothing is unmounted, the fd holder keeps the FUSE connection,
+        // and the next daemon on this run directory resumes it and adopts the mounts.
+        match node.handover().await {
+            Ok(_) => {
+                tracing::info!("sandboxes are running: every mount stays for the next daemon");
+                return Ok(());
+            }
+            Err(e) => {
+                tracing::warn!("cannot leave the mounts to the next daemon ({e}): unmounting")
+            }
+        }
+    }
     node.shutdown().await
 }
 
 /// Accept connections forever, one task per connection.
 pub async fn serve(node: Arc<Node>, listener: UnixListener) {
+    serve_with(node, listener, None).await
+}
+
+/// [`serve`], with `ext`'s operations.
+pub async fn serve_with(node: Arc<Node>, listener: UnixListener, ext: SharedExtension) {
     loop {
         match listener.accept().await {
             Ok((stream, _)) => {
                 let node = node.clone();
+                let ext = ext.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = connection(node, stream).await {
+                    if let Err(e) = connection(node, ext, stream).await {
                         tracing::debug!("API connection: {e}");
                     }
                 });
@@ -72,15 +119,14 @@ async fn respond(w: &mut (impl AsyncWriteExt + Unpin), r: &ResponseLine) -> std:
 }
 
 fn failure(e: ApiError) -> ResponseLine {
-    ResponseLine {
-        v: VERSION,
-        ok: false,
-        result: None,
-        error: Some(e),
-    }
+    ResponseLine::failure(e)
 }
 
-async fn connection(node: Arc<Node>, stream: UnixStream) -> std::io::Result<()> {
+async fn connection(
+    node: Arc<Node>,
+    ext: SharedExtension,
+    stream: UnixStream,
+) -> std::io::Result<()> {
     let me = rustix::process::geteuid().as_raw();
     let peer = stream.peer_cred()?;
     let (r, mut w) = stream.into_split();
@@ -112,7 +158,35 @@ async fn connection(node: Arc<Node>, stream: UnixStream) -> std::io::Result<()> 
             );
             return respond(&mut w, &failure(e)).await;
         }
-        let request: RequestLine = match serde_json::from_slice(&line) {
+        let value: serde_json::Value = match serde_json::from_slice(&line) {
+            Ok(v) => v,
+            Err(e) => {
+                let e = ApiError::new(ErrorKind::BadRequest, format!("bad request: {e}"));
+                return respond(&mut w, &failure(e)).await;
+            }
+        };
+        if let Some(ext) = &ext {
+            let op = value.get("op").and_then(|o| o.as_str()).unwrap_or("");
+            let v = value.get("v").and_then(|v| v.as_u64());
+            if v == Some(u64::from(VERSION)) && ext.claims(op) {
+                let mut lines = ext.handle(value);
+                let mut ended = false;
+                while let Some(l) = lines.recv().await {
+                    ended = l.event.is_none();
+                    respond(&mut w, &l).await?;
+                    if ended {
+                        break;
+                    }
+                }
+                if !ended {
+                    let e =
+                        ApiError::new(ErrorKind::Internal, "the operation ended without an answer");
+                    respond(&mut w, &failure(e)).await?;
+                }
+                continue;
+            }
+        }
+        let request: RequestLine = match serde_json::from_value(value) {
             Ok(r) => r,
             Err(e) => {
                 let e = ApiError::new(ErrorKind::BadRequest, format!("bad request: {e}"));
@@ -131,12 +205,7 @@ async fn connection(node: Arc<Node>, stream: UnixStream) -> std::io::Result<()> 
         }
         let handover = request.request == super::proto::Request::Handover;
         let response = match node.handle(request.request).await {
-            Ok(result) => ResponseLine {
-                v: VERSION,
-                ok: true,
-                result: Some(result),
-                error: None,
-            },
+            Ok(result) => ResponseLine::success(result),
             Err(e) => failure(e),
         };
         let sent = respond(&mut w, &response).await;

@@ -232,8 +232,10 @@ pub fn mount_overlay(
     let mut flags = MountFlags::empty();
     match upper {
         Some((u, w)) => {
+            // No redirects and no metadata-only copy-ups: an upper holds plain entries only
+            // (what pack_diff reads back as a layer).
             data.push_str(&format!(
-                ",upperdir={},workdir={}",
+                ",upperdir={},workdir={},redirect_dir=off,metacopy=off",
                 option_path(u)?,
                 option_path(w)?
             ));

@@ -1,0 +1,84 @@
+//! The sandbox operations on the node's socket: `ublk_daemon::node::server::Extension`.
+
+use std::sync::Arc;
+
+use tokio::sync::mpsc;
+use ublk_daemon::node::proto::{ApiError, ErrorKind, ResponseLine};
+use ublk_daemon::node::server::Extension;
+
+use crate::manager::{exec_stream, Manager};
+use crate::proto::Request;
+
+/// Serves [`crate::proto`]'s operations with a [`Manager`].
+#[derive(Debug, Clone)]
+pub struct SandboxExtension {
+    pub manager: Arc<Manager>,
+}
+
+fn one(r: Result<serde_json::Value, ApiError>) -> mpsc::Receiver<ResponseLine> {
+    let (tx, rx) = mpsc::channel(1);
+    let _ = tx.try_send(match r {
+        Ok(v) => ResponseLine::success(v),
+        Err(e) => ResponseLine::failure(e),
+    });
+    rx
+}
+
+fn value<T: serde::Serialize>(r: crate::Result<T>) -> Result<serde_json::Value, ApiError> {
+    r.map_err(ApiError::from).and_then(|v| {
+        serde_json::to_value(v).map_err(|e| ApiError::new(ErrorKind::Internal, e.to_string()))
+    })
+}
+
+impl Extension for SandboxExtension {
+    fn claims(&self, op: &str) -> bool {
+        op.starts_with("sandbox_")
+    }
+
+    fn handle(&self, request: serde_json::Value) -> mpsc::Receiver<ResponseLine> {
+        let request: Request = match serde_json::from_value(request) {
+            Ok(r) => r,
+            Err(e) => {
+                return one(Err(ApiError::new(
+                    ErrorKind::BadRequest,
+                    format!("bad request: {e}"),
+                )))
+            }
+        };
+        let m = self.manager.clone();
+        let (tx, rx) = mpsc::channel(16);
+        tokio::spawn(async move {
+            let mut lines = match request {
+                Request::SandboxCreate(r) => one(value(m.create(r).await)),
+                Request::SandboxExec(r) => {
+                    let detach = r.detach;
+                    exec_stream(m.exec(r).await, detach)
+                }
+                Request::SandboxRun(r) => {
+                    let detach = r.exec.detach;
+                    exec_stream(m.run(&r.stack, r.exec).await, detach)
+                }
+                Request::SandboxAttach(a) => match m.find_exec(&a.id, &a.exec) {
+                    Ok(e) => e.follow([a.stdout_from, a.stderr_from]),
+                    Err(e) => one(Err(e.into())),
+                },
+                Request::SandboxCp(r) => one(value(m.copy(r).await)),
+                Request::SandboxLs {} => one(value(Ok(m.list()))),
+                Request::SandboxInspect { id } => one(value(m.inspect(&id).await)),
+                Request::SandboxRm { id } => one(value(m.remove(&id).await)),
+                Request::SandboxPoolSet(p) => one(value(m.set_pool(&p.stack, p.size))),
+                Request::SandboxPoolLs {} => one(value(Ok(m.pools()))),
+            };
+            while let Some(l) = lines.recv().await {
+                if tx.send(l).await.is_err() {
+                    return;
+                }
+            }
+        });
+        rx
+    }
+
+    fn keeps_mounts(&self) -> bool {
+        self.manager.has_sandboxes()
+    }
+}

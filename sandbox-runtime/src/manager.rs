@@ -1,0 +1,1045 @@
+//! The node's sandboxes: create, exec, cp, ls, inspect, rm, idle timeouts, and finding them
+//! again after a daemon restart. Warm pools are in `pool.rs`.
+//!
+//! ## Locking
+//! The table of sandboxes is a short-held std mutex; a sandbox's lifecycle changes (create,
+//! rm) hold its own async lock across the runtime calls, so an `rm` waits for a `create` of
+//! the same sandbox to finish and never races it, while other sandboxes go on. Execs take no
+//! lifecycle lock for their run, only to start.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use base64::Engine as _;
+use serde::{Deserialize, Serialize};
+use tokio::io::AsyncWriteExt;
+use ublk_daemon::node::proto::{ErrorKind, Request as NodeRequest, ResponseLine};
+use ublk_daemon::node::Node;
+
+use crate::exec::{self, Exec};
+use crate::proto::{
+    CopyRequest, CopyResult, CreateRequest, Direction, ExecRequest, ExecResult, ExitReason, Limits,
+    Network, SandboxDetail, SandboxInfo, SandboxState, Stream,
+};
+use crate::runc::{ExecOptions, Runtime};
+use crate::{cgroup, files, spec, Error, Result};
+
+/// How a node's sandboxes are kept.
+#[derive(Clone, Debug)]
+pub struct ManagerConfig {
+    /// Records, bundles and uppers (local disk): `<dir>/<id>/…`.
+    pub dir: PathBuf,
+    /// The OCI runtime's binary (`runc`).
+    pub runtime: PathBuf,
+    /// The runtime's state directory (`--root`).
+    pub runtime_root: PathBuf,
+    /// The init every sandbox runs as PID 1 (`catatonit`, static).
+    pub init: PathBuf,
+    /// The most sandboxes this node runs.
+    pub max_sandboxes: usize,
+}
+
+impl ManagerConfig {
+    /// Sandboxes under `dir`, the runtime's state under `<run_dir>/runc`, `runc` and
+    /// `catatonit` from `PATH`.
+    pub fn new(dir: PathBuf, run_dir: &Path) -> Self {
+        Self {
+            dir,
+            runtime: find_in_path("runc").unwrap_or_else(|| "runc".into()),
+            runtime_root: run_dir.join("runc"),
+            init: find_in_path("catatonit").unwrap_or_else(|| "/usr/bin/catatonit".into()),
+            max_sandboxes: 4096,
+        }
+    }
+}
+
+fn find_in_path(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|p| {
+        std::env::split_paths(&p)
+            .map(|d| d.join(name))
+            .find(|f| f.is_file())
+    })
+}
+
+/// Finished execs a sandbox remembers (for `attach` and `inspect`).
+const KEPT_EXECS: usize = 64;
+
+/// The record of one sandbox, `<dir>/<id>/sandbox.json`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct Record {
+    pub id: String,
+    pub layers: Vec<String>,
+    pub limits: Limits,
+    pub env: Vec<String>,
+    #[serde(default)]
+    pub secret_names: Vec<String>,
+    #[serde(default)]
+    pub net: Network,
+    pub idle_timeout_s: Option<u64>,
+    pub created_ms: u64,
+    pub create_ms: u64,
+    pub state: SandboxState,
+    pub pid: Option<u32>,
+    #[serde(default)]
+    pub pool: Option<String>,
+}
+
+pub(crate) struct Sandbox {
+    pub id: String,
+    pub dir: PathBuf,
+    record: Mutex<Record>,
+    execs: Mutex<VecDeque<Arc<Exec>>>,
+    last_active: Mutex<Instant>,
+    running_execs: AtomicUsize,
+    lifecycle: tokio::sync::Mutex<()>,
+}
+
+impl Sandbox {
+    pub fn record(&self) -> Record {
+        self.record
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn set(&self, f: impl FnOnce(&mut Record)) -> Result<()> {
+        let r = {
+            let mut r = self.record.lock().unwrap_or_else(|p| p.into_inner());
+            f(&mut r);
+            r.clone()
+        };
+        save_record(&self.dir, &r)
+    }
+
+    fn touch(&self) {
+        *self.last_active.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+    }
+
+    fn idle(&self) -> Duration {
+        self.last_active
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .elapsed()
+    }
+
+    pub fn rootfs(&self) -> PathBuf {
+        self.dir.join("bundle/rootfs")
+    }
+
+    fn info(&self) -> SandboxInfo {
+        let r = self.record();
+        SandboxInfo {
+            id: r.id,
+            state: r.state,
+            layers: r.layers,
+            limits: r.limits,
+            created_ms: r.created_ms,
+            pid: r.pid,
+            pool: r.pool,
+            create_ms: r.create_ms,
+        }
+    }
+
+    fn find_exec(&self, exec: &str) -> Option<Arc<Exec>> {
+        self.execs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .find(|e| e.id == exec)
+            .cloned()
+    }
+
+    fn add_exec(&self, e: Arc<Exec>) {
+        let mut execs = self.execs.lock().unwrap_or_else(|p| p.into_inner());
+        execs.push_back(e);
+        while execs.len() > KEPT_EXECS {
+            match execs.iter().position(|x| x.result().is_some()) {
+                Some(i) => {
+                    execs.remove(i);
+                }
+                None => break,
+            }
+        }
+    }
+}
+
+fn save_record(dir: &Path, r: &Record) -> Result<()> {
+    let bytes = serde_json::to_vec_pretty(r).map_err(|e| Error::Spec(e.to_string()))?;
+    let path = dir.join("sandbox.json");
+    fs_cache::write_atomic(&path, &bytes)
+        .map_err(|e| Error::io(format!("write {}", path.display()), e))
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Whether `id` is a valid sandbox id: `[a-z0-9][a-z0-9_-]{0,62}`.
+pub fn valid_id(id: &str) -> bool {
+    let b = id.as_bytes();
+    !b.is_empty()
+        && b.len() <= 63
+        && (b[0].is_ascii_lowercase() || b[0].is_ascii_digit())
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-' || *c == b'_')
+}
+
+fn fresh_id() -> String {
+    let mut b = [0u8; 6];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        let _ = std::io::Read::read_exact(&mut f, &mut b);
+    }
+    let mut s = String::from("sb-");
+    for x in b {
+        s.push_str(&format!("{x:02x}"));
+    }
+    s
+}
+
+/// The node's sandboxes (see the module docs).
+pub struct Manager {
+    config: ManagerConfig,
+    node: Arc<Node>,
+    runtime: Runtime,
+    sandboxes: Mutex<HashMap<String, Arc<Sandbox>>>,
+    next_exec: AtomicU64,
+    pub(crate) pools: crate::pool::Pools,
+}
+
+impl std::fmt::Debug for Manager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Manager")
+            .field("dir", &self.config.dir)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Manager {
+    /// Open the node's sandboxes: every record under `config.dir` is read and its container
+    /// looked up; running ones are reattached, stopped ones kept for `rm`, half-created or
+    /// half-removed ones removed. Starts the idle-timeout reaper and the pools.
+    pub async fn start(config: ManagerConfig, node: Arc<Node>) -> Result<Arc<Self>> {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&config.dir)
+            .map_err(|e| Error::io(format!("create {}", config.dir.display()), e))?;
+        let runtime = Runtime {
+            binary: config.runtime.clone(),
+            root: config.runtime_root.clone(),
+        };
+        let m = Arc::new(Self {
+            pools: crate::pool::Pools::load(&config.dir),
+            config,
+            node,
+            runtime,
+            sandboxes: Mutex::new(HashMap::new()),
+            next_exec: AtomicU64::new(1),
+        });
+        let mut leftovers = Vec::new();
+        let entries = std::fs::read_dir(&m.config.dir)
+            .map_err(|e| Error::io(format!("read {}", m.config.dir.display()), e))?;
+        for entry in entries.flatten() {
+            let dir = entry.path();
+            let Some(id) = dir.file_name().and_then(|n| n.to_str()).map(str::to_owned) else {
+                continue;
+            };
+            if !valid_id(&id) || !dir.is_dir() {
+                continue;
+            }
+            let record: Option<Record> = std::fs::read(dir.join("sandbox.json"))
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok())
+                .filter(|r: &Record| r.id == id);
+            let Some(mut record) = record else {
+                tracing::warn!(
+                    "{}: no readable record; removing its leftovers",
+                    dir.display()
+                );
+                leftovers.push((id, dir));
+                continue;
+            };
+            let state = m.runtime.state(&id).await.ok().flatten();
+            match (record.state, state.as_ref().map(|s| s.status.as_str())) {
+                (SandboxState::Running, Some("running" | "paused")) => {
+                    record.pid = state.map(|s| s.pid);
+                }
+                (SandboxState::Running | SandboxState::Stopped, _) => {
+                    record.state = SandboxState::Stopped;
+                    record.pid = None;
+                }
+                (SandboxState::Creating | SandboxState::Removing, _) => {
+                    leftovers.push((id, dir));
+                    continue;
+                }
+            }
+            let _ = save_record(&dir, &record);
+            tracing::info!("sandbox {id}: {:?}, reattached", record.state);
+            let sb = Arc::new(Sandbox {
+                id: id.clone(),
+                dir,
+                record: Mutex::new(record),
+                execs: Mutex::new(VecDeque::new()),
+                last_active: Mutex::new(Instant::now()),
+                running_execs: AtomicUsize::new(0),
+                lifecycle: tokio::sync::Mutex::new(()),
+            });
+            m.sandboxes
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(id, sb);
+        }
+        for (id, dir) in leftovers {
+            if let Err(e) = m.teardown(&id, &dir).await {
+                tracing::warn!("sandbox {id}: removing its leftovers: {e}");
+            }
+        }
+        m.pools.adopt(&m);
+        let weak = Arc::downgrade(&m);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let Some(m) = weak.upgrade() else { return };
+                m.reap_idle().await;
+                m.pools.refill(&m);
+            }
+        });
+        Ok(m)
+    }
+
+    /// The runtime this manager drives.
+    pub fn runtime(&self) -> &Runtime {
+        &self.runtime
+    }
+
+    /// Whether any sandbox exists (a daemon stop must then leave the mounts in place).
+    pub fn has_sandboxes(&self) -> bool {
+        !self
+            .sandboxes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_empty()
+    }
+
+    pub(crate) fn get(&self, id: &str) -> Result<Arc<Sandbox>> {
+        self.sandboxes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .cloned()
+            .ok_or_else(|| Error::NotFound(format!("no sandbox {id} on this node")))
+    }
+
+    /// Create a sandbox and start its init; the sandbox's info.
+    pub async fn create(&self, req: CreateRequest) -> Result<SandboxInfo> {
+        self.create_in_pool(req, None).await
+    }
+
+    pub(crate) async fn create_in_pool(
+        &self,
+        req: CreateRequest,
+        pool: Option<String>,
+    ) -> Result<SandboxInfo> {
+        let t0 = Instant::now();
+        if req.layers.is_empty() {
+            return Err(Error::InvalidSpec(
+                "a sandbox needs at least one layer".into(),
+            ));
+        }
+        for e in &req.env {
+            if !e.contains('=') || e.starts_with('=') || e.contains('\0') {
+                return Err(Error::InvalidSpec(format!("--env {e:?} is not KEY=VALUE")));
+            }
+        }
+        let mut secrets = Vec::new();
+        for s in &req.secrets {
+            let (name, value) = s
+                .split_once('=')
+                .ok_or_else(|| Error::InvalidSpec(format!("--secret {s:?} is not NAME=VALUE")))?;
+            if name.is_empty()
+                || name.len() > 128
+                || !name
+                    .bytes()
+                    .all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'-' || c == b'.')
+                || name.starts_with('.')
+            {
+                return Err(Error::InvalidSpec(format!("bad secret name {name:?}")));
+            }
+            secrets.push((name.to_owned(), value.to_owned()));
+        }
+        let id = match req.id.clone() {
+            Some(id) if valid_id(&id) => id,
+            Some(id) => {
+                return Err(Error::InvalidSpec(format!(
+                    "bad sandbox id {id:?} (want [a-z0-9][a-z0-9_-]{{0,62}})"
+                )))
+            }
+            None => fresh_id(),
+        };
+        let dir = self.config.dir.join(&id);
+        let record = Record {
+            id: id.clone(),
+            layers: req.layers.clone(),
+            limits: req.limits.clone(),
+            env: req.env.clone(),
+            secret_names: secrets.iter().map(|(n, _)| n.clone()).collect(),
+            net: req.net.clone(),
+            idle_timeout_s: req.idle_timeout_s,
+            created_ms: now_ms(),
+            create_ms: 0,
+            state: SandboxState::Creating,
+            pid: None,
+            pool,
+        };
+        let sb = Arc::new(Sandbox {
+            id: id.clone(),
+            dir: dir.clone(),
+            record: Mutex::new(record.clone()),
+            execs: Mutex::new(VecDeque::new()),
+            last_active: Mutex::new(Instant::now()),
+            running_execs: AtomicUsize::new(0),
+            lifecycle: tokio::sync::Mutex::new(()),
+        });
+        let _life = sb.lifecycle.lock().await;
+        {
+            let mut all = self.sandboxes.lock().unwrap_or_else(|p| p.into_inner());
+            if all.contains_key(&id) {
+                return Err(Error::Conflict(format!("a sandbox {id} exists already")));
+            }
+            if all.len() >= self.config.max_sandboxes {
+                return Err(Error::Limit(format!(
+                    "this node runs {} sandboxes, its limit",
+                    all.len()
+                )));
+            }
+            all.insert(id.clone(), sb.clone());
+        }
+        match self.compose_and_start(&sb, &record, &secrets).await {
+            Ok(pid) => {
+                let create_ms = t0.elapsed().as_millis() as u64;
+                sb.set(|r| {
+                    r.state = SandboxState::Running;
+                    r.pid = Some(pid);
+                    r.create_ms = create_ms;
+                })?;
+                Ok(sb.info())
+            }
+            Err(e) => {
+                if let Err(t) = self.teardown(&id, &dir).await {
+                    tracing::warn!("sandbox {id}: cleaning up after a failed create: {t}");
+                }
+                self.sandboxes
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&id);
+                Err(e)
+            }
+        }
+    }
+
+    async fn compose_and_start(
+        &self,
+        sb: &Sandbox,
+        record: &Record,
+        secrets: &[(String, String)],
+    ) -> Result<u32> {
+        let dir = &sb.dir;
+        let mk = |p: &Path| {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(p)
+                .map_err(|e| Error::io(format!("create {}", p.display()), e))
+        };
+        match std::fs::create_dir(dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                return Err(Error::Conflict(format!(
+                    "{} exists already (leftovers of another sandbox {}?)",
+                    dir.display(),
+                    sb.id
+                )))
+            }
+            Err(e) => return Err(Error::io(format!("create {}", dir.display()), e)),
+        }
+        save_record(dir, record)?;
+        let rootfs = sb.rootfs();
+        let etc = dir.join("etc");
+        for d in [&rootfs, &etc, &dir.join("upper"), &dir.join("work")] {
+            mk(d)?;
+        }
+        // The bundle and its root must be traversable by the container's init.
+        std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o711))
+            .map_err(|e| Error::io(format!("chmod {}", dir.display()), e))?;
+        let write = |name: &str, text: String| {
+            let p = etc.join(name);
+            std::fs::write(&p, text).map_err(|e| Error::io(format!("write {}", p.display()), e))
+        };
+        write("hostname", format!("{}\n", sb.id))?;
+        write(
+            "hosts",
+            format!(
+                "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{}\n",
+                sb.id
+            ),
+        )?;
+        write("resolv.conf", String::new())?;
+        let secrets_dir = if secrets.is_empty() {
+            None
+        } else {
+            let s = dir.join("secrets");
+            mk(&s)?;
+            mount_secrets(&s, secrets)?;
+            Some(s)
+        };
+        self.node
+            .handle(NodeRequest::Mount {
+                layers: record.layers.clone(),
+                mountpoint: rootfs.clone(),
+                upper: Some(dir.join("upper")),
+                work: Some(dir.join("work")),
+            })
+            .await
+            .map_err(Error::Node)?;
+        let config = spec::build(&spec::SpecInput {
+            id: &sb.id,
+            rootfs: &rootfs,
+            init: &self.config.init,
+            env: &record.env,
+            limits: &record.limits,
+            etc_dir: &etc,
+            secrets_dir: secrets_dir.as_deref(),
+            netns: None,
+        })?;
+        let bundle = dir.join("bundle");
+        let bytes = serde_json::to_vec(&config).map_err(|e| Error::Spec(e.to_string()))?;
+        let cfg = bundle.join("config.json");
+        fs_cache::write_atomic(&cfg, &bytes)
+            .map_err(|e| Error::io(format!("write {}", cfg.display()), e))?;
+        self.runtime
+            .run_detached(&sb.id, &bundle, &dir.join("runc.log"))
+            .await
+    }
+
+    /// Remove everything of sandbox `id` under `dir`: its processes and container, its root
+    /// mount, its secrets, its upper and record. Each step tolerates what is already gone.
+    async fn teardown(&self, id: &str, dir: &Path) -> Result<()> {
+        self.runtime.kill_all(id, "KILL").await.ok();
+        for _ in 0..100 {
+            match self.runtime.state(id).await {
+                Ok(Some(s)) if s.status == "running" || s.status == "paused" => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                _ => break,
+            }
+        }
+        self.runtime.delete(id).await?;
+        let rootfs = dir.join("bundle/rootfs");
+        match self
+            .node
+            .handle(NodeRequest::Umount {
+                mountpoint: rootfs.clone(),
+            })
+            .await
+        {
+            Ok(_) => {}
+            Err(e) if e.kind == ErrorKind::NotMounted => {}
+            Err(e) => return Err(Error::Node(e)),
+        }
+        let secrets = dir.join("secrets");
+        if secrets.exists() {
+            let _ = rustix::mount::unmount(&secrets, rustix::mount::UnmountFlags::DETACH);
+        }
+        let dir = dir.to_owned();
+        tokio::task::spawn_blocking(move || match std::fs::remove_dir_all(&dir) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(Error::io(format!("remove {}", dir.display()), e)),
+        })
+        .await
+        .map_err(|e| Error::Runtime(format!("remove task: {e}")))?
+    }
+
+    /// Remove sandbox `id`; its info as it was.
+    pub async fn remove(&self, id: &str) -> Result<SandboxInfo> {
+        let sb = self.get(id)?;
+        let _life = sb.lifecycle.lock().await;
+        if !self
+            .sandboxes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(id)
+        {
+            return Err(Error::NotFound(format!("no sandbox {id} on this node")));
+        }
+        let info = sb.info();
+        sb.set(|r| r.state = SandboxState::Removing)?;
+        self.teardown(id, &sb.dir).await?;
+        self.sandboxes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
+        self.pools.forget(id);
+        Ok(info)
+    }
+
+    /// Every sandbox, by id.
+    pub fn list(&self) -> Vec<SandboxInfo> {
+        let all: Vec<Arc<Sandbox>> = self
+            .sandboxes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        let mut v: Vec<SandboxInfo> = all.iter().map(|s| s.info()).collect();
+        v.sort_by(|a, b| a.id.cmp(&b.id));
+        v
+    }
+
+    /// One sandbox in detail.
+    pub async fn inspect(&self, id: &str) -> Result<SandboxDetail> {
+        let sb = self.get(id)?;
+        let info = sb.info();
+        let cgroups = info.pid.map(cgroup::of_pid).unwrap_or_default();
+        let mem = cgroup::memory(&cgroups);
+        let upper = sb.dir.join("upper");
+        let u = upper.clone();
+        let upper_bytes = tokio::task::spawn_blocking(move || du(&u))
+            .await
+            .unwrap_or(0);
+        let execs = sb
+            .execs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|e| e.summary())
+            .collect();
+        Ok(SandboxDetail {
+            rootfs: sb.rootfs(),
+            upper,
+            upper_bytes,
+            pids: cgroup::pids(&cgroups),
+            cgroups,
+            memory_anon: mem.anon,
+            memory_file: mem.file,
+            execs,
+            idle_s: sb.idle().as_secs(),
+            idle_timeout_s: sb.record().idle_timeout_s,
+            info,
+        })
+    }
+
+    /// Copy between the host and sandbox `req.id` (see [`files`]).
+    pub async fn copy(&self, req: CopyRequest) -> Result<CopyResult> {
+        let sb = self.get(&req.id)?;
+        self.check_running(&sb)?;
+        sb.touch();
+        if !req.host.is_absolute() {
+            return Err(Error::InvalidSpec(format!(
+                "the host path {} must be absolute",
+                req.host.display()
+            )));
+        }
+        let max = req.max_bytes.unwrap_or(files::DEFAULT_MAX_COPY);
+        let root = sb.rootfs();
+        let r = tokio::task::spawn_blocking(move || match req.direction {
+            Direction::In => files::copy_in(&root, &req.host, &req.path, max),
+            Direction::Out => files::copy_out(&root, &req.path, &req.host, max),
+        })
+        .await
+        .map_err(|e| Error::Runtime(format!("copy task: {e}")))?;
+        sb.touch();
+        r
+    }
+
+    fn check_running(&self, sb: &Sandbox) -> Result<()> {
+        match sb.record().state {
+            SandboxState::Running => Ok(()),
+            s => Err(Error::Conflict(format!(
+                "sandbox {} is {}",
+                sb.id,
+                serde_json::to_value(s)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_owned))
+                    .unwrap_or_default()
+            ))),
+        }
+    }
+
+    /// Start `req.args` in sandbox `req.id`; the exec, already running.
+    pub async fn exec(&self, req: ExecRequest) -> Result<Arc<Exec>> {
+        let sb = self.get(&req.id)?;
+        if req.args.is_empty() {
+            return Err(Error::InvalidSpec("exec needs a command".into()));
+        }
+        for e in &req.env {
+            if !e.contains('=') || e.starts_with('=') {
+                return Err(Error::InvalidSpec(format!("--env {e:?} is not KEY=VALUE")));
+            }
+        }
+        let max_output = req.max_output.unwrap_or(exec::DEFAULT_MAX_OUTPUT);
+        if max_output > exec::MAX_MAX_OUTPUT {
+            return Err(Error::Limit(format!(
+                "--max-output {max_output} is more than {}",
+                exec::MAX_MAX_OUTPUT
+            )));
+        }
+        let stdin = match &req.stdin {
+            Some(s) => Some(
+                base64::engine::general_purpose::STANDARD
+                    .decode(s)
+                    .map_err(|e| Error::InvalidSpec(format!("stdin is not base64: {e}")))?,
+            ),
+            None => None,
+        };
+        let (child, exec, pid_file) = {
+            let _life = sb.lifecycle.lock().await;
+            self.check_running(&sb)?;
+            sb.touch();
+            let user = match &req.user {
+                Some(u) => Some(resolve_user(&sb.rootfs(), u)?),
+                None => None,
+            };
+            let n = self.next_exec.fetch_add(1, Ordering::Relaxed);
+            let exec_id = format!("e{n}-{}", now_ms() % 1_000_000);
+            let pid_file = sb.dir.join(format!("exec-{exec_id}.pid"));
+            let mut cmd = self.runtime.exec_command(
+                &sb.id,
+                &ExecOptions {
+                    args: &req.args,
+                    env: &req.env,
+                    cwd: req.cwd.as_deref(),
+                    user,
+                    pid_file: &pid_file,
+                },
+            );
+            cmd.stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .stdin(if stdin.is_some() {
+                    Stdio::piped()
+                } else {
+                    Stdio::null()
+                });
+            let exec = Exec::new(exec_id, sb.id.clone(), req.args.clone(), max_output);
+            let child = cmd.spawn().map_err(|e| {
+                Error::Runtime(format!("start {}: {e}", self.runtime.binary.display()))
+            })?;
+            sb.running_execs.fetch_add(1, Ordering::SeqCst);
+            sb.add_exec(exec.clone());
+            (child, exec, pid_file)
+        };
+        let oom_before = sb
+            .record()
+            .pid
+            .map(|p| cgroup::oom_kills(&cgroup::of_pid(p)))
+            .unwrap_or(0);
+        let cgroups = sb.record().pid.map(cgroup::of_pid).unwrap_or_default();
+        tokio::spawn(run_exec(
+            sb,
+            exec.clone(),
+            child,
+            stdin,
+            pid_file,
+            req.timeout_ms.map(Duration::from_millis),
+            oom_before,
+            cgroups,
+        ));
+        Ok(exec)
+    }
+
+    /// A running or finished exec of sandbox `id`.
+    pub fn find_exec(&self, id: &str, exec: &str) -> Result<Arc<Exec>> {
+        let sb = self.get(id)?;
+        sb.touch();
+        sb.find_exec(exec)
+            .ok_or_else(|| Error::NotFound(format!("no exec {exec} in sandbox {id}")))
+    }
+
+    /// Remove sandboxes idle past their timeout.
+    async fn reap_idle(&self) {
+        let all: Vec<Arc<Sandbox>> = self
+            .sandboxes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        for sb in all {
+            let Some(t) = sb.record().idle_timeout_s else {
+                continue;
+            };
+            if sb.running_execs.load(Ordering::SeqCst) == 0 && sb.idle() >= Duration::from_secs(t) {
+                tracing::info!("sandbox {}: idle for {t} s, removing", sb.id);
+                if let Err(e) = self.remove(&sb.id).await {
+                    tracing::warn!("sandbox {}: idle removal: {e}", sb.id);
+                }
+            }
+        }
+    }
+}
+
+/// Wait for an exec's runtime process, enforcing its timeout; record the end.
+#[allow(clippy::too_many_arguments)]
+async fn run_exec(
+    sb: Arc<Sandbox>,
+    exec: Arc<Exec>,
+    mut child: tokio::process::Child,
+    stdin: Option<Vec<u8>>,
+    pid_file: PathBuf,
+    timeout: Option<Duration>,
+    oom_before: u64,
+    cgroups: BTreeMap<String, PathBuf>,
+) {
+    if let (Some(bytes), Some(mut w)) = (stdin, child.stdin.take()) {
+        tokio::spawn(async move {
+            let _ = w.write_all(&bytes).await;
+        });
+    }
+    let out = child
+        .stdout
+        .take()
+        .map(|p| tokio::spawn(exec::pump(exec.clone(), Stream::Stdout, p)));
+    let err = child
+        .stderr
+        .take()
+        .map(|p| tokio::spawn(exec::pump(exec.clone(), Stream::Stderr, p)));
+    let mut timed_out = false;
+    let status = match timeout {
+        Some(t) => match tokio::time::timeout(t, child.wait()).await {
+            Ok(s) => s,
+            Err(_) => {
+                timed_out = true;
+                if let Some(pid) = read_pid(&pid_file) {
+                    kill_tree(pid);
+                }
+                child.wait().await
+            }
+        },
+        None => child.wait().await,
+    };
+    // The pipes close when the command and everything it started that kept them are gone;
+    // a daemonised child that keeps them open must not hold the result back for ever.
+    for h in [out, err].into_iter().flatten() {
+        let _ = tokio::time::timeout(Duration::from_secs(2), h).await;
+    }
+    let _ = std::fs::remove_file(&pid_file);
+    let (stdout_bytes, stderr_bytes, truncated) = exec.totals();
+    let code = status.as_ref().ok().and_then(|s| s.code());
+    let oom = cgroup::oom_kills(&cgroups) > oom_before;
+    let removed = sb.record().state != SandboxState::Running;
+    let (reason, exit_code, signal) = match code {
+        _ if timed_out => (ExitReason::Timeout, None, Some(libc::SIGKILL)),
+        Some(137) if oom => (ExitReason::Oom, None, Some(libc::SIGKILL)),
+        Some(c) if removed && c > 128 => (ExitReason::Killed, None, Some(c - 128)),
+        // runc reports a command killed by signal N as 128 + N.
+        Some(c) if c > 128 && c <= 128 + 64 => (ExitReason::Exited, Some(c), Some(c - 128)),
+        Some(c) => (ExitReason::Exited, Some(c), None),
+        None => (ExitReason::Killed, None, None),
+    };
+    let message = status
+        .err()
+        .map(|e| format!("waiting for the runtime: {e}"));
+    exec.finish(ExecResult {
+        exec: exec.id.clone(),
+        sandbox: sb.id.clone(),
+        reason,
+        exit_code,
+        signal,
+        stdout_bytes,
+        stderr_bytes,
+        truncated,
+        duration_ms: exec.started.elapsed().as_millis() as u64,
+        message,
+    });
+    sb.running_execs.fetch_sub(1, Ordering::SeqCst);
+    sb.touch();
+}
+
+fn read_pid(path: &Path) -> Option<i32> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// SIGKILL `pid` and every process descended from it (a few rounds, for forks in flight).
+fn kill_tree(pid: i32) {
+    for _ in 0..3 {
+        let mut parent_of: HashMap<i32, Vec<i32>> = HashMap::new();
+        if let Ok(rd) = std::fs::read_dir("/proc") {
+            for e in rd.flatten() {
+                let Some(p) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+                    continue;
+                };
+                let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
+                    continue;
+                };
+                // pid (comm) state ppid …: comm may hold anything, so parse after the last ')'.
+                let ppid = stat
+                    .rsplit_once(')')
+                    .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                    .and_then(|s| s.parse::<i32>().ok());
+                if let Some(pp) = ppid {
+                    parent_of.entry(pp).or_default().push(p);
+                }
+            }
+        }
+        let mut todo = vec![pid];
+        let mut all = Vec::new();
+        while let Some(p) = todo.pop() {
+            all.push(p);
+            if let Some(kids) = parent_of.get(&p) {
+                todo.extend(kids);
+            }
+        }
+        for p in all {
+            if let Some(p) = rustix::process::Pid::from_raw(p) {
+                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+            }
+        }
+    }
+}
+
+/// `uid[:gid]`, or a name of the sandbox's `/etc/passwd`.
+fn resolve_user(rootfs: &Path, user: &str) -> Result<(u32, u32)> {
+    let (u, g) = match user.split_once(':') {
+        Some((u, g)) => (u, Some(g)),
+        None => (user, None),
+    };
+    if let Ok(uid) = u.parse::<u32>() {
+        let gid = match g {
+            Some(g) => g
+                .parse()
+                .map_err(|_| Error::InvalidSpec(format!("bad gid in --user {user:?}")))?,
+            None => uid,
+        };
+        return Ok((uid, gid));
+    }
+    let passwd = files::read_small(rootfs, "/etc/passwd", 4 << 20)?;
+    for line in String::from_utf8_lossy(&passwd).lines() {
+        let f: Vec<&str> = line.split(':').collect();
+        if f.len() >= 4 && f[0] == u {
+            let uid = f[2]
+                .parse()
+                .map_err(|_| Error::InvalidSpec(format!("/etc/passwd has a bad uid for {u:?}")))?;
+            let gid = match g {
+                Some(g) => g
+                    .parse()
+                    .map_err(|_| Error::InvalidSpec(format!("bad gid in --user {user:?}")))?,
+                None => f[3].parse().map_err(|_| {
+                    Error::InvalidSpec(format!("/etc/passwd has a bad gid for {u:?}"))
+                })?,
+            };
+            return Ok((uid, gid));
+        }
+    }
+    Err(Error::InvalidSpec(format!(
+        "no user {u:?} in the sandbox's /etc/passwd"
+    )))
+}
+
+/// Allocated bytes under `dir` (not following symlinks, not crossing mounts).
+fn du(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let mut total = 0;
+    let mut todo = vec![dir.to_owned()];
+    while let Some(d) = todo.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let Ok(m) = e.path().symlink_metadata() else {
+                continue;
+            };
+            total += m.blocks() * 512;
+            if m.is_dir() {
+                todo.push(e.path());
+            }
+        }
+    }
+    total
+}
+
+/// Mount a small tmpfs at `dir` and write one file per secret (mode 0400).
+fn mount_secrets(dir: &Path, secrets: &[(String, String)]) -> Result<()> {
+    let total: usize = secrets.iter().map(|(_, v)| v.len()).sum();
+    if total > 512 << 10 {
+        return Err(Error::Limit("secrets are more than 512 KiB in all".into()));
+    }
+    rustix::mount::mount(
+        "strata-secrets",
+        dir,
+        "tmpfs",
+        rustix::mount::MountFlags::NOSUID
+            | rustix::mount::MountFlags::NODEV
+            | rustix::mount::MountFlags::NOEXEC,
+        c"size=1m,mode=0700",
+    )
+    .map_err(|e| Error::io(format!("mount a tmpfs on {}", dir.display()), e.into()))?;
+    for (name, value) in secrets {
+        let p = dir.join(name);
+        std::fs::write(&p, value).map_err(|e| Error::io(format!("write {}", p.display()), e))?;
+        std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o400))
+            .map_err(|e| Error::io(format!("chmod {}", p.display()), e))?;
+    }
+    Ok(())
+}
+
+/// What the extension answers an exec with: the stream of its lines.
+pub(crate) fn exec_stream(
+    exec: Result<Arc<Exec>>,
+    detach: bool,
+) -> tokio::sync::mpsc::Receiver<ResponseLine> {
+    match exec {
+        Ok(e) if detach => {
+            let (tx, rx) = tokio::sync::mpsc::channel(1);
+            let _ = tx.try_send(ResponseLine::success(serde_json::json!({
+                "exec": e.id, "sandbox": e.sandbox, "running": true
+            })));
+            rx
+        }
+        Ok(e) => e.follow([0, 0]),
+        Err(e) => {
+            let (tx, rx) = tokio::sync::mpsc::channel(1);
+            let _ = tx.try_send(ResponseLine::failure(e.into()));
+            rx
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_checked() {
+        for ok in ["a", "sb-01", "x_y", "0abc"] {
+            assert!(valid_id(ok), "{ok}");
+        }
+        for bad in ["", "-a", "A", "a/b", "..", "a b", &"x".repeat(64)] {
+            assert!(!valid_id(bad), "{bad}");
+        }
+        assert!(valid_id(&fresh_id()));
+    }
+
+    #[test]
+    fn users_resolve_from_the_sandboxes_passwd() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(d.path().join("etc")).unwrap();
+        std::fs::write(
+            d.path().join("etc/passwd"),
+            "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n",
+        )
+        .unwrap();
+        assert_eq!(resolve_user(d.path(), "nobody").unwrap(), (65534, 65534));
+        assert_eq!(resolve_user(d.path(), "1000:5").unwrap(), (1000, 5));
+        assert_eq!(resolve_user(d.path(), "42").unwrap(), (42, 42));
+        assert!(resolve_user(d.path(), "mallory").is_err());
+    }
+}

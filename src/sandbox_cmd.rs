@@ -1,0 +1,512 @@
+//! `strata sandbox …`: a client of the node daemon's sandbox operations
+//! (`sandbox_runtime::proto`). The daemon owns every sandbox; these commands only ask.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use base64::Engine as _;
+use sandbox_runtime::proto::{
+    parse_stack, CopyRequest, CreateRequest, Direction, ExecEvent, ExecRequest, ExecResult,
+    ExitReason, Limits, Network, PoolInfo, PoolRequest, Request, RunRequest, SandboxDetail,
+    SandboxInfo, Stream,
+};
+use ublk_daemon::node::client::Client;
+use ublk_daemon::node::proto::ApiError;
+
+use crate::cache_cmd::{parse_size, CacheOpts};
+use crate::node_cmd::{self, NodeOpts, StoreArg};
+
+#[derive(clap::Subcommand, Debug)]
+pub enum SandboxCmd {
+    /// Create a sandbox on a stack of layers and start it; prints its id.
+    Create(CreateArgs),
+    /// Run a command in a sandbox, streaming its output; exits with its status (124: timed
+    /// out, 137: killed or out of memory).
+    Exec(ExecArgs),
+    /// Follow a running (or finished) exec again: what it wrote, then its end.
+    Attach {
+        id: String,
+        exec: String,
+        #[command(flatten)]
+        node: NodeOpts,
+    },
+    /// Copy files or directories: `cp HOSTPATH ID:PATH` or `cp ID:PATH HOSTPATH`.
+    Cp {
+        src: String,
+        dst: String,
+        /// At most this much file data.
+        #[arg(long, value_parser = parse_size)]
+        max_bytes: Option<u64>,
+        #[command(flatten)]
+        node: NodeOpts,
+    },
+    /// The node's sandboxes.
+    Ls {
+        #[command(flatten)]
+        node: NodeOpts,
+    },
+    /// One sandbox: state, init pid, cgroups, memory, stack, upper, execs.
+    Inspect {
+        id: String,
+        #[command(flatten)]
+        node: NodeOpts,
+    },
+    /// Remove sandboxes: processes, cgroups, upper, mounts (the shared layers stay).
+    Rm {
+        #[arg(required = true)]
+        ids: Vec<String>,
+        #[command(flatten)]
+        node: NodeOpts,
+    },
+    /// Warm pools of ready sandboxes.
+    #[command(subcommand)]
+    Pool(PoolCmd),
+    /// Run a command in a sandbox of STACK (`REF[,REF…]`) taken from its pool, then remove it.
+    Run {
+        stack: String,
+        #[command(flatten)]
+        exec: ExecOpts,
+        #[arg(required = true, last = true)]
+        command: Vec<String>,
+        #[command(flatten)]
+        node: NodeOpts,
+    },
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum PoolCmd {
+    /// Keep SIZE sandboxes of STACK (`REF[,REF…]`, first lowest) ready (0: no pool).
+    Set {
+        stack: String,
+        #[arg(long)]
+        size: u32,
+        #[command(flatten)]
+        node: NodeOpts,
+    },
+    /// The pools and how many sandboxes each has ready.
+    Ls {
+        #[command(flatten)]
+        node: NodeOpts,
+    },
+}
+
+#[derive(clap::Args, Debug)]
+pub struct CreateArgs {
+    /// A layer of the stack (KIND/NAME:VERSION), first lowest; repeat.
+    #[arg(long = "layer", required = true)]
+    layers: Vec<String>,
+    #[arg(long)]
+    id: Option<String>,
+    /// CPUs (fractions allowed: 0.5).
+    #[arg(long)]
+    cpus: Option<f64>,
+    /// Memory limit (e.g. 512MiB).
+    #[arg(long, value_parser = parse_size)]
+    memory: Option<u64>,
+    /// Process and thread limit.
+    #[arg(long)]
+    pids: Option<u64>,
+    /// Size limit of the sandbox's upper (its writes).
+    #[arg(long, value_parser = parse_size)]
+    disk: Option<u64>,
+    /// KEY=VALUE for every process; repeat.
+    #[arg(long = "env")]
+    env: Vec<String>,
+    /// NAME=VALUE: the file /run/secrets/NAME, on a tmpfs outside the upper; repeat.
+    #[arg(long = "secret")]
+    secrets: Vec<String>,
+    /// `none`: loopback only.
+    #[arg(long, default_value = "none")]
+    net: String,
+    /// Remove the sandbox after this long without an operation (e.g. 10m).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    idle_timeout: Option<Duration>,
+    #[command(flatten)]
+    node: NodeOpts,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ExecOpts {
+    /// Kill the command after this many seconds.
+    #[arg(long)]
+    timeout: Option<f64>,
+    /// Captured bytes per stream; past it output is dropped and counted.
+    #[arg(long, value_parser = parse_size)]
+    max_output: Option<u64>,
+    #[arg(long)]
+    cwd: Option<String>,
+    /// KEY=VALUE; repeat.
+    #[arg(long = "env")]
+    env: Vec<String>,
+    /// uid[:gid] or a user name of the sandbox.
+    #[arg(long)]
+    user: Option<String>,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ExecArgs {
+    id: String,
+    #[command(flatten)]
+    opts: ExecOpts,
+    /// Start it and print its exec id; follow it with `attach`.
+    #[arg(long)]
+    detach: bool,
+    #[arg(required = true, last = true)]
+    command: Vec<String>,
+    #[command(flatten)]
+    node: NodeOpts,
+}
+
+impl ExecOpts {
+    fn request(&self, id: String, command: Vec<String>, detach: bool) -> Result<ExecRequest> {
+        let timeout_ms = match self.timeout {
+            Some(t) if !(t > 0.0 && t.is_finite()) => {
+                bail!("--timeout must be a positive number of seconds")
+            }
+            Some(t) => Some((t * 1000.0).ceil() as u64),
+            None => None,
+        };
+        Ok(ExecRequest {
+            id,
+            args: command,
+            env: self.env.clone(),
+            cwd: self.cwd.clone(),
+            user: self.user.clone(),
+            timeout_ms,
+            max_output: self.max_output,
+            stdin: None,
+            detach,
+        })
+    }
+}
+
+fn explain(e: ApiError) -> anyhow::Error {
+    anyhow!("{}", e.message)
+}
+
+fn running(node: &NodeOpts) -> Result<Client> {
+    node_cmd::connect_running_any(node)?.ok_or_else(|| {
+        anyhow!(
+            "no strata daemon runs on {} (create a sandbox first)",
+            node.run_dir.display()
+        )
+    })
+}
+
+fn call<T: serde::de::DeserializeOwned>(c: &mut Client, r: &Request) -> Result<T> {
+    c.call_streaming(&r.to_value(), |_| Ok(())).map_err(explain)
+}
+
+/// `strata sandbox …`.
+pub fn run(cmd: SandboxCmd, store: &StoreArg, cache: &CacheOpts, json: bool) -> Result<()> {
+    match cmd {
+        SandboxCmd::Create(a) => create(a, store, cache, json),
+        SandboxCmd::Exec(a) => {
+            let mut c = running(&a.node)?;
+            let detach = a.detach;
+            let req = Request::SandboxExec(a.opts.request(a.id, a.command, detach)?);
+            if detach {
+                let v: serde_json::Value = call(&mut c, &req)?;
+                if json {
+                    crate::print_json(&v)?;
+                } else {
+                    println!("{}", v["exec"].as_str().unwrap_or_default());
+                }
+                return Ok(());
+            }
+            follow(&mut c, &req, json)
+        }
+        SandboxCmd::Attach { id, exec, node } => {
+            let mut c = running(&node)?;
+            let req = Request::SandboxAttach(sandbox_runtime::proto::AttachRequest {
+                id,
+                exec,
+                stdout_from: 0,
+                stderr_from: 0,
+            });
+            follow(&mut c, &req, json)
+        }
+        SandboxCmd::Run {
+            stack,
+            exec,
+            command,
+            node,
+        } => {
+            let mut c = running(&node)?;
+            let req = Request::SandboxRun(RunRequest {
+                stack,
+                exec: exec.request(String::new(), command, false)?,
+            });
+            follow(&mut c, &req, json)
+        }
+        SandboxCmd::Cp {
+            src,
+            dst,
+            max_bytes,
+            node,
+        } => {
+            let (id, direction, host, path) = match (split_remote(&src), split_remote(&dst)) {
+                (None, Some((id, p))) => (id, Direction::In, src.clone(), p),
+                (Some((id, p)), None) => (id, Direction::Out, dst.clone(), p),
+                (Some(_), Some(_)) => {
+                    bail!("cp copies between the host and a sandbox, not between sandboxes")
+                }
+                (None, None) => bail!("one side of cp must be ID:PATH"),
+            };
+            let host = std::path::absolute(PathBuf::from(&host))
+                .with_context(|| format!("resolve {host}"))?;
+            let mut c = running(&node)?;
+            let r: sandbox_runtime::proto::CopyResult = call(
+                &mut c,
+                &Request::SandboxCp(CopyRequest {
+                    id,
+                    direction,
+                    host,
+                    path,
+                    max_bytes,
+                }),
+            )?;
+            if json {
+                crate::print_json(&r)?;
+            } else {
+                println!(
+                    "{} files, {} directories, {} symlinks, {} bytes",
+                    r.files, r.dirs, r.symlinks, r.bytes
+                );
+            }
+            Ok(())
+        }
+        SandboxCmd::Ls { node } => {
+            let mut c = running(&node)?;
+            let v: Vec<SandboxInfo> = call(&mut c, &Request::SandboxLs {})?;
+            if json {
+                return crate::print_json(&v);
+            }
+            println!(
+                "{:<20} {:<9} {:>8} {:<8} STACK",
+                "ID", "STATE", "PID", "POOL"
+            );
+            for s in v {
+                println!(
+                    "{:<20} {:<9} {:>8} {:<8} {}",
+                    s.id,
+                    state_name(&s),
+                    s.pid.map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
+                    s.pool.as_deref().map(|_| "yes").unwrap_or("-"),
+                    s.layers.join(" ")
+                );
+            }
+            Ok(())
+        }
+        SandboxCmd::Inspect { id, node } => {
+            let mut c = running(&node)?;
+            let d: SandboxDetail = call(&mut c, &Request::SandboxInspect { id })?;
+            if json {
+                return crate::print_json(&d);
+            }
+            println!("id:        {}", d.info.id);
+            println!("state:     {}", state_name(&d.info));
+            if let Some(p) = d.info.pid {
+                println!("init pid:  {p}");
+            }
+            println!("stack:     {}", d.info.layers.join(" "));
+            println!("rootfs:    {}", d.rootfs.display());
+            println!("upper:     {} ({} bytes)", d.upper.display(), d.upper_bytes);
+            println!("memory:    {} anon, {} file", d.memory_anon, d.memory_file);
+            println!("pids:      {}", d.pids);
+            for (c, p) in &d.cgroups {
+                println!("cgroup:    {c} {}", p.display());
+            }
+            for e in &d.execs {
+                println!(
+                    "exec:      {} {} {}",
+                    e.exec,
+                    if e.running { "running" } else { "done" },
+                    e.args.join(" ")
+                );
+            }
+            Ok(())
+        }
+        SandboxCmd::Rm { ids, node } => {
+            let mut c = running(&node)?;
+            let mut failed = 0;
+            for id in ids {
+                match call::<SandboxInfo>(&mut c, &Request::SandboxRm { id: id.clone() }) {
+                    Ok(_) => {
+                        if !json {
+                            println!("{id}");
+                        }
+                    }
+                    Err(e) => {
+                        eprintln!("strata: rm {id}: {e:#}");
+                        failed += 1;
+                    }
+                }
+            }
+            if failed > 0 {
+                bail!("{failed} sandboxes not removed");
+            }
+            Ok(())
+        }
+        SandboxCmd::Pool(PoolCmd::Set { stack, size, node }) => {
+            let mut c = running_or_start(&node, store, cache)?;
+            let p: PoolInfo = call(
+                &mut c,
+                &Request::SandboxPoolSet(PoolRequest { stack, size }),
+            )?;
+            if json {
+                crate::print_json(&p)
+            } else {
+                println!("{}: {} wanted, {} ready", p.stack, p.size, p.ready);
+                Ok(())
+            }
+        }
+        SandboxCmd::Pool(PoolCmd::Ls { node }) => {
+            let mut c = running(&node)?;
+            let v: Vec<PoolInfo> = call(&mut c, &Request::SandboxPoolLs {})?;
+            if json {
+                return crate::print_json(&v);
+            }
+            for p in v {
+                println!("{}: {} wanted, {} ready", p.stack, p.size, p.ready);
+            }
+            Ok(())
+        }
+    }
+}
+
+fn state_name(s: &SandboxInfo) -> String {
+    serde_json::to_value(s.state)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_default()
+}
+
+fn split_remote(s: &str) -> Option<(String, String)> {
+    let (id, path) = s.split_once(':')?;
+    (!id.is_empty() && !id.contains('/')).then(|| (id.to_owned(), path.to_owned()))
+}
+
+fn running_or_start(node: &NodeOpts, store: &StoreArg, cache: &CacheOpts) -> Result<Client> {
+    Ok(node_cmd::connect_or_start(node, store, cache)?.0)
+}
+
+fn create(a: CreateArgs, store: &StoreArg, cache: &CacheOpts, json: bool) -> Result<()> {
+    let net = match a.net.as_str() {
+        "none" => Network::None,
+        other => bail!("--net {other}: only `none` (loopback only) is supported so far"),
+    };
+    let cpu_millis = match a.cpus {
+        Some(c) if !(c > 0.0 && c.is_finite()) => bail!("--cpus must be positive"),
+        Some(c) => Some((c * 1000.0).round().max(1.0) as u64),
+        None => None,
+    };
+    if a.disk.is_some() {
+        bail!("--disk: limiting the upper's size is not supported yet on this node");
+    }
+    let req = Request::SandboxCreate(CreateRequest {
+        layers: a.layers.iter().flat_map(|l| parse_stack(l)).collect(),
+        id: a.id,
+        limits: Limits {
+            cpu_millis,
+            memory: a.memory,
+            pids: a.pids,
+            disk: a.disk,
+        },
+        env: a.env,
+        secrets: a.secrets,
+        net,
+        idle_timeout_s: a.idle_timeout.map(|d| d.as_secs().max(1)),
+    });
+    let mut c = running_or_start(&a.node, store, cache)?;
+    let info: SandboxInfo = call(&mut c, &req)?;
+    if json {
+        crate::print_json(&info)
+    } else {
+        println!("{}", info.id);
+        Ok(())
+    }
+}
+
+/// Stream an exec's output to this process's stdout and stderr; exit with its status.
+fn follow(c: &mut Client, req: &Request, json: bool) -> Result<()> {
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let r: ExecResult = c
+        .call_streaming(&req.to_value(), |ev| {
+            let Ok(ev) = serde_json::from_value::<ExecEvent>(ev) else {
+                return Ok(());
+            };
+            if let ExecEvent::Output { stream, data, .. } = ev {
+                let bytes = b64.decode(data).unwrap_or_default();
+                let io = match (json, stream) {
+                    (true, Stream::Stdout) => {
+                        out.extend_from_slice(&bytes);
+                        Ok(())
+                    }
+                    (true, Stream::Stderr) => {
+                        err.extend_from_slice(&bytes);
+                        Ok(())
+                    }
+                    (false, Stream::Stdout) => {
+                        let mut o = std::io::stdout().lock();
+                        o.write_all(&bytes).and_then(|()| o.flush())
+                    }
+                    (false, Stream::Stderr) => std::io::stderr().write_all(&bytes),
+                };
+                io.map_err(|e| {
+                    ApiError::new(ublk_daemon::node::proto::ErrorKind::Internal, e.to_string())
+                })?;
+            }
+            Ok(())
+        })
+        .map_err(explain)?;
+    if json {
+        let mut v = serde_json::to_value(&r)?;
+        v["stdout"] = String::from_utf8_lossy(&out).into_owned().into();
+        v["stderr"] = String::from_utf8_lossy(&err).into_owned().into();
+        crate::print_json(&v)?;
+    } else if r.truncated {
+        eprintln!(
+            "strata: output truncated: the command wrote {} bytes to stdout and {} to stderr, more than --max-output",
+            r.stdout_bytes, r.stderr_bytes
+        );
+    }
+    let code = match r.reason {
+        ExitReason::Exited => r.exit_code.unwrap_or(0),
+        ExitReason::Timeout => {
+            if !json {
+                eprintln!("strata: the command timed out and was killed");
+            }
+            124
+        }
+        ExitReason::Oom => {
+            if !json {
+                eprintln!("strata: the command was killed: the sandbox ran out of memory");
+            }
+            137
+        }
+        ExitReason::Killed => {
+            if !json {
+                eprintln!("strata: the command was killed from outside");
+            }
+            137
+        }
+        ExitReason::Failed => {
+            if !json {
+                eprintln!(
+                    "strata: the command did not start: {}",
+                    r.message.unwrap_or_default()
+                );
+            }
+            125
+        }
+    };
+    std::io::stdout().flush().ok();
+    if code != 0 {
+        std::process::exit(code);
+    }
+    Ok(())
+}
