@@ -1,7 +1,9 @@
 //! `cp` between the host and a sandbox, confined to the sandbox's root.
 //!
-//! The sandbox side is reached from the host through its composed root (the node's overlay
-//! mount; writes land in the upper). Every path given for the sandbox side is resolved with
+//! The sandbox side is reached from the host through its init's `/proc/<pid>/root`: the root
+//! of the sandbox's own mount namespace, so paths cross its mounts (`/tmp`, the bound
+//! `/etc/hostname`, secrets) as its processes see them, and writes to the root land in its
+//! upper. Every path given for the sandbox side is resolved with
 //! `openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)` from a descriptor of that root: `..`
 //! and absolute symlinks stop at the sandbox's `/`, so a symlink planted inside never names
 //! a host file. Below the top, a tree is walked with descriptors only (`openat` of one name

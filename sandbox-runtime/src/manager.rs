@@ -131,6 +131,18 @@ impl Sandbox {
         self.dir.join("bundle/rootfs")
     }
 
+    /// The root as the sandbox's processes see it — its mount namespace, with its own
+    /// `/tmp`, `/etc/hostname` and secrets — through its init's `/proc/<pid>/root`; the
+    /// composed root if the init is gone.
+    pub fn view(&self) -> PathBuf {
+        match self.record().pid {
+            Some(pid) if Path::new(&format!("/proc/{pid}/root")).exists() => {
+                PathBuf::from(format!("/proc/{pid}/root"))
+            }
+            _ => self.rootfs(),
+        }
+    }
+
     fn info(&self) -> SandboxInfo {
         let r = self.record();
         SandboxInfo {
@@ -476,9 +488,10 @@ impl Manager {
         for d in [&rootfs, &etc, &dir.join("upper"), &dir.join("work")] {
             mk(d)?;
         }
-        // The bundle and its root must be traversable by the container's init.
-        std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o711))
-            .map_err(|e| Error::io(format!("chmod {}", dir.display()), e))?;
+        // The overlay's root takes the upper's mode: the root of a system is 0755.
+        let upper = dir.join("upper");
+        std::fs::set_permissions(&upper, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .map_err(|e| Error::io(format!("chmod {}", upper.display()), e))?;
         let write = |name: &str, text: String| {
             let p = etc.join(name);
             std::fs::write(&p, text).map_err(|e| Error::io(format!("write {}", p.display()), e))
@@ -650,7 +663,7 @@ impl Manager {
             )));
         }
         let max = req.max_bytes.unwrap_or(files::DEFAULT_MAX_COPY);
-        let root = sb.rootfs();
+        let root = sb.view();
         let r = tokio::task::spawn_blocking(move || match req.direction {
             Direction::In => files::copy_in(&root, &req.host, &req.path, max),
             Direction::Out => files::copy_out(&root, &req.path, &req.host, max),
@@ -706,7 +719,7 @@ impl Manager {
             self.check_running(&sb)?;
             sb.touch();
             let user = match &req.user {
-                Some(u) => Some(resolve_user(&sb.rootfs(), u)?),
+                Some(u) => Some(resolve_user(&sb.view(), u)?),
                 None => None,
             };
             let n = self.next_exec.fetch_add(1, Ordering::Relaxed);
