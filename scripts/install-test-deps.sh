@@ -11,6 +11,9 @@ debs=(
     tar gzip zstd                                  # layer tarballs for the tar-input tests
     e2fsprogs                                      # mkfs.ext4 / e2fsck on block devices
     python3 python3-venv                           # scripts/test.sh; the moto virtualenv
+    runc catatonit                                 # sandboxes: the OCI runtime and their init
+    debootstrap                                    # the Debian base layer of the sandbox tests
+    iproute2 nftables                              # sandbox networks (veth, egress allowlists)
 )
 "$(dirname "$0")/apt-ensure.sh" install-test-deps "${debs[@]}"
 
@@ -34,4 +37,7 @@ fi
 ln -sf "$moto_venv/bin/moto_server" /usr/local/bin/moto_server
 hash -r
 command -v moto_server >/dev/null || { echo "install-test-deps: moto_server is not on PATH after install" >&2; exit 1; }
+# A real Debian root for the sandbox tests' base layer, built once (~30 s) and cached under
+# /var/cache/strata (scripts/debian-base.sh prints its path).
+"$(dirname "$0")/debian-base.sh" >/dev/null
 echo "install-test-deps: ok"

@@ -40,7 +40,7 @@ pub mod spec;
 use ublk_daemon::node::proto::{ApiError, ErrorKind};
 
 pub use ext::SandboxExtension;
-pub use manager::{Manager, ManagerConfig};
+pub use manager::{valid_id, Manager, ManagerConfig, Record};
 pub use proto::Limits;
 
 /// What can go wrong with a sandbox.

@@ -69,9 +69,9 @@ fn find_in_path(name: &str) -> Option<PathBuf> {
 /// Finished execs a sandbox remembers (for `attach` and `inspect`).
 const KEPT_EXECS: usize = 64;
 
-/// The record of one sandbox, `<dir>/<id>/sandbox.json`.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub(crate) struct Record {
+/// The record of one sandbox, `<dir>/<id>/sandbox.json` (`docs/sandbox.md`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Record {
     pub id: String,
     pub layers: Vec<String>,
     pub limits: Limits,
@@ -180,6 +180,15 @@ impl Sandbox {
     }
 }
 
+impl Record {
+    /// The record in `bytes`, if they hold one for sandbox `id` (anything else — not JSON,
+    /// another id, an invalid id — is `None`: the directory is treated as leftovers).
+    pub fn parse(bytes: &[u8], id: &str) -> Option<Record> {
+        let r: Record = serde_json::from_slice(bytes).ok()?;
+        (r.id == id && valid_id(id)).then_some(r)
+    }
+}
+
 fn save_record(dir: &Path, r: &Record) -> Result<()> {
     let bytes = serde_json::to_vec_pretty(r).map_err(|e| Error::Spec(e.to_string()))?;
     let path = dir.join("sandbox.json");
@@ -267,10 +276,9 @@ impl Manager {
             if !valid_id(&id) || !dir.is_dir() {
                 continue;
             }
-            let record: Option<Record> = std::fs::read(dir.join("sandbox.json"))
+            let record = std::fs::read(dir.join("sandbox.json"))
                 .ok()
-                .and_then(|b| serde_json::from_slice(&b).ok())
-                .filter(|r: &Record| r.id == id);
+                .and_then(|b| Record::parse(&b, &id));
             let Some(mut record) = record else {
                 tracing::warn!(
                     "{}: no readable record; removing its leftovers",
