@@ -69,6 +69,12 @@
 //! daemon restart finds it as it was (nothing to redo); a host reboot loses it together
 //! with the sandboxes. Until its map entries exist, an `sx*` interface is dropped entirely.
 //!
+//! ## What the caller owns
+//! Slots: one sandbox per slot at a time; [`teardown`] trusts the `(id, slot)` it is given
+//! (the veth and chains are the slot's, the namespace file the id's). [`setup`] refuses a
+//! slot whose `sx<n>` exists or an id whose namespace file exists ([`Error::Conflict`]),
+//! and waits (≤ 1 s, typically) until both ends of the veth are operationally up.
+//!
 //! ## What the daemon does to the host
 //! [`setup`] turns on `net.ipv4.ip_forward` (and leaves it on); other tables with a `drop`
 //! policy on the forward hook (Docker's, a host firewall) must also let `sx*` through.

@@ -5,7 +5,7 @@
 //! tried is a test host's, a sandbox's or the host's own).
 
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -99,6 +99,26 @@ impl Listener {
             thread: Some(thread),
         }
     }
+
+    /// The same over UDP: every datagram is answered with `hello <addr>`.
+    fn udp(u: UdpSocket) -> Listener {
+        let to = u.local_addr().unwrap();
+        u.set_read_timeout(Some(Duration::from_millis(20))).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut buf = [0u8; 64];
+            while !s.load(Ordering::Relaxed) {
+                if let Ok((_, from)) = u.recv_from(&mut buf) {
+                    let _ = u.send_to(format!("hello {to}").as_bytes(), from);
+                }
+            }
+        });
+        Listener {
+            stop,
+            thread: Some(thread),
+        }
+    }
 }
 
 impl Drop for Listener {
@@ -168,13 +188,18 @@ impl Guard {
             wait_up("eth0");
             ports
                 .iter()
-                .map(|p| TcpListener::bind((addr, *p)).unwrap())
+                .map(|p| {
+                    let t = TcpListener::bind((addr, *p)).unwrap();
+                    (t, UdpSocket::bind((addr, *p)).unwrap())
+                })
                 .collect::<Vec<_>>()
         })
         .unwrap();
         wait_up(&link);
-        self.listeners
-            .extend(listeners.into_iter().map(Listener::start));
+        for (t, u) in listeners {
+            self.listeners.push(Listener::start(t));
+            self.listeners.push(Listener::udp(u));
+        }
         addr
     }
 
@@ -222,6 +247,20 @@ fn connect_from(ns: &Path, addr: Ipv4Addr, port: u16) -> Result<String, String> 
         Ok(s)
     })
     .map_err(|e| e.to_string())?
+}
+
+/// Whether a datagram from inside `ns` to `addr:port` is answered (three tries).
+fn udp_answered(ns: &Path, addr: Ipv4Addr, port: u16) -> bool {
+    net::in_netns(ns, || {
+        let u = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)).unwrap();
+        u.set_read_timeout(Some(REFUSED / 3)).unwrap();
+        let mut buf = [0u8; 64];
+        (0..3).any(|_| {
+            let _ = u.send_to(b"hi", (addr, port));
+            matches!(u.recv_from(&mut buf), Ok((n, _)) if buf[..n] == *format!("hello {addr}:{port}").as_bytes())
+        })
+    })
+    .unwrap()
 }
 
 fn reaches(ns: &Path, addr: Ipv4Addr, port: u16) {
@@ -299,6 +338,9 @@ fn egress_reaches_exactly_the_allowlist() {
     // does not open it).
     blocked(&sb.netns, a, 8081);
     blocked(&sb.netns, b, 8080);
+    // `/tcp` is TCP only.
+    assert!(udp_answered(Path::new("/proc/self/ns/net"), a, 8080));
+    assert!(!udp_answered(&sb.netns, a, 8080));
 
     // (c) the host: a listener on all its addresses, reached from the host itself but from
     // the sandbox at none of them (its gateway, the test hosts' gateways, every other).
@@ -336,6 +378,9 @@ fn update_swaps_the_rules_atomically() {
     let sb = g.sandbox("net-c", 16002, &format!("{c}:8080"));
     reaches(&sb.netns, c, 8080);
     blocked(&sb.netns, d, 8080);
+    // A port without a protocol is TCP and UDP.
+    assert!(udp_answered(&sb.netns, c, 8080));
+    assert!(!udp_answered(&sb.netns, d, 8080));
 
     // (e) swapped: what was allowed no longer is, the new one is.
     let rules = net::parse_allowlist(&format!("{d}:8080/tcp")).unwrap();
