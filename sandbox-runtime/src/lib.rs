@@ -32,6 +32,7 @@ mod exec;
 mod ext;
 pub mod files;
 mod manager;
+pub mod net;
 mod pool;
 pub mod proto;
 pub mod runc;
