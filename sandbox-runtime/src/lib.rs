@@ -34,6 +34,7 @@ pub mod files;
 mod manager;
 mod pool;
 pub mod proto;
+pub mod quota;
 pub mod runc;
 pub mod spec;
 
