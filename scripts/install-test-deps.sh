@@ -10,6 +10,7 @@ debs=(
     erofs-utils fuse3 libfuse3-dev attr            # standard tools that judge our images
     tar gzip zstd                                  # layer tarballs for the tar-input tests
     e2fsprogs                                      # mkfs.ext4 / e2fsck on block devices
+    btrfs-progs                                    # mkfs.btrfs: the sandboxes' uppers image
     python3 python3-venv                           # scripts/test.sh; the moto virtualenv
     runc catatonit                                 # sandboxes: the OCI runtime and their init
     debootstrap                                    # the Debian base layer of the sandbox tests

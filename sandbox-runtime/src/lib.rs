@@ -35,6 +35,7 @@ mod manager;
 pub mod net;
 mod pool;
 pub mod proto;
+pub mod quota;
 pub mod runc;
 pub mod spec;
 
