@@ -54,6 +54,11 @@ pub struct DaemonArgs {
     /// [default: $STRATA_HOME/sandboxes].
     #[arg(long, env = "STRATA_SANDBOX_DIR")]
     pub sandbox_dir: Option<PathBuf>,
+    /// Keep the sandboxes' uppers in one preallocated filesystem of this size (a btrfs image
+    /// in the sandbox directory, one quota group per sandbox): what `sandbox create --disk`
+    /// needs. Without it, uppers are plain directories and `--disk` is refused.
+    #[arg(long, env = "STRATA_UPPERS_SIZE", value_parser = crate::cache_cmd::parse_size)]
+    pub uppers_size: Option<u64>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -166,12 +171,9 @@ pub async fn daemon(args: DaemonArgs, url: &str, cache: &CacheOpts, home: &Path)
         .sandbox_dir
         .clone()
         .unwrap_or_else(|| home.join("sandboxes"));
-    let manager = match sandbox_runtime::Manager::start(
-        sandbox_runtime::ManagerConfig::new(sandbox_dir, &args.node.run_dir),
-        node.clone(),
-    )
-    .await
-    {
+    let mut sandbox_config = sandbox_runtime::ManagerConfig::new(sandbox_dir, &args.node.run_dir);
+    sandbox_config.uppers_size = args.uppers_size;
+    let manager = match sandbox_runtime::Manager::start(sandbox_config, node.clone()).await {
         Ok(m) => m,
         Err(e) => {
             let _ = node.shutdown().await;

@@ -60,6 +60,14 @@ pub enum SandboxCmd {
         #[command(flatten)]
         node: NodeOpts,
     },
+    /// Replace the egress allowlist of a sandbox created with `--net allow=…`, atomically:
+    /// `net ID allow=LIST`.
+    Net {
+        id: String,
+        net: String,
+        #[command(flatten)]
+        node: NodeOpts,
+    },
     /// Warm pools of ready sandboxes.
     #[command(subcommand)]
     Pool(PoolCmd),
@@ -117,7 +125,8 @@ pub struct CreateArgs {
     /// NAME=VALUE: the file /run/secrets/NAME, on a tmpfs outside the upper; repeat.
     #[arg(long = "secret")]
     secrets: Vec<String>,
-    /// `none`: loopback only.
+    /// `none`: loopback only; `allow=CIDR[:PORT[/tcp|udp]],…`: a veth with NAT whose egress
+    /// reaches exactly those (private, link-local and the host's own ranges only if listed).
     #[arg(long, default_value = "none")]
     net: String,
     /// Remove the sandbox after this long without an operation (e.g. 10m).
@@ -363,6 +372,19 @@ pub fn run(cmd: SandboxCmd, store: &StoreArg, cache: &CacheOpts, json: bool) -> 
                 Ok(())
             }
         }
+        SandboxCmd::Net { id, net, node } => {
+            let Network::Allow(allow) = parse_net(&net)? else {
+                bail!("a sandbox's network cannot be taken away; give `allow=` with the new list");
+            };
+            let mut c = running(&node)?;
+            let info: SandboxInfo = call(&mut c, &Request::SandboxNet { id, allow })?;
+            if json {
+                crate::print_json(&info)
+            } else {
+                println!("{}", info.id);
+                Ok(())
+            }
+        }
         SandboxCmd::Pool(PoolCmd::Ls { node }) => {
             let mut c = running(&node)?;
             let v: Vec<PoolInfo> = call(&mut c, &Request::SandboxPoolLs {})?;
@@ -374,6 +396,18 @@ pub fn run(cmd: SandboxCmd, store: &StoreArg, cache: &CacheOpts, json: bool) -> 
             }
             Ok(())
         }
+    }
+}
+
+fn parse_net(s: &str) -> Result<Network> {
+    match s {
+        "none" => Ok(Network::None),
+        _ => match s.strip_prefix("allow=") {
+            Some(list) => Ok(Network::Allow(
+                sandbox_runtime::net::parse_allowlist(list).map_err(|e| anyhow!("--net: {e}"))?,
+            )),
+            None => bail!("--net {s}: want `none` or `allow=CIDR[:PORT[/PROTO]],…`"),
+        },
     }
 }
 
@@ -394,18 +428,12 @@ fn running_or_start(node: &NodeOpts, store: &StoreArg, cache: &CacheOpts) -> Res
 }
 
 fn create(a: CreateArgs, store: &StoreArg, cache: &CacheOpts, json: bool) -> Result<()> {
-    let net = match a.net.as_str() {
-        "none" => Network::None,
-        other => bail!("--net {other}: only `none` (loopback only) is supported so far"),
-    };
+    let net = parse_net(&a.net)?;
     let cpu_millis = match a.cpus {
         Some(c) if !(c > 0.0 && c.is_finite()) => bail!("--cpus must be positive"),
         Some(c) => Some((c * 1000.0).round().max(1.0) as u64),
         None => None,
     };
-    if a.disk.is_some() {
-        bail!("--disk: limiting the upper's size is not supported yet on this node");
-    }
     let req = Request::SandboxCreate(CreateRequest {
         layers: a.layers.iter().flat_map(|l| parse_stack(l)).collect(),
         id: a.id,

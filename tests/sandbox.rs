@@ -165,6 +165,7 @@ struct Node {
     home: PathBuf,
     run: PathBuf,
     store: PathBuf,
+    env: Vec<(&'static str, String)>,
 }
 
 impl Node {
@@ -178,6 +179,7 @@ impl Node {
             run: tmp.path().join("run"),
             store: layers().unwrap().store.clone(),
             tmp,
+            env: Vec::new(),
         }
     }
 
@@ -186,6 +188,8 @@ impl Node {
         c.env("STRATA_HOME", &self.home)
             .env("STRATA_RUN_DIR", &self.run)
             .env_remove("STRATA_STORE")
+            .env_remove("STRATA_UPPERS_SIZE")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .arg("--store")
             .arg(&self.store);
         c
@@ -1119,4 +1123,179 @@ fn bad_requests_get_clear_errors() {
     );
     // The sandbox is fine after all that.
     assert_eq!(node.sh_ok(&id, "echo fine"), "fine\n");
+}
+
+/// A test host in a network namespace of its own, behind its own veth, with TCP listeners.
+struct TestHost {
+    ns: String,
+    veth: String,
+    listeners: Vec<std::process::Child>,
+}
+
+impl TestHost {
+    /// `10.214.200.2` in namespace `strata-th-<pid>`, listening on `ports`.
+    fn new(ports: &[u16]) -> TestHost {
+        let n = std::process::id() % 10_000;
+        let ns = format!("strata-th-{n}");
+        let veth = format!("stt{n}");
+        let sh = |cmd: &str| {
+            let o = Command::new("sh").arg("-c").arg(cmd).output().unwrap();
+            assert!(o.status.success(), "{cmd}: {}", text(&o.stderr));
+        };
+        let _ = Command::new("ip")
+            .args(["netns", "del", &ns])
+            .stderr(Stdio::null())
+            .status();
+        let _ = Command::new("ip")
+            .args(["link", "del", &veth])
+            .stderr(Stdio::null())
+            .status();
+        let host = TestHost {
+            ns: ns.clone(),
+            veth: veth.clone(),
+            listeners: Vec::new(),
+        };
+        sh(&format!(
+            "ip netns add {ns} && ip link add {veth} type veth peer name eth0 netns {ns} && \
+             ip addr add 10.214.200.1/30 dev {veth} && ip link set {veth} up && \
+             ip -n {ns} addr add 10.214.200.2/30 dev eth0 && ip -n {ns} link set eth0 up && \
+             ip -n {ns} link set lo up && ip -n {ns} route add default via 10.214.200.1"
+        ));
+        let mut host = host;
+        for p in ports {
+            let child = Command::new("ip")
+                .args(["netns", "exec", &ns, "python3", "-c"])
+                .arg(format!(
+                    "import socket\ns=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
+                     s.bind(('10.214.200.2', {p})); s.listen(16)\nwhile True:\n    c,_=s.accept(); c.sendall(b'port {p}\\n'); c.close()"
+                ))
+                .stdout(Stdio::null())
+                .spawn()
+                .unwrap();
+            host.listeners.push(child);
+        }
+        // Listening (seen from the host) before anyone connects.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for p in ports {
+            while std::net::TcpStream::connect_timeout(
+                &format!("10.214.200.2:{p}").parse().unwrap(),
+                Duration::from_millis(200),
+            )
+            .is_err()
+            {
+                assert!(
+                    Instant::now() < deadline,
+                    "test host port {p} not listening"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        host
+    }
+}
+
+impl Drop for TestHost {
+    fn drop(&mut self) {
+        for c in &mut self.listeners {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.veth])
+            .stderr(Stdio::null())
+            .status();
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.ns])
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+/// What a TCP connection from inside sandbox `id` to `target` gets: the first line, or
+/// `closed`.
+fn connect_from(node: &Node, id: &str, target: &str) -> String {
+    let o = node.sh(
+        id,
+        &format!(
+            "perl -MIO::Socket::INET -e '$s = IO::Socket::INET->new(PeerAddr => \"{target}\", Timeout => 2); \
+             print $s ? scalar(<$s>) : \"closed\\n\"'"
+        ),
+    );
+    text(&o.stdout)
+}
+
+#[test]
+fn an_allowlist_reaches_exactly_what_it_lists() {
+    if !ready("an_allowlist_reaches_exactly_what_it_lists") {
+        return;
+    }
+    let node = Node::new("net");
+    let th = TestHost::new(&[8080, 8081]);
+    let id = node.create("net-a", &["--net", "allow=10.214.200.2:8080/tcp"]);
+    let none = node.create("net-b", &[]);
+    assert_eq!(connect_from(&node, &id, "10.214.200.2:8080"), "port 8080\n");
+    assert_eq!(connect_from(&node, &id, "10.214.200.2:8081"), "closed\n");
+    assert_eq!(connect_from(&node, &none, "10.214.200.2:8080"), "closed\n");
+    // The host, at the test host's gateway and at the sandbox's own gateway: closed.
+    let listener = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let info = node.json(&["sandbox", "inspect", &id]);
+    let addr: std::net::Ipv4Addr = info["addr"].as_str().unwrap().parse().unwrap();
+    let gw = std::net::Ipv4Addr::from(u32::from(addr) - 1);
+    for ip in ["10.214.200.1".to_owned(), gw.to_string()] {
+        assert_eq!(
+            connect_from(&node, &id, &format!("{ip}:{port}")),
+            "closed\n",
+            "host {ip} reachable"
+        );
+    }
+    // Replaced at once: 8081 now, 8080 no more.
+    node.ok(&["sandbox", "net", &id, "allow=10.214.200.2:8081/tcp"]);
+    assert_eq!(connect_from(&node, &id, "10.214.200.2:8081"), "port 8081\n");
+    assert_eq!(connect_from(&node, &id, "10.214.200.2:8080"), "closed\n");
+    let veth = format!(
+        "sx{}",
+        (u32::from(addr) - u32::from(std::net::Ipv4Addr::new(10, 213, 0, 0))) / 4
+    );
+    node.ok(&["sandbox", "rm", &id]);
+    let link = Command::new("ip")
+        .args(["link", "show", &veth])
+        .output()
+        .unwrap();
+    assert!(!link.status.success(), "{veth} left after rm");
+    drop(th);
+}
+
+#[test]
+fn disk_limits_bound_the_upper() {
+    if !ready("disk_limits_bound_the_upper") {
+        return;
+    }
+    let mut node = Node::new("disk");
+    node.env.push(("STRATA_UPPERS_SIZE", "1GiB".to_owned()));
+    let small = node.create("disk-a", &["--disk", "8MiB"]);
+    let big = node.create("disk-b", &[]);
+    let o = node.sh(
+        &small,
+        "dd if=/dev/zero of=/root/fill bs=1M count=32 2>&1; echo rc=$?",
+    );
+    let out = text(&o.stdout);
+    assert!(
+        out.contains("quota exceeded") || out.contains("No space"),
+        "{out}"
+    );
+    assert!(!out.ends_with("rc=0\n"), "{out}");
+    let used = node.json(&["sandbox", "inspect", &small])["upper_bytes"]
+        .as_u64()
+        .unwrap();
+    assert!(used <= 9 << 20, "{used} bytes in an 8 MiB upper");
+    node.sh_ok(
+        &big,
+        "dd if=/dev/zero of=/root/fill bs=1M count=32 2>/dev/null && sync && echo ok",
+    );
+    // The small one still works (it can delete and write again).
+    assert_eq!(
+        node.sh_ok(&small, "rm /root/fill; echo again > /root/x; cat /root/x"),
+        "again\n"
+    );
 }

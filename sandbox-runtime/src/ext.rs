@@ -68,6 +68,7 @@ impl Extension for SandboxExtension {
                 Request::SandboxRm { id } => one(value(m.remove(&id).await)),
                 Request::SandboxPoolSet(p) => one(value(m.set_pool(&p.stack, p.size))),
                 Request::SandboxPoolLs {} => one(value(Ok(m.pools()))),
+                Request::SandboxNet { id, allow } => one(value(m.set_net(&id, allow).await)),
             };
             while let Some(l) = lines.recv().await {
                 if tx.send(l).await.is_err() {

@@ -42,6 +42,10 @@ pub struct ManagerConfig {
     pub init: PathBuf,
     /// The most sandboxes this node runs.
     pub max_sandboxes: usize,
+    /// The size of the node's uppers filesystem (`crate::quota`: a btrfs image with one
+    /// subvolume and quota group per sandbox, what makes `--disk` work); `None`: uppers are
+    /// plain directories under `dir` and `--disk` is refused.
+    pub uppers_size: Option<u64>,
 }
 
 impl ManagerConfig {
@@ -54,6 +58,7 @@ impl ManagerConfig {
             runtime_root: run_dir.join("runc"),
             init: find_in_path("catatonit").unwrap_or_else(|| "/usr/bin/catatonit".into()),
             max_sandboxes: 4096,
+            uppers_size: None,
         }
     }
 }
@@ -87,6 +92,12 @@ pub struct Record {
     pub pid: Option<u32>,
     #[serde(default)]
     pub pool: Option<String>,
+    /// The network slot (`crate::net`), with an allowlist network.
+    #[serde(default)]
+    pub net_slot: Option<u32>,
+    /// Its address there.
+    #[serde(default)]
+    pub addr: Option<std::net::Ipv4Addr>,
 }
 
 pub(crate) struct Sandbox {
@@ -154,6 +165,8 @@ impl Sandbox {
             pid: r.pid,
             pool: r.pool,
             create_ms: r.create_ms,
+            net: r.net,
+            addr: r.addr,
         }
     }
 
@@ -233,7 +246,14 @@ pub struct Manager {
     sandboxes: Mutex<HashMap<String, Arc<Sandbox>>>,
     next_exec: AtomicU64,
     pub(crate) pools: crate::pool::Pools,
+    /// The uppers filesystem, if configured.
+    uppers: Option<crate::quota::UpperFs>,
+    /// Network slots in use.
+    slots: Mutex<std::collections::BTreeSet<u32>>,
 }
+
+/// Network slots the manager hands out (`crate::net` has more; the rest are the tests').
+const NET_SLOTS: u32 = 16_000;
 
 impl std::fmt::Debug for Manager {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -257,6 +277,17 @@ impl Manager {
             binary: config.runtime.clone(),
             root: config.runtime_root.clone(),
         };
+        let uppers = match config.uppers_size {
+            Some(size) => {
+                let dir = config.dir.clone();
+                Some(
+                    tokio::task::spawn_blocking(move || crate::quota::UpperFs::open(&dir, size))
+                        .await
+                        .map_err(|e| Error::Runtime(format!("open the uppers: {e}")))??,
+                )
+            }
+            None => None,
+        };
         let m = Arc::new(Self {
             pools: crate::pool::Pools::load(&config.dir),
             config,
@@ -264,6 +295,8 @@ impl Manager {
             runtime,
             sandboxes: Mutex::new(HashMap::new()),
             next_exec: AtomicU64::new(1),
+            uppers,
+            slots: Mutex::new(Default::default()),
         });
         let mut leftovers = Vec::new();
         let entries = std::fs::read_dir(&m.config.dir)
@@ -273,7 +306,7 @@ impl Manager {
             let Some(id) = dir.file_name().and_then(|n| n.to_str()).map(str::to_owned) else {
                 continue;
             };
-            if !valid_id(&id) || !dir.is_dir() {
+            if !valid_id(&id) || !dir.is_dir() || (id == "uppers" && m.uppers.is_some()) {
                 continue;
             }
             let record = std::fs::read(dir.join("sandbox.json"))
@@ -284,9 +317,15 @@ impl Manager {
                     "{}: no readable record; removing its leftovers",
                     dir.display()
                 );
-                leftovers.push((id, dir));
+                leftovers.push((id, dir, None));
                 continue;
             };
+            if let Some(slot) = record.net_slot {
+                m.slots
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(slot);
+            }
             let state = m.runtime.state(&id).await.ok().flatten();
             match (record.state, state.as_ref().map(|s| s.status.as_str())) {
                 (SandboxState::Running, Some("running" | "paused")) => {
@@ -297,7 +336,7 @@ impl Manager {
                     record.pid = None;
                 }
                 (SandboxState::Creating | SandboxState::Removing, _) => {
-                    leftovers.push((id, dir));
+                    leftovers.push((id, dir, record.net_slot));
                     continue;
                 }
             }
@@ -317,8 +356,8 @@ impl Manager {
                 .unwrap_or_else(|p| p.into_inner())
                 .insert(id, sb);
         }
-        for (id, dir) in leftovers {
-            if let Err(e) = m.teardown(&id, &dir).await {
+        for (id, dir, slot) in leftovers {
+            if let Err(e) = m.teardown(&id, &dir, slot).await {
                 tracing::warn!("sandbox {id}: removing its leftovers: {e}");
             }
         }
@@ -338,6 +377,39 @@ impl Manager {
     /// The runtime this manager drives.
     pub fn runtime(&self) -> &Runtime {
         &self.runtime
+    }
+
+    fn run_dir(&self) -> PathBuf {
+        self.node.config().run_dir.clone()
+    }
+
+    /// Replace the egress allowlist of sandbox `id` (created with one), atomically.
+    pub async fn set_net(&self, id: &str, allow: Vec<crate::net::Rule>) -> Result<SandboxInfo> {
+        let sb = self.get(id)?;
+        let _life = sb.lifecycle.lock().await;
+        self.check_running(&sb)?;
+        sb.touch();
+        let r = sb.record();
+        let (Network::Allow(_), Some(slot), Some(addr)) = (&r.net, r.net_slot, r.addr) else {
+            return Err(Error::Conflict(format!(
+                "sandbox {id} has no network of its own (create it with --net allow=…)"
+            )));
+        };
+        let (gateway, _) = crate::net::slot_addrs(slot)?;
+        let net = crate::net::SandboxNet {
+            id: id.to_owned(),
+            slot,
+            netns: crate::net::netns_path(&self.run_dir(), id),
+            host_if: crate::net::host_if(slot),
+            sandbox_addr: addr,
+            gateway,
+        };
+        let (run_dir, rules) = (self.run_dir(), allow.clone());
+        tokio::task::spawn_blocking(move || crate::net::update(&run_dir, &net, &rules))
+            .await
+            .map_err(|e| Error::Runtime(format!("network task: {e}")))??;
+        sb.set(|r| r.net = Network::Allow(allow))?;
+        Ok(sb.info())
     }
 
     /// Whether any sandbox exists (a daemon stop must then leave the mounts in place).
@@ -404,7 +476,23 @@ impl Manager {
             }
             None => fresh_id(),
         };
+        if req.limits.disk.is_some() && self.uppers.is_none() {
+            return Err(Error::InvalidSpec(
+                "--disk needs the node's uppers filesystem: start the daemon with --uppers-size SIZE".into(),
+            ));
+        }
         let dir = self.config.dir.join(&id);
+        let (net_slot, addr) = match &req.net {
+            Network::None => (None, None),
+            Network::Allow(_) => {
+                let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+                let slot = (0..NET_SLOTS)
+                    .find(|s| !slots.contains(s))
+                    .ok_or_else(|| Error::Limit("no network slot left on this node".into()))?;
+                slots.insert(slot);
+                (Some(slot), Some(crate::net::slot_addrs(slot)?.1))
+            }
+        };
         let record = Record {
             id: id.clone(),
             layers: req.layers.clone(),
@@ -418,6 +506,8 @@ impl Manager {
             state: SandboxState::Creating,
             pid: None,
             pool,
+            net_slot,
+            addr,
         };
         let sb = Arc::new(Sandbox {
             id: id.clone(),
@@ -431,14 +521,24 @@ impl Manager {
         let _life = sb.lifecycle.lock().await;
         {
             let mut all = self.sandboxes.lock().unwrap_or_else(|p| p.into_inner());
-            if all.contains_key(&id) {
-                return Err(Error::Conflict(format!("a sandbox {id} exists already")));
-            }
-            if all.len() >= self.config.max_sandboxes {
-                return Err(Error::Limit(format!(
+            let refusal = if all.contains_key(&id) {
+                Some(Error::Conflict(format!("a sandbox {id} exists already")))
+            } else if all.len() >= self.config.max_sandboxes {
+                Some(Error::Limit(format!(
                     "this node runs {} sandboxes, its limit",
                     all.len()
-                )));
+                )))
+            } else {
+                None
+            };
+            if let Some(e) = refusal {
+                if let Some(s) = net_slot {
+                    self.slots
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&s);
+                }
+                return Err(e);
             }
             all.insert(id.clone(), sb.clone());
         }
@@ -453,7 +553,7 @@ impl Manager {
                 Ok(sb.info())
             }
             Err(e) => {
-                if let Err(t) = self.teardown(&id, &dir).await {
+                if let Err(t) = self.teardown(&id, &dir, net_slot).await {
                     tracing::warn!("sandbox {id}: cleaning up after a failed create: {t}");
                 }
                 self.sandboxes
@@ -493,11 +593,19 @@ impl Manager {
         save_record(dir, record)?;
         let rootfs = sb.rootfs();
         let etc = dir.join("etc");
-        for d in [&rootfs, &etc, &dir.join("upper"), &dir.join("work")] {
+        for d in [&rootfs, &etc] {
             mk(d)?;
         }
+        let (upper, work) = match &self.uppers {
+            Some(u) => u.create(&sb.id, record.limits.disk)?,
+            None => {
+                let (upper, work) = (dir.join("upper"), dir.join("work"));
+                mk(&upper)?;
+                mk(&work)?;
+                (upper, work)
+            }
+        };
         // The overlay's root takes the upper's mode: the root of a system is 0755.
-        let upper = dir.join("upper");
         std::fs::set_permissions(&upper, std::os::unix::fs::PermissionsExt::from_mode(0o755))
             .map_err(|e| Error::io(format!("chmod {}", upper.display()), e))?;
         let write = |name: &str, text: String| {
@@ -525,11 +633,23 @@ impl Manager {
             .handle(NodeRequest::Mount {
                 layers: record.layers.clone(),
                 mountpoint: rootfs.clone(),
-                upper: Some(dir.join("upper")),
-                work: Some(dir.join("work")),
+                upper: Some(upper),
+                work: Some(work),
             })
             .await
             .map_err(Error::Node)?;
+        let netns = match (&record.net, record.net_slot) {
+            (Network::Allow(rules), Some(slot)) => {
+                let (run_dir, id, rules) = (self.run_dir(), sb.id.clone(), rules.clone());
+                let net = tokio::task::spawn_blocking(move || {
+                    crate::net::setup(&run_dir, &id, slot, &rules)
+                })
+                .await
+                .map_err(|e| Error::Runtime(format!("network task: {e}")))??;
+                Some(net.netns)
+            }
+            _ => None,
+        };
         let config = spec::build(&spec::SpecInput {
             id: &sb.id,
             rootfs: &rootfs,
@@ -538,7 +658,7 @@ impl Manager {
             limits: &record.limits,
             etc_dir: &etc,
             secrets_dir: secrets_dir.as_deref(),
-            netns: None,
+            netns: netns.as_deref(),
         })?;
         let bundle = dir.join("bundle");
         let bytes = serde_json::to_vec(&config).map_err(|e| Error::Spec(e.to_string()))?;
@@ -552,7 +672,7 @@ impl Manager {
 
     /// Remove everything of sandbox `id` under `dir`: its processes and container, its root
     /// mount, its secrets, its upper and record. Each step tolerates what is already gone.
-    async fn teardown(&self, id: &str, dir: &Path) -> Result<()> {
+    async fn teardown(&self, id: &str, dir: &Path, net_slot: Option<u32>) -> Result<()> {
         self.runtime.kill_all(id, "KILL").await.ok();
         for _ in 0..100 {
             match self.runtime.state(id).await {
@@ -563,6 +683,16 @@ impl Manager {
             }
         }
         self.runtime.delete(id).await?;
+        if let Some(slot) = net_slot {
+            let (run_dir, i) = (self.run_dir(), id.to_owned());
+            tokio::task::spawn_blocking(move || crate::net::teardown(&run_dir, &i, slot))
+                .await
+                .map_err(|e| Error::Runtime(format!("network task: {e}")))??;
+            self.slots
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&slot);
+        }
         let rootfs = dir.join("bundle/rootfs");
         match self
             .node
@@ -578,6 +708,9 @@ impl Manager {
         let secrets = dir.join("secrets");
         if secrets.exists() {
             let _ = rustix::mount::unmount(&secrets, rustix::mount::UnmountFlags::DETACH);
+        }
+        if let Some(u) = &self.uppers {
+            u.remove(id)?;
         }
         let dir = dir.to_owned();
         tokio::task::spawn_blocking(move || match std::fs::remove_dir_all(&dir) {
@@ -603,7 +736,7 @@ impl Manager {
         }
         let info = sb.info();
         sb.set(|r| r.state = SandboxState::Removing)?;
-        self.teardown(id, &sb.dir).await?;
+        self.teardown(id, &sb.dir, sb.record().net_slot).await?;
         self.sandboxes
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -632,11 +765,20 @@ impl Manager {
         let info = sb.info();
         let cgroups = info.pid.map(cgroup::of_pid).unwrap_or_default();
         let mem = cgroup::memory(&cgroups);
-        let upper = sb.dir.join("upper");
-        let u = upper.clone();
-        let upper_bytes = tokio::task::spawn_blocking(move || du(&u))
-            .await
-            .unwrap_or(0);
+        let (upper, upper_bytes) = match &self.uppers {
+            Some(u) => (
+                u.root().join(&sb.id).join("upper"),
+                u.usage(&sb.id).unwrap_or(0),
+            ),
+            None => {
+                let upper = sb.dir.join("upper");
+                let u = upper.clone();
+                let bytes = tokio::task::spawn_blocking(move || du(&u))
+                    .await
+                    .unwrap_or(0);
+                (upper, bytes)
+            }
+        };
         let execs = sb
             .execs
             .lock()

@@ -13,6 +13,7 @@
 //! | `sandbox_pool_set` | `stack`, `size` | [`PoolInfo`] |
 //! | `sandbox_pool_ls` | — | `[PoolInfo]` |
 //! | `sandbox_run` | `stack`, and [`ExecRequest`]'s fields but `id` | like `sandbox_exec`, in a pool sandbox that is removed after |
+//! | `sandbox_net` | `id`, `allow` (rules as text) | [`SandboxInfo`]; the sandbox's egress rules replaced at once |
 //!
 //! Output bytes travel base64-encoded in events (`{"stream": "stdout", "offset": N,
 //! "data": "…"}`); `offset` is where the bytes start in that stream's captured output, so a
@@ -56,6 +57,8 @@ pub enum Network {
     /// Its own network namespace with loopback only.
     #[default]
     None,
+    /// A veth with NAT whose egress is filtered to these destinations (`crate::net`).
+    Allow(Vec<crate::net::Rule>),
 }
 
 /// `sandbox_create`.
@@ -113,6 +116,12 @@ pub struct SandboxInfo {
     /// How long creating it took (compose + runtime), milliseconds.
     #[serde(default)]
     pub create_ms: u64,
+    /// Its network.
+    #[serde(default)]
+    pub net: Network,
+    /// Its address, with an allowlist network.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub addr: Option<std::net::Ipv4Addr>,
 }
 
 /// `sandbox_inspect`'s answer.
@@ -320,11 +329,20 @@ pub enum Request {
     SandboxAttach(AttachRequest),
     SandboxCp(CopyRequest),
     SandboxLs {},
-    SandboxInspect { id: String },
-    SandboxRm { id: String },
+    SandboxInspect {
+        id: String,
+    },
+    SandboxRm {
+        id: String,
+    },
     SandboxPoolSet(PoolRequest),
     SandboxPoolLs {},
     SandboxRun(RunRequest),
+    /// Replace the egress allowlist of a sandbox created with one (atomically).
+    SandboxNet {
+        id: String,
+        allow: Vec<crate::net::Rule>,
+    },
 }
 
 impl Request {
