@@ -673,14 +673,23 @@ impl Manager {
     /// Remove everything of sandbox `id` under `dir`: its processes and container, its root
     /// mount, its secrets, its upper and record. Each step tolerates what is already gone.
     async fn teardown(&self, id: &str, dir: &Path, net_slot: Option<u32>) -> Result<()> {
+        // One runtime process to kill, one to delete: the init's end is watched in /proc
+        // (the pid namespace dies with it), not by polling the runtime (a process each).
+        let pid = Record::parse(&std::fs::read(dir.join("sandbox.json")).unwrap_or_default(), id)
+            .and_then(|r| r.pid);
         self.runtime.kill_all(id, "KILL").await.ok();
-        for _ in 0..100 {
-            match self.runtime.state(id).await {
-                Ok(Some(s)) if s.status == "running" || s.status == "paused" => {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-                _ => break,
+        for _ in 0..250 {
+            let gone = match pid {
+                Some(p) => pid_gone(p),
+                None => !matches!(
+                    self.runtime.state(id).await,
+                    Ok(Some(ref s)) if s.status == "running" || s.status == "paused"
+                ),
+            };
+            if gone {
+                break;
             }
+            tokio::time::sleep(Duration::from_millis(if pid.is_some() { 2 } else { 20 })).await;
         }
         self.runtime.delete(id).await?;
         if let Some(slot) = net_slot {
@@ -1025,6 +1034,17 @@ async fn run_exec(
     });
     sb.running_execs.fetch_sub(1, Ordering::SeqCst);
     sb.touch();
+}
+
+/// Whether process `pid` has ended (gone, or a zombie waiting for its parent).
+fn pid_gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_none_or(|state| state == "Z" || state == "X"),
+    }
 }
 
 fn read_pid(path: &Path) -> Option<i32> {
