@@ -675,8 +675,11 @@ impl Manager {
     async fn teardown(&self, id: &str, dir: &Path, net_slot: Option<u32>) -> Result<()> {
         // One runtime process to kill, one to delete: the init's end is watched in /proc
         // (the pid namespace dies with it), not by polling the runtime (a process each).
-        let pid = Record::parse(&std::fs::read(dir.join("sandbox.json")).unwrap_or_default(), id)
-            .and_then(|r| r.pid);
+        let pid = Record::parse(
+            &std::fs::read(dir.join("sandbox.json")).unwrap_or_default(),
+            id,
+        )
+        .and_then(|r| r.pid);
         self.runtime.kill_all(id, "KILL").await.ok();
         for _ in 0..250 {
             let gone = match pid {
