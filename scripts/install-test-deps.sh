@@ -12,7 +12,7 @@ debs=(
     e2fsprogs                                      # mkfs.ext4 / e2fsck on block devices
     btrfs-progs                                    # mkfs.btrfs: the sandboxes' uppers image
     python3 python3-venv                           # scripts/test.sh; the moto virtualenv
-    runc catatonit                                 # sandboxes: the OCI runtime and their init
+    runc                                           # sandboxes: the OCI runtime
     debootstrap                                    # the Debian base layer of the sandbox tests
     iproute2 nftables                              # sandbox networks (veth, egress allowlists)
 )

@@ -21,7 +21,7 @@
 //!    `sandbox_rm` of all (timed separately).
 //! 2. **Eager**: the three trees as one tar.gz on the same S3; per sandbox: `GET` it
 //!    (fs-cache's S3 backend), `tar -xzf -` it into a fresh directory, an OCI config from
-//!    `sandbox_runtime::spec::build`, `runc run -d` (catatonit, as the daemon), `runc exec` of
+//!    `sandbox_runtime::spec::build`, `runc run -d` (Strata's init, as the daemon), `runc exec` of
 //!    the command. `STRATA_BENCH_EAGER_SANDBOXES` (default min(N, 64): each root is ~250 MB of
 //!    local disk, all kept until the end as the lazy ones are), same concurrency.
 //! 3. **Runtime floor**: `runc run` (foreground, the command as the container's process) on
@@ -34,7 +34,7 @@
 //!
 //! `STRATA_BENCH_SCENARIOS` (default `lazy,eager,floor,sustain,pool`) picks scenarios.
 //! Binaries: `strata` beside the bench executable's directory (`target/release/strata`, after
-//! `cargo build --release --bin strata`) or `STRATA_BIN`; `runc` and `catatonit` on `PATH`.
+//! `cargo build --release --bin strata`) or `STRATA_BIN`; `runc` on `PATH`.
 //! Needs root. Everything it started is removed when it ends (also on a panic): sandboxes
 //! through the daemon, then the daemon (SIGTERM) and its fd holder, the eager containers
 //! (`runc delete -f`), mounts left under its directory (`umount -l`), its directory, moto.
@@ -823,7 +823,7 @@ fn lazy_burst(sock: &Path, daemon_pid: u32, n: usize, conc: usize) -> Burst {
         pss1.saturating_sub(pss0) as f64 / live as f64 / 1048576.0
     );
     println!(
-        "| sandbox inits (catatonit) RSS / PSS | {} / {} | {:.3} / {:.3} MiB |",
+        "| sandbox inits (strata-init) RSS / PSS | {} / {} | {:.3} / {:.3} MiB |",
         mib(init_rss),
         mib(init_pss),
         init_rss as f64 / live as f64 / 1048576.0,
@@ -1072,7 +1072,7 @@ fn main() {
         println!("SKIPPED sandbox_burst: needs root (mounts, runc)");
         return;
     }
-    for b in ["runc", "catatonit", "tar"] {
+    for b in ["runc", "tar"] {
         if find_in_path(b).is_none() {
             println!("SKIPPED sandbox_burst: no {b} on PATH");
             return;
@@ -1238,7 +1238,8 @@ fn main() {
                 key: "stack.tar.gz".into(),
                 dir: root.join("eager"),
                 runc_root,
-                catatonit: find_in_path("catatonit").unwrap(),
+                init: sandbox_runtime::agent::install_init(&root)
+                    .expect("install the sandboxes' init"),
             },
             size,
         )

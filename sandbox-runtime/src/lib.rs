@@ -27,6 +27,7 @@
 //! - Paths given to `cp` resolve inside the sandbox's root (`openat2(RESOLVE_IN_ROOT)`): a
 //!   symlink inside never reaches the host.
 
+pub mod agent;
 pub mod cgroup;
 mod exec;
 mod ext;
@@ -36,6 +37,7 @@ pub mod net;
 mod pool;
 pub mod proto;
 pub mod quota;
+mod run;
 pub mod runc;
 pub mod spec;
 

@@ -7,7 +7,7 @@
 //! the same sandbox to finish and never races it, while other sandboxes go on. Execs take no
 //! lifecycle lock for their run, only to start.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -17,14 +17,13 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use base64::Engine as _;
 use serde::{Deserialize, Serialize};
-use tokio::io::AsyncWriteExt;
 use ublk_daemon::node::proto::{ErrorKind, Request as NodeRequest, ResponseLine};
 use ublk_daemon::node::Node;
 
 use crate::exec::{self, Exec};
 use crate::proto::{
-    CopyRequest, CopyResult, CreateRequest, Direction, ExecRequest, ExecResult, ExitReason, Limits,
-    Network, SandboxDetail, SandboxInfo, SandboxState, Stream,
+    CopyRequest, CopyResult, CreateRequest, Direction, ExecRequest, Limits, Network, SandboxDetail,
+    SandboxInfo, SandboxState,
 };
 use crate::runc::{ExecOptions, Runtime};
 use crate::{cgroup, files, spec, Error, Result};
@@ -38,8 +37,6 @@ pub struct ManagerConfig {
     pub runtime: PathBuf,
     /// The runtime's state directory (`--root`).
     pub runtime_root: PathBuf,
-    /// The init every sandbox runs as PID 1 (`catatonit`, static).
-    pub init: PathBuf,
     /// The most sandboxes this node runs.
     pub max_sandboxes: usize,
     /// The size of the node's uppers filesystem (`crate::quota`: a btrfs image with one
@@ -56,7 +53,6 @@ impl ManagerConfig {
             dir,
             runtime: find_in_path("runc").unwrap_or_else(|| "runc".into()),
             runtime_root: run_dir.join("runc"),
-            init: find_in_path("catatonit").unwrap_or_else(|| "/usr/bin/catatonit".into()),
             max_sandboxes: 4096,
             uppers_size: None,
         }
@@ -106,7 +102,7 @@ pub(crate) struct Sandbox {
     record: Mutex<Record>,
     execs: Mutex<VecDeque<Arc<Exec>>>,
     last_active: Mutex<Instant>,
-    running_execs: AtomicUsize,
+    pub(crate) running_execs: AtomicUsize,
     lifecycle: tokio::sync::Mutex<()>,
 }
 
@@ -127,7 +123,7 @@ impl Sandbox {
         save_record(&self.dir, &r)
     }
 
-    fn touch(&self) {
+    pub(crate) fn touch(&self) {
         *self.last_active.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
     }
 
@@ -250,6 +246,8 @@ pub struct Manager {
     uppers: Option<crate::quota::UpperFs>,
     /// Network slots in use.
     slots: Mutex<std::collections::BTreeSet<u32>>,
+    /// The init binary the bundles bind (`agent::install_init`).
+    init: PathBuf,
 }
 
 /// Network slots the manager hands out (`crate::net` has more; the rest are the tests').
@@ -277,6 +275,8 @@ impl Manager {
             binary: config.runtime.clone(),
             root: config.runtime_root.clone(),
         };
+        let init = crate::agent::install_init(&config.dir)
+            .map_err(|e| Error::io(format!("install the init in {}", config.dir.display()), e))?;
         let uppers = match config.uppers_size {
             Some(size) => {
                 let dir = config.dir.clone();
@@ -297,6 +297,7 @@ impl Manager {
             next_exec: AtomicU64::new(1),
             uppers,
             slots: Mutex::new(Default::default()),
+            init,
         });
         let mut leftovers = Vec::new();
         let entries = std::fs::read_dir(&m.config.dir)
@@ -653,7 +654,7 @@ impl Manager {
         let config = spec::build(&spec::SpecInput {
             id: &sb.id,
             rootfs: &rootfs,
-            init: &self.config.init,
+            init: &self.init,
             env: &record.env,
             limits: &record.limits,
             etc_dir: &etc,
@@ -876,7 +877,7 @@ impl Manager {
             ),
             None => None,
         };
-        let (child, exec, pid_file) = {
+        let (started, exec) = {
             let _life = sb.lifecycle.lock().await;
             self.check_running(&sb)?;
             sb.touch();
@@ -886,49 +887,106 @@ impl Manager {
             };
             let n = self.next_exec.fetch_add(1, Ordering::Relaxed);
             let exec_id = format!("e{n}-{}", now_ms() % 1_000_000);
-            let pid_file = sb.dir.join(format!("exec-{exec_id}.pid"));
-            let mut cmd = self.runtime.exec_command(
-                &sb.id,
-                &ExecOptions {
-                    args: &req.args,
-                    env: &req.env,
-                    cwd: req.cwd.as_deref(),
-                    user,
-                    pid_file: &pid_file,
-                },
-            );
-            cmd.stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .stdin(if stdin.is_some() {
-                    Stdio::piped()
-                } else {
-                    Stdio::null()
-                });
             let exec = Exec::new(exec_id, sb.id.clone(), req.args.clone(), max_output);
-            let child = cmd.spawn().map_err(|e| {
-                Error::Runtime(format!("start {}: {e}", self.runtime.binary.display()))
-            })?;
+            let started = match self
+                .start_with_init(&sb, &req, user, stdin.as_deref())
+                .await
+            {
+                Some(s) => s,
+                None => self.start_with_runtime(&sb, &exec, &req, user, stdin.is_some())?,
+            };
             sb.running_execs.fetch_add(1, Ordering::SeqCst);
             sb.add_exec(exec.clone());
-            (child, exec, pid_file)
+            (started, exec)
         };
-        let oom_before = sb
-            .record()
-            .pid
-            .map(|p| cgroup::oom_kills(&cgroup::of_pid(p)))
-            .unwrap_or(0);
         let cgroups = sb.record().pid.map(cgroup::of_pid).unwrap_or_default();
-        tokio::spawn(run_exec(
+        let oom_before = cgroup::oom_kills(&cgroups);
+        tokio::spawn(crate::run::run(crate::run::Job {
             sb,
-            exec.clone(),
-            child,
+            exec: exec.clone(),
+            started,
             stdin,
-            pid_file,
-            req.timeout_ms.map(Duration::from_millis),
+            timeout: req.timeout_ms.map(Duration::from_millis),
             oom_before,
             cgroups,
-        ));
+        }));
         Ok(exec)
+    }
+
+    /// Start the exec through the sandbox's init (`crate::agent`); `None` if no init of
+    /// ours answers there (a sandbox started before it existed): the runtime starts it.
+    async fn start_with_init(
+        &self,
+        sb: &Sandbox,
+        req: &ExecRequest,
+        user: Option<(u32, u32)>,
+        stdin: Option<&[u8]>,
+    ) -> Option<crate::run::Started> {
+        let init_pid = sb.record().pid?;
+        let mut env: Vec<String> = spec::BASE_ENV.iter().map(|s| s.to_string()).collect();
+        env.extend(sb.record().env);
+        env.extend(req.env.iter().cloned());
+        let (uid, gid) = user.unwrap_or((0, 0));
+        let args = req.args.clone();
+        let cwd = req.cwd.clone().unwrap_or_else(|| "/".to_owned());
+        let with_stdin = stdin.is_some();
+        let r = tokio::task::spawn_blocking(move || {
+            crate::run::spawn_in_init(init_pid, &args, &env, &cwd, uid, gid, with_stdin)
+        })
+        .await
+        .ok()?;
+        match r {
+            Ok(s) => Some(s),
+            Err(crate::agent::SpawnError::Unreachable(e)) => {
+                tracing::debug!(
+                    "sandbox {}: its init does not answer ({e}): runc exec",
+                    sb.id
+                );
+                None
+            }
+            Err(e) => Some(crate::run::Started::Failed(match e {
+                crate::agent::SpawnError::Refused(errno) => format!(
+                    "cannot start {}: {}",
+                    req.args[0],
+                    std::io::Error::from_raw_os_error(errno)
+                ),
+                crate::agent::SpawnError::Invalid(m) => m,
+                crate::agent::SpawnError::Unreachable(e) => e.to_string(),
+            })),
+        }
+    }
+
+    /// Start the exec with `runc exec` (a runtime process for its whole life).
+    fn start_with_runtime(
+        &self,
+        sb: &Sandbox,
+        exec: &Exec,
+        req: &ExecRequest,
+        user: Option<(u32, u32)>,
+        with_stdin: bool,
+    ) -> Result<crate::run::Started> {
+        let pid_file = sb.dir.join(format!("exec-{}.pid", exec.id));
+        let mut cmd = self.runtime.exec_command(
+            &sb.id,
+            &ExecOptions {
+                args: &req.args,
+                env: &req.env,
+                cwd: req.cwd.as_deref(),
+                user,
+                pid_file: &pid_file,
+            },
+        );
+        cmd.stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .stdin(if with_stdin {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            });
+        let child = cmd
+            .spawn()
+            .map_err(|e| Error::Runtime(format!("start {}: {e}", self.runtime.binary.display())))?;
+        Ok(crate::run::Started::Runtime { child, pid_file })
     }
 
     /// A running or finished exec of sandbox `id`.
@@ -962,83 +1020,6 @@ impl Manager {
     }
 }
 
-/// Wait for an exec's runtime process, enforcing its timeout; record the end.
-#[allow(clippy::too_many_arguments)]
-async fn run_exec(
-    sb: Arc<Sandbox>,
-    exec: Arc<Exec>,
-    mut child: tokio::process::Child,
-    stdin: Option<Vec<u8>>,
-    pid_file: PathBuf,
-    timeout: Option<Duration>,
-    oom_before: u64,
-    cgroups: BTreeMap<String, PathBuf>,
-) {
-    if let (Some(bytes), Some(mut w)) = (stdin, child.stdin.take()) {
-        tokio::spawn(async move {
-            let _ = w.write_all(&bytes).await;
-        });
-    }
-    let out = child
-        .stdout
-        .take()
-        .map(|p| tokio::spawn(exec::pump(exec.clone(), Stream::Stdout, p)));
-    let err = child
-        .stderr
-        .take()
-        .map(|p| tokio::spawn(exec::pump(exec.clone(), Stream::Stderr, p)));
-    let mut timed_out = false;
-    let status = match timeout {
-        Some(t) => match tokio::time::timeout(t, child.wait()).await {
-            Ok(s) => s,
-            Err(_) => {
-                timed_out = true;
-                if let Some(pid) = read_pid(&pid_file) {
-                    kill_tree(pid);
-                }
-                child.wait().await
-            }
-        },
-        None => child.wait().await,
-    };
-    // The pipes close when the command and everything it started that kept them are gone;
-    // a daemonised child that keeps them open must not hold the result back for ever.
-    for h in [out, err].into_iter().flatten() {
-        let _ = tokio::time::timeout(Duration::from_secs(2), h).await;
-    }
-    let _ = std::fs::remove_file(&pid_file);
-    let (stdout_bytes, stderr_bytes, truncated) = exec.totals();
-    let code = status.as_ref().ok().and_then(|s| s.code());
-    let oom = cgroup::oom_kills(&cgroups) > oom_before;
-    let removed = sb.record().state != SandboxState::Running;
-    let (reason, exit_code, signal) = match code {
-        _ if timed_out => (ExitReason::Timeout, None, Some(libc::SIGKILL)),
-        Some(137) if oom => (ExitReason::Oom, None, Some(libc::SIGKILL)),
-        Some(c) if removed && c > 128 => (ExitReason::Killed, None, Some(c - 128)),
-        // runc reports a command killed by signal N as 128 + N.
-        Some(c) if c > 128 && c <= 128 + 64 => (ExitReason::Exited, Some(c), Some(c - 128)),
-        Some(c) => (ExitReason::Exited, Some(c), None),
-        None => (ExitReason::Killed, None, None),
-    };
-    let message = status
-        .err()
-        .map(|e| format!("waiting for the runtime: {e}"));
-    exec.finish(ExecResult {
-        exec: exec.id.clone(),
-        sandbox: sb.id.clone(),
-        reason,
-        exit_code,
-        signal,
-        stdout_bytes,
-        stderr_bytes,
-        truncated,
-        duration_ms: exec.started.elapsed().as_millis() as u64,
-        message,
-    });
-    sb.running_execs.fetch_sub(1, Ordering::SeqCst);
-    sb.touch();
-}
-
 /// Whether process `pid` has ended (gone, or a zombie waiting for its parent).
 fn pid_gone(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
@@ -1047,48 +1028,6 @@ fn pid_gone(pid: u32) -> bool {
             .rsplit_once(')')
             .and_then(|(_, rest)| rest.split_whitespace().next())
             .is_none_or(|state| state == "Z" || state == "X"),
-    }
-}
-
-fn read_pid(path: &Path) -> Option<i32> {
-    std::fs::read_to_string(path).ok()?.trim().parse().ok()
-}
-
-/// SIGKILL `pid` and every process descended from it (a few rounds, for forks in flight).
-fn kill_tree(pid: i32) {
-    for _ in 0..3 {
-        let mut parent_of: HashMap<i32, Vec<i32>> = HashMap::new();
-        if let Ok(rd) = std::fs::read_dir("/proc") {
-            for e in rd.flatten() {
-                let Some(p) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
-                    continue;
-                };
-                let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
-                    continue;
-                };
-                // pid (comm) state ppid …: comm may hold anything, so parse after the last ')'.
-                let ppid = stat
-                    .rsplit_once(')')
-                    .and_then(|(_, rest)| rest.split_whitespace().nth(1))
-                    .and_then(|s| s.parse::<i32>().ok());
-                if let Some(pp) = ppid {
-                    parent_of.entry(pp).or_default().push(p);
-                }
-            }
-        }
-        let mut todo = vec![pid];
-        let mut all = Vec::new();
-        while let Some(p) = todo.pop() {
-            all.push(p);
-            if let Some(kids) = parent_of.get(&p) {
-                todo.extend(kids);
-            }
-        }
-        for p in all {
-            if let Some(p) = rustix::process::Pid::from_raw(p) {
-                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
-            }
-        }
     }
 }
 

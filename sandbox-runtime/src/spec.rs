@@ -1,10 +1,11 @@
 //! The OCI bundle's `config.json` of a sandbox, built with the `oci-spec` crate.
 //!
 //! What the runtime is asked for (and why):
-//! - **init**: `catatonit -P` (static, bind-mounted read-only from the host at
-//!   [`INIT_PATH`], on the container's own `/dev` tmpfs, so nothing lands in the upper): PID 1
-//!   of the sandbox's PID namespace, which only reaps. Execs are started by `runc exec`; their
-//!   orphans are reparented to it and reaped, so a fork bomb leaves no zombies behind.
+//! - **init**: Strata's own `strata-init` (`init/strata-init.c`, static, bind-mounted
+//!   read-only from the host at [`INIT_PATH`], on the container's own `/dev` tmpfs, so
+//!   nothing lands in the upper): PID 1 of the sandbox's PID namespace. It reaps orphans (a
+//!   fork bomb leaves no zombies behind) and starts execs for the daemon (`crate::agent`)
+//!   without a runtime process per exec.
 //! - **namespaces**: pid, mount, ipc, uts, cgroup and a new network namespace (runc brings up
 //!   its loopback only). The root is the overlay the node daemon composed
 //!   (`layers → lowerdir`, the sandbox's upper); runc pivots into it, so none of the node's
@@ -47,7 +48,7 @@ pub struct SpecInput<'a> {
     pub id: &'a str,
     /// The composed root (the node's overlay mount).
     pub rootfs: &'a Path,
-    /// The host's init binary (`catatonit`).
+    /// The host's init binary (`agent::install_init`'s).
     pub init: &'a Path,
     /// `KEY=VALUE` for the init and every exec.
     pub env: &'a [String],
@@ -151,7 +152,7 @@ pub fn build(input: &SpecInput<'_>) -> Result<Spec> {
                 .build()
                 .map_err(oci)?,
         )
-        .args(vec![INIT_PATH.to_owned(), "-P".to_owned()])
+        .args(vec![INIT_PATH.to_owned()])
         .env(env)
         .cwd("/")
         .capabilities(
@@ -429,7 +430,7 @@ mod tests {
         let spec = build(&SpecInput {
             id: "sb1",
             rootfs: Path::new("/r/rootfs"),
-            init: Path::new("/usr/bin/catatonit"),
+            init: Path::new("/r/strata-init"),
             env: &["A=1".to_owned()],
             limits: &limits,
             etc_dir: Path::new("/r/etc"),

@@ -10,7 +10,7 @@ pub(super) struct Eager {
     pub(super) key: String,
     pub(super) dir: PathBuf,
     pub(super) runc_root: PathBuf,
-    pub(super) catatonit: PathBuf,
+    pub(super) init: PathBuf,
 }
 
 pub(super) fn find_in_path(name: &str) -> Option<PathBuf> {
@@ -20,7 +20,7 @@ pub(super) fn find_in_path(name: &str) -> Option<PathBuf> {
 }
 
 /// Write a bundle for `rootfs` at `bundle` (the daemon's spec, its etc files), the process
-/// `args` (None: catatonit, as the daemon's sandboxes).
+/// `args` (None: Strata's init, as the daemon's sandboxes).
 pub(super) fn write_bundle(
     e: &Eager,
     id: &str,
@@ -41,7 +41,7 @@ pub(super) fn write_bundle(
     let mut spec = sandbox_runtime::spec::build(&sandbox_runtime::spec::SpecInput {
         id,
         rootfs,
-        init: &e.catatonit,
+        init: &e.init,
         env: &[],
         limits: &limits,
         etc_dir: &etc,

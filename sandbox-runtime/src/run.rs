@@ -1,0 +1,304 @@
+//! Running one exec to its end: through the sandbox's init (`crate::agent`) or a `runc exec`
+//! process; its output pumped into the exec's capped buffers, its timeout enforced, its end
+//! classified (`ExitReason`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::AsyncWriteExt;
+
+use crate::agent::{self, SpawnError};
+use crate::cgroup;
+use crate::exec::{self, Exec};
+use crate::manager::Sandbox;
+use crate::proto::{ExecResult, ExitReason, SandboxState, Stream};
+
+/// How an exec was started.
+pub(crate) enum Started {
+    /// By the sandbox's init: our ends of its pipes.
+    Init {
+        running: agent::Running,
+        init_pid: u32,
+        stdout: tokio::net::unix::pipe::Receiver,
+        stderr: tokio::net::unix::pipe::Receiver,
+        stdin: Option<tokio::net::unix::pipe::Sender>,
+    },
+    /// By `runc exec`, which lives as long as the command.
+    Runtime {
+        child: tokio::process::Child,
+        pid_file: PathBuf,
+    },
+    /// Not at all: why.
+    Failed(String),
+}
+
+/// What `run` needs.
+pub(crate) struct Job {
+    pub sb: Arc<Sandbox>,
+    pub exec: Arc<Exec>,
+    pub started: Started,
+    pub stdin: Option<Vec<u8>>,
+    pub timeout: Option<Duration>,
+    pub oom_before: u64,
+    pub cgroups: BTreeMap<String, PathBuf>,
+}
+
+/// Make the pipes and ask the init to start the command (blocking: off the async threads).
+pub(crate) fn spawn_in_init(
+    init_pid: u32,
+    args: &[String],
+    env: &[String],
+    cwd: &str,
+    uid: u32,
+    gid: u32,
+    with_stdin: bool,
+) -> Result<Started, SpawnError> {
+    let io = |e: std::io::Error| SpawnError::Unreachable(e);
+    let (out_r, out_w) = agent::pipe().map_err(io)?;
+    let (err_r, err_w) = agent::pipe().map_err(io)?;
+    let (in_r, in_w) = if with_stdin {
+        let (r, w) = agent::pipe().map_err(io)?;
+        (r, Some(w))
+    } else {
+        let null = std::fs::File::open("/dev/null").map_err(io)?;
+        (std::os::fd::OwnedFd::from(null), None)
+    };
+    let running = agent::spawn(
+        init_pid,
+        &agent::Spawn {
+            args,
+            env,
+            cwd,
+            uid,
+            gid,
+        },
+        [in_r.as_fd(), out_w.as_fd(), err_w.as_fd()],
+    )?;
+    // Only the command holds the write ends now: its end (and its children's) closes them.
+    drop((in_r, out_w, err_w));
+    let recv = |fd| tokio::net::unix::pipe::Receiver::from_owned_fd(fd).map_err(io);
+    Ok(Started::Init {
+        running,
+        init_pid,
+        stdout: recv(out_r)?,
+        stderr: recv(err_r)?,
+        stdin: match in_w {
+            Some(w) => Some(tokio::net::unix::pipe::Sender::from_owned_fd(w).map_err(io)?),
+            None => None,
+        },
+    })
+}
+
+enum Ended {
+    /// A wait status (the init's report: exact).
+    Status(i32),
+    /// The runtime's exit code (a death by signal N is 128 + N there).
+    RuntimeCode(i32),
+    /// No status: why.
+    Lost(String),
+}
+
+/// Run `job` to its end and record the result.
+pub(crate) async fn run(job: Job) {
+    let Job {
+        sb,
+        exec,
+        started,
+        stdin,
+        timeout,
+        oom_before,
+        cgroups,
+    } = job;
+    let mut timed_out = false;
+    let mut pumps = Vec::new();
+    let ended = match started {
+        Started::Failed(message) => {
+            finish(&sb, &exec, ExitReason::Failed, None, None, Some(message));
+            return;
+        }
+        Started::Init {
+            running,
+            init_pid,
+            stdout,
+            stderr,
+            stdin: w,
+        } => {
+            if let (Some(bytes), Some(mut w)) = (stdin, w) {
+                tokio::spawn(async move {
+                    let _ = w.write_all(&bytes).await;
+                });
+            }
+            pumps.push(tokio::spawn(exec::pump(
+                exec.clone(),
+                Stream::Stdout,
+                stdout,
+            )));
+            pumps.push(tokio::spawn(exec::pump(
+                exec.clone(),
+                Stream::Stderr,
+                stderr,
+            )));
+            let status = match timeout {
+                Some(t) => match tokio::time::timeout(t, running.wait()).await {
+                    Ok(s) => s,
+                    Err(_) => {
+                        timed_out = true;
+                        let _ = running.kill(libc::SIGKILL);
+                        if let Some(p) = agent::host_pid(init_pid, running.pid) {
+                            kill_tree(p);
+                        }
+                        running.wait().await
+                    }
+                },
+                None => running.wait().await,
+            };
+            match status {
+                Ok(Some(s)) => Ended::Status(s),
+                Ok(None) => Ended::Lost("the sandbox's init went away".into()),
+                Err(e) => Ended::Lost(format!("waiting for the sandbox's init: {e}")),
+            }
+        }
+        Started::Runtime {
+            mut child,
+            pid_file,
+        } => {
+            if let (Some(bytes), Some(mut w)) = (stdin, child.stdin.take()) {
+                tokio::spawn(async move {
+                    let _ = w.write_all(&bytes).await;
+                });
+            }
+            if let Some(p) = child.stdout.take() {
+                pumps.push(tokio::spawn(exec::pump(exec.clone(), Stream::Stdout, p)));
+            }
+            if let Some(p) = child.stderr.take() {
+                pumps.push(tokio::spawn(exec::pump(exec.clone(), Stream::Stderr, p)));
+            }
+            let status = match timeout {
+                Some(t) => match tokio::time::timeout(t, child.wait()).await {
+                    Ok(s) => s,
+                    Err(_) => {
+                        timed_out = true;
+                        if let Some(pid) = read_pid(&pid_file) {
+                            kill_tree(pid);
+                        }
+                        child.wait().await
+                    }
+                },
+                None => child.wait().await,
+            };
+            let _ = std::fs::remove_file(&pid_file);
+            match status {
+                Ok(s) => match s.code() {
+                    Some(c) => Ended::RuntimeCode(c),
+                    None => Ended::Lost(format!("the runtime died: {s}")),
+                },
+                Err(e) => Ended::Lost(format!("waiting for the runtime: {e}")),
+            }
+        }
+    };
+    // The pipes close when the command and everything it started that kept them are gone;
+    // a daemonised child that keeps them open must not hold the result back for ever.
+    for h in pumps {
+        let _ = tokio::time::timeout(Duration::from_secs(2), h).await;
+    }
+    let oom = cgroup::oom_kills(&cgroups) > oom_before;
+    let removed = sb.record().state != SandboxState::Running;
+    let kill = libc::SIGKILL;
+    let (reason, code, signal, message) = match ended {
+        _ if timed_out => (ExitReason::Timeout, None, Some(kill), None),
+        Ended::Status(s) if libc::WIFEXITED(s) => {
+            (ExitReason::Exited, Some(libc::WEXITSTATUS(s)), None, None)
+        }
+        Ended::Status(s) => {
+            let sig = libc::WTERMSIG(s);
+            let reason = match sig {
+                _ if sig == kill && oom => ExitReason::Oom,
+                _ if removed => ExitReason::Killed,
+                _ => ExitReason::Exited,
+            };
+            (reason, None, Some(sig), None)
+        }
+        Ended::RuntimeCode(137) if oom => (ExitReason::Oom, None, Some(kill), None),
+        Ended::RuntimeCode(c) if removed && c > 128 => {
+            (ExitReason::Killed, None, Some(c - 128), None)
+        }
+        // runc reports a command killed by signal N as 128 + N.
+        Ended::RuntimeCode(c) if c > 128 && c <= 128 + 64 => {
+            (ExitReason::Exited, Some(c), Some(c - 128), None)
+        }
+        Ended::RuntimeCode(c) => (ExitReason::Exited, Some(c), None, None),
+        Ended::Lost(m) => (ExitReason::Killed, None, None, Some(m)),
+    };
+    finish(&sb, &exec, reason, code, signal, message);
+}
+
+fn finish(
+    sb: &Sandbox,
+    exec: &Exec,
+    reason: ExitReason,
+    exit_code: Option<i32>,
+    signal: Option<i32>,
+    message: Option<String>,
+) {
+    let (stdout_bytes, stderr_bytes, truncated) = exec.totals();
+    exec.finish(ExecResult {
+        exec: exec.id.clone(),
+        sandbox: sb.id.clone(),
+        reason,
+        exit_code,
+        signal,
+        stdout_bytes,
+        stderr_bytes,
+        truncated,
+        duration_ms: exec.started.elapsed().as_millis() as u64,
+        message,
+    });
+    sb.running_execs.fetch_sub(1, Ordering::SeqCst);
+    sb.touch();
+}
+
+fn read_pid(path: &Path) -> Option<i32> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// SIGKILL `pid` and every process descended from it (a few rounds, for forks in flight).
+fn kill_tree(pid: i32) {
+    for _ in 0..3 {
+        let mut parent_of: HashMap<i32, Vec<i32>> = HashMap::new();
+        if let Ok(rd) = std::fs::read_dir("/proc") {
+            for e in rd.flatten() {
+                let Some(p) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+                    continue;
+                };
+                let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
+                    continue;
+                };
+                // pid (comm) state ppid …: comm may hold anything, so parse after the last ')'.
+                let ppid = stat
+                    .rsplit_once(')')
+                    .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                    .and_then(|s| s.parse::<i32>().ok());
+                if let Some(pp) = ppid {
+                    parent_of.entry(pp).or_default().push(p);
+                }
+            }
+        }
+        let mut todo = vec![pid];
+        let mut all = Vec::new();
+        while let Some(p) = todo.pop() {
+            all.push(p);
+            if let Some(kids) = parent_of.get(&p) {
+                todo.extend(kids);
+            }
+        }
+        for p in all {
+            if let Some(p) = rustix::process::Pid::from_raw(p) {
+                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+            }
+        }
+    }
+}
