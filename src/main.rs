@@ -8,6 +8,7 @@ mod build_cmd;
 mod cache_cmd;
 mod node_cmd;
 mod sandbox_cmd;
+mod template_cmd;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -92,6 +93,9 @@ enum Command {
     /// rm, warm pools.
     #[command(subcommand)]
     Sandbox(sandbox_cmd::SandboxCmd),
+    /// Templates of the E2B API (`templateID` → a layer stack), kept by the node daemon.
+    #[command(subcommand)]
+    Template(template_cmd::TemplateCmd),
     /// Mount layers lazily: `strata mount REF... MOUNTPOINT` (first REF lowest; several
     /// layers or --upper make an overlay). Prints the mountpoint.
     Mount(node_cmd::MountArgs),
@@ -453,6 +457,15 @@ async fn run(cli: Cli) -> Result<()> {
             .await
             .context("the sandbox command's thread")?;
         }
+        Command::Template(cmd) => {
+            let cache = cli.cache.clone();
+            let json = cli.json;
+            return tokio::task::spawn_blocking(move || {
+                template_cmd::run(cmd, &node_store, &cache, json)
+            })
+            .await
+            .context("the template command's thread")?;
+        }
         other => other,
     };
     let backend = open_backend(&url).await?;
@@ -767,7 +780,8 @@ async fn run(cli: Cli) -> Result<()> {
         | Command::Umount(_)
         | Command::Status(_)
         | Command::Warm(_)
-        | Command::Sandbox(_) => {
+        | Command::Sandbox(_)
+        | Command::Template(_) => {
             anyhow::bail!("internal: node commands are dispatched before the store is opened")
         }
         Command::Gc { grace, dry_run } => {

@@ -59,6 +59,13 @@ pub struct DaemonArgs {
     /// needs. Without it, uppers are plain directories and `--disk` is refused.
     #[arg(long, env = "STRATA_UPPERS_SIZE", value_parser = crate::cache_cmd::parse_size)]
     pub uppers_size: Option<u64>,
+    /// Serve the E2B-compatible HTTP API (control plane and envd) on this address
+    /// (`127.0.0.1:3000`; port 0: a free one, written to <run-dir>/api.addr).
+    #[arg(long, requires = "api_keys")]
+    pub api: Option<std::net::SocketAddr>,
+    /// The API's keys, one a line (`X-API-KEY`); needed with --api.
+    #[arg(long)]
+    pub api_keys: Option<PathBuf>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -180,10 +187,40 @@ pub async fn daemon(args: DaemonArgs, url: &str, cache: &CacheOpts, home: &Path)
             bail!("sandboxes: {e}");
         }
     };
-    let ext: server::SharedExtension =
-        Some(std::sync::Arc::new(sandbox_runtime::SandboxExtension {
-            manager,
-        }));
+    let api_dir = home.join("api");
+    let templates = match e2b_api::state_templates(&api_dir) {
+        Ok(t) => t,
+        Err(e) => {
+            let _ = node.shutdown().await;
+            bail!("templates: {e}");
+        }
+    };
+    let ext: server::SharedExtension = Some(std::sync::Arc::new(e2b_api::TemplateExtension {
+        templates: templates.clone(),
+        inner: std::sync::Arc::new(sandbox_runtime::SandboxExtension {
+            manager: manager.clone(),
+        }),
+    }));
+    if let (Some(addr), Some(keys)) = (args.api, &args.api_keys) {
+        let started = async {
+            let api = e2b_api::Api::open(manager.clone(), templates.clone(), &api_dir, keys)
+                .map_err(|e| anyhow!("{e}"))?;
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("listen on {addr}"))?;
+            let local = listener.local_addr()?;
+            let addr_file = args.node.run_dir.join("api.addr");
+            fs_cache::write_atomic(&addr_file, local.to_string().as_bytes())
+                .with_context(|| format!("write {}", addr_file.display()))?;
+            eprintln!("strata daemon: e2b api on http://{local}");
+            tokio::spawn(e2b_api::serve(api, listener));
+            anyhow::Ok(())
+        };
+        if let Err(e) = started.await {
+            let _ = node.shutdown().await;
+            bail!("--api: {e:#}");
+        }
+    }
     let listener = match server::bind(&node.socket_path()) {
         Ok(l) => l,
         Err(e) => {

@@ -43,6 +43,7 @@ pub mod spec;
 
 use ublk_daemon::node::proto::{ApiError, ErrorKind};
 
+pub use exec::Exec;
 pub use ext::SandboxExtension;
 pub use manager::{valid_id, Manager, ManagerConfig, Record};
 pub use proto::Limits;

@@ -1,0 +1,167 @@
+//! # e2b-api: the E2B protocol, spoken by the node
+//!
+//! The unmodified `e2b` Python SDK (pinned in the tests: 2.63.0) drives Strata sandboxes
+//! through this crate: `strata daemon --api ADDR --api-keys FILE` serves, on one listener
+//! (HTTP/1.1 and cleartext HTTP/2 with prior knowledge, chunked bodies both ways), for every
+//! sandbox of the node:
+//!
+//! - **the control plane** (`control.rs`): `POST /sandboxes` and `/v2/sandboxes` (201),
+//!   `GET /sandboxes/{id}`, `GET /sandboxes` and `/v2/sandboxes` (`x-next-token` paging,
+//!   `state` and `metadata` filters), `DELETE /sandboxes/{id}` (204; 404),
+//!   `POST /sandboxes/{id}/timeout` (204), `POST /sandboxes/{id}/pause` (204; 409),
+//!   `POST [/v2]/sandboxes/{id}/connect` (200, 201 when it resumed one),
+//!   `GET /sandboxes/{id}/metrics`. Every request needs an `X-API-KEY` of the keys file;
+//!   every error is JSON `{"code": <http status>, "message": "…"}` (the SDK parses nothing
+//!   else).
+//! - **envd, on the node** (no agent inside the sandbox): a request with an
+//!   `E2b-Sandbox-Id` header is that sandbox's envd (`envd.rs`) and needs its
+//!   `X-Access-Token` (the `envdAccessToken` its create answered). `GET /health`,
+//!   `GET`/`POST /files` (`files.rs`), and the Connect services `process.Process`
+//!   (`process.rs`) and `filesystem.Filesystem` (`filesystem.rs`) with the Connect protocol's
+//!   JSON codec (`connect.rs`). A `/files` request without the header but with a
+//!   `signature` is a signed URL: it goes to the sandbox whose token signs it.
+//!
+//! ## Formats
+//! - Connect unary: `POST /<service>/<Method>`, `Content-Type: application/json`, one JSON
+//!   message each way; an error is the HTTP status of its code and
+//!   `{"code": "<snake_case code>", "message": "…"}`.
+//! - Connect streams: `Content-Type: application/connect+json`; each message is an envelope
+//!   of 1 flag byte, a 4-byte big-endian length and that many bytes of JSON. The server's
+//!   last envelope has flag `0x02` and holds `{}` or `{"error": {"code", "message"}}`.
+//!   Compressed envelopes (flag `0x01`) are refused: the SDK never sends them.
+//! - Messages are proto3's JSON mapping: lowerCamelCase names, `bytes` as base64, `int64` as
+//!   strings, enums by name, `google.protobuf.Timestamp` as RFC 3339; unknown fields ignored.
+//! - Signed URLs (envd's v1): `signature = "v1_" + base64(sha256("path:op:user:token" [+
+//!   ":expiry"]))` without padding, `op` = `read` | `write`, `signature_expiration` Unix
+//!   seconds.
+//! - State (`<state dir>/e2b.json`, written atomically): the API's side of each sandbox
+//!   (template, access token, metadata, start and end times, auto-pause) and the templates
+//!   (name → layer stack). The runtime's record stays the truth of whether a sandbox exists.
+//!
+//! ## Invariants
+//! - Nothing from the network panics the daemon: every malformed request is a clear 4xx.
+//! - Every sandbox path is resolved inside its root (`openat2(RESOLVE_IN_ROOT)` on the
+//!   sandbox's `/proc/<init>/root`, `fs.rs`): a symlink planted in a sandbox never reaches
+//!   the host.
+//! - A sandbox is removed (or paused, with `autoPause`) at its end time; `set_timeout` moves
+//!   that time from now.
+//! - Request bodies are bounded ([`MAX_JSON_BODY`] for messages, [`MAX_UPLOAD`] per upload).
+
+mod connect;
+mod control;
+mod envd;
+mod files;
+mod filesystem;
+mod fs;
+mod http;
+mod process;
+mod server;
+mod state;
+mod time;
+
+pub use server::{serve, ApiConfig};
+pub use state::{Api, Template, TemplateExtension, Templates};
+
+/// The node's templates, kept in `state_dir` (the daemon opens them whether or not it
+/// serves the API: `strata template` talks to it).
+pub fn state_templates(state_dir: &std::path::Path) -> Result<std::sync::Arc<Templates>> {
+    Templates::open(state_dir).map(std::sync::Arc::new)
+}
+
+/// The envd version the node reports at create (the SDK turns features on by it): 0.5.7
+/// has stdin, the default user (no `Authorization` needed), closing stdin and octet-stream
+/// uploads (what streamed `files.write` needs); 0.6.2's file metadata (xattrs) and 0.6.3's
+/// entry info in watch events are not implemented, so the SDK refuses them itself.
+pub const ENVD_VERSION: &str = "0.5.7";
+
+/// The largest JSON request body (a Connect message, a control-plane request).
+pub const MAX_JSON_BODY: usize = 4 << 20;
+
+/// The largest upload (`POST /files`), per request.
+pub const MAX_UPLOAD: u64 = 1 << 30;
+
+/// What can go wrong in the API.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The request is malformed.
+    #[error("{0}")]
+    BadRequest(String),
+    /// No key, or not one of the keys; no or a wrong access token.
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// No such sandbox, template, process or file.
+    #[error("{0}")]
+    NotFound(String),
+    /// The state does not allow it (already paused, exists already).
+    #[error("{0}")]
+    Conflict(String),
+    /// Something the node does not do (yet).
+    #[error("{0}")]
+    Unsupported(String),
+    /// A limit refused it.
+    #[error("{0}")]
+    Limit(String),
+    /// The runtime failed.
+    #[error("{0}")]
+    Runtime(String),
+    /// A local I/O error.
+    #[error("{context}: {source}")]
+    Io {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            source,
+        }
+    }
+
+    /// The HTTP status this error answers with.
+    pub fn status(&self) -> u16 {
+        match self {
+            Error::BadRequest(_) => 400,
+            Error::Unauthenticated(_) => 401,
+            Error::NotFound(_) => 404,
+            Error::Conflict(_) => 409,
+            Error::Unsupported(_) => 501,
+            Error::Limit(_) => 429,
+            Error::Runtime(_) => 500,
+            Error::Io { source, .. } => match source.kind() {
+                std::io::ErrorKind::NotFound => 404,
+                std::io::ErrorKind::AlreadyExists => 409,
+                std::io::ErrorKind::InvalidInput | std::io::ErrorKind::InvalidData => 400,
+                std::io::ErrorKind::PermissionDenied => 403,
+                _ if source.raw_os_error() == Some(libc::ENOSPC) => 507,
+                _ if source.raw_os_error() == Some(libc::ENOTDIR) => 400,
+                _ if source.raw_os_error() == Some(libc::EISDIR) => 400,
+                _ if source.raw_os_error() == Some(libc::ENOTEMPTY) => 409,
+                _ if source.raw_os_error() == Some(libc::ELOOP) => 400,
+                _ if source.raw_os_error() == Some(libc::EXDEV) => 400,
+                _ => 500,
+            },
+        }
+    }
+}
+
+impl From<sandbox_runtime::Error> for Error {
+    fn from(e: sandbox_runtime::Error) -> Self {
+        use sandbox_runtime::Error as R;
+        match e {
+            R::NotFound(m) => Error::NotFound(m),
+            R::InvalidSpec(m) => Error::BadRequest(m),
+            R::Conflict(m) => Error::Conflict(m),
+            R::Limit(m) => Error::Limit(m),
+            R::Io { context, source } => Error::Io { context, source },
+            other => Error::Runtime(other.to_string()),
+        }
+    }
+}
+
+/// The crate's result.
+pub type Result<T> = std::result::Result<T, Error>;

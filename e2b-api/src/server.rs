@@ -1,0 +1,99 @@
+//! The listener: HTTP/1.1 and cleartext HTTP/2 (prior knowledge) on one port, one task per
+//! connection, and the routing of each request — envd (by `E2b-Sandbox-Id`), a signed file
+//! URL, or the control plane (by `X-API-KEY`).
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpListener;
+
+use crate::http::{error, error_with, Response};
+use crate::state::Api;
+use crate::Error;
+
+/// How `strata daemon --api` serves.
+#[derive(Clone, Debug)]
+pub struct ApiConfig {
+    /// Where to listen (`127.0.0.1:3000`; port 0: any free one, printed at start).
+    pub addr: SocketAddr,
+    /// The API keys, one a line.
+    pub keys: PathBuf,
+    /// The API's state (`templates.json`, `e2b-sandboxes.json`).
+    pub state_dir: PathBuf,
+}
+
+/// Serve `api` on `listener` until the task is dropped.
+pub async fn serve(api: Arc<Api>, listener: TcpListener) {
+    api.start_reaper();
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                // EMFILE and friends: wait a little rather than spin.
+                tracing::warn!("e2b api: accept: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let api = api.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req| {
+                let api = api.clone();
+                async move { Ok::<_, Infallible>(route(&api, req).await) }
+            });
+            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            builder.http1().keep_alive(true);
+            builder.http2().max_concurrent_streams(1000);
+            if let Err(e) = builder
+                .serve_connection_with_upgrades(TokioIo::new(stream), svc)
+                .await
+            {
+                tracing::debug!("e2b api: connection from {peer}: {e}");
+            }
+        });
+    }
+}
+
+/// Route one request.
+async fn route(api: &Arc<Api>, req: hyper::Request<Incoming>) -> Response {
+    let sandbox = req
+        .headers()
+        .get("e2b-sandbox-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    if let Some(id) = sandbox {
+        return crate::envd::handle(api, &id, req).await;
+    }
+    let path = req.uri().path().to_owned();
+    let query = req.uri().query().map(str::to_owned);
+    let method = req.method().clone();
+    if path == "/files" && query.as_deref().is_some_and(|q| q.contains("signature=")) {
+        return match crate::files::signed_sandbox(api, &method, query.as_deref()) {
+            Ok(id) => crate::envd::handle_signed(api, &id, req).await,
+            Err(e) => error(&e),
+        };
+    }
+    if path == "/health" {
+        return crate::http::json(200, &serde_json::json!({ "status": "ok" }));
+    }
+    let key = req
+        .headers()
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    if key.is_empty() {
+        return error(&Error::Unauthenticated(
+            "no X-API-KEY: every request of this API needs one".into(),
+        ));
+    }
+    if !api.key_ok(key) {
+        return error_with(401, "Invalid API key");
+    }
+    let body = req.into_body();
+    crate::control::handle(api, &method, &path, query.as_deref(), body).await
+}

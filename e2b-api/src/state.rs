@@ -1,0 +1,504 @@
+//! The API's state: its keys, the templates (name → layer stack), and its side of every
+//! sandbox it created (template, access token, metadata, times), persisted in the state
+//! directory so that a daemon restart keeps them. The reaper ends sandboxes at their end
+//! time.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+use ublk_daemon::node::proto::{ApiError, ErrorKind, ResponseLine};
+use ublk_daemon::node::server::Extension;
+
+use crate::time::now_ms;
+use crate::{Error, Result};
+
+/// A template: the layer stack a sandbox of it is created on, and its limits.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Template {
+    pub name: String,
+    /// First lowest (`KIND/NAME:VERSION`).
+    pub layers: Vec<String>,
+    /// CPUs (thousandths), memory (bytes) of each sandbox; `None`: the node's defaults.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_millis: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<u64>,
+    /// The template a create without one (the SDK's `base`) gets.
+    #[serde(default)]
+    pub default: bool,
+}
+
+/// The node's templates, `<state dir>/templates.json`.
+#[derive(Debug)]
+pub struct Templates {
+    path: PathBuf,
+    map: Mutex<BTreeMap<String, Template>>,
+}
+
+fn valid_template_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 128
+        && name
+            .bytes()
+            .all(|c| c.is_ascii_alphanumeric() || b"-_./:".contains(&c))
+}
+
+impl Templates {
+    pub fn open(state_dir: &Path) -> Result<Self> {
+        std::fs::create_dir_all(state_dir)
+            .map_err(|e| Error::io(format!("create {}", state_dir.display()), e))?;
+        let path = state_dir.join("templates.json");
+        let map = match std::fs::read(&path) {
+            Ok(b) => serde_json::from_slice(&b).unwrap_or_else(|e| {
+                tracing::warn!("{}: unreadable ({e}); no templates", path.display());
+                BTreeMap::new()
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
+            Err(e) => return Err(Error::io(format!("read {}", path.display()), e)),
+        };
+        Ok(Self {
+            path,
+            map: Mutex::new(map),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Template>> {
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn save(&self, map: &BTreeMap<String, Template>) -> Result<()> {
+        let b = serde_json::to_vec_pretty(map).map_err(|e| Error::Runtime(e.to_string()))?;
+        fs_cache::write_atomic(&self.path, &b)
+            .map_err(|e| Error::io(format!("write {}", self.path.display()), e))
+    }
+
+    /// Add or replace a template (the default one, if `t.default`; the first one is the
+    /// default too).
+    pub fn set(&self, mut t: Template) -> Result<Template> {
+        if !valid_template_name(&t.name) {
+            return Err(Error::BadRequest(format!(
+                "bad template name {:?} (letters, digits, -_./:)",
+                t.name
+            )));
+        }
+        if t.layers.is_empty() {
+            return Err(Error::BadRequest(
+                "a template needs at least one layer".into(),
+            ));
+        }
+        let mut map = self.lock();
+        if map.values().all(|o| !o.default || o.name == t.name) && !t.default {
+            t.default = map.get(&t.name).is_some_and(|o| o.default) || map.is_empty();
+        }
+        if t.default {
+            for o in map.values_mut() {
+                o.default = false;
+            }
+        }
+        map.insert(t.name.clone(), t.clone());
+        self.save(&map)?;
+        Ok(t)
+    }
+
+    pub fn remove(&self, name: &str) -> Result<Template> {
+        let mut map = self.lock();
+        let t = map
+            .remove(name)
+            .ok_or_else(|| Error::NotFound(format!("no template {name}")))?;
+        self.save(&map)?;
+        Ok(t)
+    }
+
+    pub fn list(&self) -> Vec<Template> {
+        self.lock().values().cloned().collect()
+    }
+
+    /// The template `name` names: itself, or for `base` (the SDK's default) the default one.
+    pub fn resolve(&self, name: &str) -> Result<Template> {
+        let map = self.lock();
+        if let Some(t) = map.get(name) {
+            return Ok(t.clone());
+        }
+        if name == "base" {
+            if let Some(t) = map.values().find(|t| t.default) {
+                return Ok(t.clone());
+            }
+        }
+        Err(Error::NotFound(format!(
+            "template '{name}' not found (strata template set {name} --layer …)"
+        )))
+    }
+}
+
+/// The API's side of one sandbox.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxMeta {
+    pub template_id: String,
+    /// The template's name as asked (an alias of the id here).
+    pub alias: String,
+    pub access_token: String,
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+    #[serde(default)]
+    pub env_vars: BTreeMap<String, String>,
+    pub started_ms: u64,
+    pub end_ms: u64,
+    #[serde(default)]
+    pub auto_pause: bool,
+    /// Frozen by `pause` (or at its end with `auto_pause`).
+    #[serde(default)]
+    pub paused: bool,
+    #[serde(default)]
+    pub cpu_count: u32,
+    #[serde(default)]
+    pub memory_mb: u64,
+}
+
+/// The API's state (see the module docs).
+#[derive(Debug)]
+pub struct Api {
+    pub manager: Arc<sandbox_runtime::Manager>,
+    pub templates: Arc<Templates>,
+    keys: Vec<String>,
+    path: PathBuf,
+    sandboxes: Mutex<BTreeMap<String, SandboxMeta>>,
+    pub procs: crate::process::Procs,
+    pub watchers: crate::filesystem::Watchers,
+}
+
+impl Api {
+    /// Open the state in `state_dir` with the API keys in `keys` (one a line; blank lines and
+    /// `#` comments ignored); sandboxes the node no longer has are forgotten.
+    pub fn open(
+        manager: Arc<sandbox_runtime::Manager>,
+        templates: Arc<Templates>,
+        state_dir: &Path,
+        keys: &Path,
+    ) -> Result<Arc<Self>> {
+        let text = std::fs::read_to_string(keys)
+            .map_err(|e| Error::io(format!("read the API keys {}", keys.display()), e))?;
+        let key_list: Vec<String> = text
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty() && !l.starts_with('#'))
+            .map(str::to_owned)
+            .collect();
+        if key_list.is_empty() {
+            return Err(Error::BadRequest(format!(
+                "{} holds no API key",
+                keys.display()
+            )));
+        }
+        let path = state_dir.join("e2b-sandboxes.json");
+        let mut sandboxes: BTreeMap<String, SandboxMeta> = match std::fs::read(&path) {
+            Ok(b) => serde_json::from_slice(&b).unwrap_or_default(),
+            Err(_) => BTreeMap::new(),
+        };
+        let live: std::collections::BTreeSet<String> =
+            manager.list().into_iter().map(|s| s.id).collect();
+        sandboxes.retain(|id, _| live.contains(id));
+        let api = Arc::new(Self {
+            manager,
+            templates,
+            keys: key_list,
+            path,
+            sandboxes: Mutex::new(sandboxes),
+            procs: Default::default(),
+            watchers: Default::default(),
+        });
+        api.save()?;
+        Ok(api)
+    }
+
+    /// Whether `key` is one of the API keys (compared in constant time).
+    pub fn key_ok(&self, key: &str) -> bool {
+        self.keys
+            .iter()
+            .any(|k| ct_eq(k.as_bytes(), key.as_bytes()))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, SandboxMeta>> {
+        self.sandboxes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn save(&self) -> Result<()> {
+        let b =
+            serde_json::to_vec_pretty(&*self.lock()).map_err(|e| Error::Runtime(e.to_string()))?;
+        fs_cache::write_atomic(&self.path, &b)
+            .map_err(|e| Error::io(format!("write {}", self.path.display()), e))
+    }
+
+    /// The sandbox's init pid (host), while it runs.
+    pub fn init_pid(&self, id: &str) -> Result<u32> {
+        let info = self
+            .manager
+            .list()
+            .into_iter()
+            .find(|s| s.id == id)
+            .ok_or_else(|| Error::NotFound(format!("sandbox {id} was not found")))?;
+        match (info.state, info.pid) {
+            (sandbox_runtime::proto::SandboxState::Running, Some(pid)) => Ok(pid),
+            _ => Err(Error::Conflict(format!("sandbox {id} is not running"))),
+        }
+    }
+
+    /// The sandbox's root as its processes see it (`/proc/<init>/root`).
+    pub fn view(&self, id: &str) -> Result<PathBuf> {
+        Ok(PathBuf::from(format!("/proc/{}/root", self.init_pid(id)?)))
+    }
+
+    pub fn meta(&self, id: &str) -> Option<SandboxMeta> {
+        self.lock().get(id).cloned()
+    }
+
+    pub fn all_meta(&self) -> BTreeMap<String, SandboxMeta> {
+        self.lock().clone()
+    }
+
+    pub fn insert_meta(&self, id: &str, m: SandboxMeta) -> Result<()> {
+        self.lock().insert(id.to_owned(), m);
+        self.save()
+    }
+
+    /// Change a sandbox's meta; `NotFound` if the API does not know it.
+    pub fn update_meta(&self, id: &str, f: impl FnOnce(&mut SandboxMeta)) -> Result<SandboxMeta> {
+        let m = {
+            let mut all = self.lock();
+            let m = all
+                .get_mut(id)
+                .ok_or_else(|| Error::NotFound(format!("sandbox {id} was not found")))?;
+            f(m);
+            m.clone()
+        };
+        self.save()?;
+        Ok(m)
+    }
+
+    pub fn forget(&self, id: &str) {
+        self.lock().remove(id);
+        self.procs.forget(id);
+        self.watchers.forget(id);
+        if let Err(e) = self.save() {
+            tracing::warn!("e2b api: saving the state: {e}");
+        }
+    }
+
+    /// Remove a sandbox: the runtime's and the API's sides.
+    pub async fn kill(&self, id: &str) -> Result<()> {
+        let known = self.meta(id).is_some();
+        let r = self.manager.remove(id).await;
+        self.forget(id);
+        match r {
+            Ok(_) => Ok(()),
+            Err(sandbox_runtime::Error::NotFound(m)) if !known => Err(Error::NotFound(m)),
+            Err(sandbox_runtime::Error::NotFound(_)) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// End sandboxes past their end time, every second, while the API lives.
+    pub fn start_reaper(self: &Arc<Self>) {
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let Some(api) = weak.upgrade() else { return };
+                let now = now_ms();
+                let due: Vec<(String, SandboxMeta)> = api
+                    .all_meta()
+                    .into_iter()
+                    .filter(|(_, m)| m.end_ms <= now && !m.paused)
+                    .collect();
+                for (id, m) in due {
+                    if m.auto_pause {
+                        match crate::control::pause_sandbox(&api, &id).await {
+                            Ok(()) => {
+                                tracing::info!("sandbox {id}: timeout reached, paused");
+                                continue;
+                            }
+                            Err(e) => {
+                                tracing::warn!("sandbox {id}: auto-pause failed ({e}); removing")
+                            }
+                        }
+                    }
+                    tracing::info!("sandbox {id}: timeout reached, removing");
+                    if let Err(e) = api.kill(&id).await {
+                        tracing::warn!("sandbox {id}: removal at its timeout: {e}");
+                    }
+                }
+                // Sandboxes removed behind the API's back (`strata sandbox rm`).
+                let live: std::collections::BTreeSet<String> =
+                    api.manager.list().into_iter().map(|s| s.id).collect();
+                let gone: Vec<String> = api
+                    .all_meta()
+                    .into_keys()
+                    .filter(|id| !live.contains(id))
+                    .collect();
+                for id in gone {
+                    api.forget(&id);
+                }
+            }
+        });
+    }
+}
+
+/// Equality that takes the same time wherever the inputs differ.
+pub(crate) fn ct_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Random lowercase letters and digits (from the kernel's CSPRNG).
+pub fn random_token(len: usize) -> String {
+    use std::io::Read;
+    const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
+    let mut out = String::with_capacity(len);
+    let mut f = std::fs::File::open("/dev/urandom").ok();
+    while out.len() < len {
+        let mut raw = [0u8; 64];
+        match f.as_mut().map(|f| f.read_exact(&mut raw)) {
+            Some(Ok(())) => {}
+            // No /dev/urandom: the clock and the pid (ids stay unique, tokens weaker).
+            _ => {
+                let seed = crate::time::now_ms() ^ (u64::from(std::process::id()) << 40);
+                for (i, b) in raw.iter_mut().enumerate() {
+                    *b = (seed.rotate_left(i as u32 * 7) ^ (i as u64 * 0x9e37_79b9)) as u8;
+                }
+            }
+        }
+        // 252 = 7 * 36: bytes below it map without bias; the rest are dropped.
+        for b in raw {
+            if b < 252 && out.len() < len {
+                out.push(ALPHABET[(b % 36) as usize] as char);
+            }
+        }
+    }
+    out
+}
+
+/// The template operations on the node's socket (`template_set`, `template_ls`,
+/// `template_rm`), in front of the sandbox extension.
+pub struct TemplateExtension {
+    pub templates: Arc<Templates>,
+    pub inner: Arc<dyn Extension>,
+}
+
+impl std::fmt::Debug for TemplateExtension {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TemplateExtension")
+            .field("templates", &self.templates)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+enum TemplateRequest {
+    TemplateSet {
+        #[serde(flatten)]
+        template: Template,
+    },
+    TemplateLs {},
+    TemplateRm {
+        name: String,
+    },
+}
+
+impl Extension for TemplateExtension {
+    fn claims(&self, op: &str) -> bool {
+        op.starts_with("template_") || self.inner.claims(op)
+    }
+
+    fn handle(&self, request: serde_json::Value) -> mpsc::Receiver<ResponseLine> {
+        let is_template = request
+            .get("op")
+            .and_then(|o| o.as_str())
+            .is_some_and(|o| o.starts_with("template_"));
+        if !is_template {
+            return self.inner.handle(request);
+        }
+        let mut request = request;
+        if let Some(o) = request.as_object_mut() {
+            o.remove("v");
+        }
+        let to_api = |e: Error| match e {
+            Error::NotFound(m) | Error::BadRequest(m) => ApiError::new(ErrorKind::BadRequest, m),
+            e => ApiError::new(ErrorKind::Internal, e.to_string()),
+        };
+        let answer: std::result::Result<serde_json::Value, ApiError> =
+            match serde_json::from_value::<TemplateRequest>(request) {
+                Err(e) => Err(ApiError::new(
+                    ErrorKind::BadRequest,
+                    format!("bad request: {e}"),
+                )),
+                Ok(TemplateRequest::TemplateSet { template }) => self
+                    .templates
+                    .set(template)
+                    .map(|t| serde_json::to_value(t).unwrap_or_default())
+                    .map_err(to_api),
+                Ok(TemplateRequest::TemplateLs {}) => {
+                    Ok(serde_json::to_value(self.templates.list()).unwrap_or_default())
+                }
+                Ok(TemplateRequest::TemplateRm { name }) => self
+                    .templates
+                    .remove(&name)
+                    .map(|t| serde_json::to_value(t).unwrap_or_default())
+                    .map_err(to_api),
+            };
+        let (tx, rx) = mpsc::channel(1);
+        let _ = tx.try_send(match answer {
+            Ok(v) => ResponseLine::success(v),
+            Err(e) => ResponseLine::failure(e),
+        });
+        rx
+    }
+
+    fn keeps_mounts(&self) -> bool {
+        self.inner.keeps_mounts()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn templates_persist_and_the_first_is_the_default() {
+        let d = tempfile::tempdir().unwrap();
+        let t = Templates::open(d.path()).unwrap();
+        let mk = |name: &str, default| Template {
+            name: name.into(),
+            layers: vec!["base/debian:12".into()],
+            default,
+            ..Default::default()
+        };
+        assert!(t.set(mk("py", false)).unwrap().default);
+        assert!(!t.set(mk("node", false)).unwrap().default);
+        assert_eq!(t.resolve("base").unwrap().name, "py");
+        t.set(mk("node", true)).unwrap();
+        let again = Templates::open(d.path()).unwrap();
+        assert_eq!(again.resolve("base").unwrap().name, "node");
+        assert!(!again.resolve("py").unwrap().default);
+        assert!(again.resolve("nope").is_err());
+        assert!(again.set(mk("bad name", false)).is_err());
+        again.remove("node").unwrap();
+        assert!(again.resolve("base").is_err());
+    }
+
+    #[test]
+    fn tokens_are_random_and_of_the_alphabet() {
+        let a = random_token(32);
+        assert_eq!(a.len(), 32);
+        assert!(a
+            .bytes()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit()));
+        assert_ne!(a, random_token(32));
+        assert!(ct_eq(b"abc", b"abc") && !ct_eq(b"abc", b"abd") && !ct_eq(b"a", b"ab"));
+    }
+}
