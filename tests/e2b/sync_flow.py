@@ -1,0 +1,137 @@
+"""The unmodified e2b SDK (sync) against a Strata node: create, commands, files, list,
+timeout, kill. Run by tests/e2b.rs with E2B_API_URL / E2B_SANDBOX_URL / E2B_API_KEY set
+and STRATA_TEMPLATE naming a template of the node. Exits non-zero on the first failure."""
+
+import io
+import os
+import time
+import urllib.request
+
+from e2b import Sandbox, CommandExitException
+from e2b.sandbox.filesystem.filesystem import FileType
+
+TEMPLATE = os.environ["STRATA_TEMPLATE"]
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+    print("ok:", what, flush=True)
+
+
+sb = Sandbox.create(TEMPLATE, timeout=120, metadata={"suite": "sync", "n": "1"}, envs={"GLOBAL": "g1"})
+try:
+    check(sb.sandbox_id and sb.is_running(), "created and running")
+
+    # Commands: stdout, stderr, exit codes, env, cwd.
+    r = sb.commands.run("echo out; echo err >&2")
+    check(r.stdout == "out\n" and r.stderr == "err\n" and r.exit_code == 0, "stdout/stderr/exit 0")
+    try:
+        sb.commands.run("echo before; exit 7")
+        check(False, "a non-zero exit raises")
+    except CommandExitException as e:
+        check(e.exit_code == 7 and e.stdout == "before\n", "exit 7 raises CommandExitException")
+    r = sb.commands.run("echo $FOO-$GLOBAL", envs={"FOO": "bar"})
+    check(r.stdout == "bar-g1\n", "per-command env and the sandbox's envVars")
+    r = sb.commands.run("pwd", cwd="/tmp")
+    check(r.stdout == "/tmp\n", "cwd")
+    r = sb.commands.run("pwd")
+    check(r.stdout == "/root\n", "default cwd is the user's home")
+    seen = []
+    r = sb.commands.run("for i in 1 2 3; do echo line$i; done", on_stdout=seen.append)
+    check("".join(seen) == "line1\nline2\nline3\n", "on_stdout callbacks")
+    big = sb.commands.run("head -c 3000000 /dev/zero | tr '\\0' a")
+    check(len(big.stdout) == 3_000_000, "3 MB of output streamed whole")
+
+    # A background command: listed, killed.
+    h = sb.commands.run("sleep 300", background=True)
+    procs = sb.commands.list()
+    check(any(p.pid == h.pid and p.args[-1] == "sleep 300" for p in procs), "background command listed")
+    check(sb.commands.kill(h.pid), "kill returns True")
+    try:
+        h.wait()
+        check(False, "a killed command raises")
+    except CommandExitException as e:
+        check(e.exit_code != 0, "the killed command ended non-zero")
+    check(all(p.pid != h.pid for p in sb.commands.list()), "killed command no longer listed")
+    check(not sb.commands.kill(h.pid), "killing it again returns False")
+
+    # Connect to a running command.
+    h = sb.commands.run("sleep 1; echo late", background=True)
+    h2 = sb.commands.connect(h.pid)
+    r = h2.wait()
+    check(r.stdout == "late\n", "connect to a running command gets its later output")
+
+    # Files.
+    info = sb.files.write("/tmp/t/hello.txt", "hello")
+    check(info.path == "/tmp/t/hello.txt", "write str")
+    check(sb.files.read("/tmp/t/hello.txt") == "hello", "read text")
+    sb.files.write("/tmp/t/bin", bytes(range(256)) * 10)
+    check(bytes(sb.files.read("/tmp/t/bin", format="bytes")) == bytes(range(256)) * 10, "write/read bytes")
+    sb.files.write("/tmp/t/stream", io.BytesIO(b"x" * 1_000_000))
+    got = b"".join(sb.files.read("/tmp/t/stream", format="stream"))
+    check(got == b"x" * 1_000_000, "write a stream, read a stream")
+    sb.files.write("/tmp/t/gz", "zipped" * 1000, gzip=True)
+    check(sb.files.read("/tmp/t/gz", gzip=True) == "zipped" * 1000, "gzip both ways")
+    names = sorted(e.name for e in sb.files.list("/tmp/t"))
+    check(names == ["bin", "gz", "hello.txt", "stream"], f"list: {names}")
+    e = sb.files.get_info("/tmp/t/hello.txt")
+    check(e.type == FileType.FILE and e.size == 5 and e.owner == "root", "get_info of a file")
+    check(sb.files.make_dir("/tmp/t/d1/d2"), "make_dir")
+    check(not sb.files.make_dir("/tmp/t/d1/d2"), "make_dir of an existing one is False")
+    check(sb.files.get_info("/tmp/t/d1").type == FileType.DIR, "get_info of a dir")
+    deep = [e.path for e in sb.files.list("/tmp/t", depth=2) if e.path.startswith("/tmp/t/d1")]
+    check(deep == ["/tmp/t/d1", "/tmp/t/d1/d2"], f"list depth 2: {deep}")
+    moved = sb.files.rename("/tmp/t/hello.txt", "/tmp/t/d1/moved.txt")
+    check(moved.path == "/tmp/t/d1/moved.txt", "rename")
+    check(not sb.files.exists("/tmp/t/hello.txt") and sb.files.exists("/tmp/t/d1/moved.txt"), "exists")
+    check(sb.commands.run("cat /tmp/t/d1/moved.txt").stdout == "hello", "the sandbox sees the files")
+    sb.files.remove("/tmp/t/d1")
+    check(not sb.files.exists("/tmp/t/d1"), "remove a tree")
+    sb.files.write("relative.txt", "home")
+    check(sb.commands.run("cat /root/relative.txt").stdout == "home", "relative paths are under home")
+    sb.files.write_files([{"path": "/tmp/m/a", "data": "A"}, {"path": "/tmp/m/b", "data": b"B"}])
+    check(sb.files.read("/tmp/m/a") + sb.files.read("/tmp/m/b") == "AB", "write_files (multipart)")
+
+    # Signed URLs, fetched without any header.
+    url = sb.download_url("/tmp/m/a")
+    check(urllib.request.urlopen(url).read() == b"A", "signed download URL")
+
+    # The control plane.
+    info = sb.get_info()
+    check(info.sandbox_id == sb.sandbox_id and info.metadata == {"suite": "sync", "n": "1"}, "get_info")
+    listed = Sandbox.list(query=__import__("e2b").SandboxQuery(metadata={"suite": "sync"})).next_items()
+    check([s.sandbox_id for s in listed] == [sb.sandbox_id], "list by metadata")
+    listed = Sandbox.list(query=__import__("e2b").SandboxQuery(metadata={"suite": "nope"})).next_items()
+    check(listed == [], "list by metadata, no match")
+    before = sb.get_info().end_at
+    sb.set_timeout(600)
+    after = sb.get_info().end_at
+    check((after - before).total_seconds() > 400, "set_timeout moves the end")
+    metrics = sb.get_metrics()
+    check(len(metrics) == 1 and metrics[0].mem_used > 0, "metrics")
+    again = Sandbox.connect(sb.sandbox_id)
+    check(again.commands.run("echo back").stdout == "back\n", "connect to a running sandbox")
+finally:
+    killed = sb.kill()
+check(killed, "kill")
+check(not Sandbox.kill(sb.sandbox_id), "kill of a removed sandbox is False")
+
+# Paging: three sandboxes, two a page.
+made = [Sandbox.create(TEMPLATE, timeout=60, metadata={"suite": "paging"}) for _ in range(3)]
+try:
+    p = Sandbox.list(query=__import__("e2b").SandboxQuery(metadata={"suite": "paging"}), limit=2)
+    first = p.next_items()
+    check(len(first) == 2 and p.has_next, "first page of two, more to come")
+    second = p.next_items()
+    check(len(second) == 1 and not p.has_next, "last page")
+    check(sorted(s.sandbox_id for s in first + second) == sorted(s.sandbox_id for s in made), "pages cover all")
+finally:
+    for s in made:
+        s.kill()
+
+# A sandbox ends at its timeout.
+short = Sandbox.create(TEMPLATE, timeout=2)
+time.sleep(4)
+check(not short.is_running(), "a sandbox is removed at its timeout")
+print("ALL OK")
