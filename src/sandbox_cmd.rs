@@ -9,8 +9,8 @@ use anyhow::{anyhow, bail, Context, Result};
 use base64::Engine as _;
 use sandbox_runtime::proto::{
     parse_stack, CopyRequest, CreateRequest, Direction, ExecEvent, ExecRequest, ExecResult,
-    ExitReason, Limits, Network, PoolInfo, PoolRequest, Request, RunRequest, SandboxDetail,
-    SandboxInfo, Stream,
+    ExitReason, InputRequest, Limits, Network, PoolInfo, PoolRequest, Request, RunRequest,
+    SandboxDetail, SandboxInfo, Stream,
 };
 use ublk_daemon::node::client::Client;
 use ublk_daemon::node::proto::ApiError;
@@ -50,6 +50,27 @@ pub enum SandboxCmd {
     /// One sandbox: state, init pid, cgroups, memory, stack, upper, execs.
     Inspect {
         id: String,
+        #[command(flatten)]
+        node: NodeOpts,
+    },
+    /// Freeze every process of a sandbox (memory and files kept) until `resume`.
+    Pause {
+        id: String,
+        #[command(flatten)]
+        node: NodeOpts,
+    },
+    /// Thaw a paused sandbox.
+    Resume {
+        id: String,
+        #[command(flatten)]
+        node: NodeOpts,
+    },
+    /// Send a signal (a number; default 15, SIGTERM) to a running exec's process group.
+    Signal {
+        id: String,
+        exec: String,
+        #[arg(long, default_value_t = 15)]
+        signal: i32,
         #[command(flatten)]
         node: NodeOpts,
     },
@@ -152,6 +173,9 @@ pub struct ExecOpts {
     /// uid[:gid] or a user name of the sandbox.
     #[arg(long)]
     user: Option<String>,
+    /// A name for the exec (shown by `inspect`).
+    #[arg(long)]
+    tag: Option<String>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -187,6 +211,9 @@ impl ExecOpts {
             max_output: self.max_output,
             stdin: None,
             detach,
+            stdin_open: false,
+            pty: None,
+            tag: self.tag.clone(),
         })
     }
 }
@@ -338,6 +365,30 @@ pub fn run(cmd: SandboxCmd, store: &StoreArg, cache: &CacheOpts, json: bool) -> 
             }
             Ok(())
         }
+        SandboxCmd::Pause { id, node } => {
+            pause_or_resume(&node, Request::SandboxPause { id }, json)
+        }
+        SandboxCmd::Resume { id, node } => {
+            pause_or_resume(&node, Request::SandboxResume { id }, json)
+        }
+        SandboxCmd::Signal {
+            id,
+            exec,
+            signal,
+            node,
+        } => {
+            let mut c = running(&node)?;
+            let _: serde_json::Value = call(
+                &mut c,
+                &Request::SandboxInput(InputRequest {
+                    id,
+                    exec,
+                    signal: Some(signal),
+                    ..Default::default()
+                }),
+            )?;
+            Ok(())
+        }
         SandboxCmd::Rm { ids, node } => {
             let mut c = running(&node)?;
             let mut failed = 0;
@@ -408,6 +459,17 @@ fn parse_net(s: &str) -> Result<Network> {
             )),
             None => bail!("--net {s}: want `none` or `allow=CIDR[:PORT[/PROTO]],…`"),
         },
+    }
+}
+
+fn pause_or_resume(node: &NodeOpts, r: Request, json: bool) -> Result<()> {
+    let mut c = running(node)?;
+    let info: SandboxInfo = call(&mut c, &r)?;
+    if json {
+        crate::print_json(&info)
+    } else {
+        println!("{} {}", info.id, state_name(&info));
+        Ok(())
     }
 }
 

@@ -4,6 +4,8 @@
 //! ends, and says SKIPPED loudly (failing under `CI=true`) where runc or the base is missing.
 
 mod common;
+#[path = "sandbox/io.rs"]
+mod io;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};

@@ -19,8 +19,10 @@
  *  - one connection starts one command. The protocol, every integer little-endian
  *    (the host's and the sandbox's byte order are the same):
  *      daemon -> init  'S' spawn: u8 op, u8[3] zero, u32 uid, u32 gid, u32 nargs, u32 nenv,
- *                      then cwd, the args and the env as NUL-terminated strings; exactly
- *                      three descriptors (stdin, stdout, stderr) in SCM_RIGHTS
+ *                      u32 flags, then cwd, the args and the env as NUL-terminated strings;
+ *                      exactly three descriptors (stdin, stdout, stderr) in SCM_RIGHTS.
+ *                      flags bit 0: stdin is a terminal, made the controlling terminal of
+ *                      the command's new session (TIOCSCTTY); other bits must be zero
  *      init -> daemon  'P' started: u8 op, u8[3] zero, i32 pid (in the sandbox's namespace)
  *                      'E' failed:  u8 op, u8[3] zero, i32 errno (chdir, setuid, exec, …)
  *                      'X' ended:   u8 op, u8[3] zero, i32 wait status; then it closes
@@ -39,6 +41,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/ioctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -50,6 +53,7 @@
 #define CTL_PATH CTL_DIR "/ctl"
 #define MAX_MSG (256 * 1024)
 #define MAX_CONNS 4096
+#define SPAWN_TTY 1u
 
 extern char **environ;
 
@@ -91,8 +95,8 @@ static void spawn(struct conn *c, char *msg, size_t len, int fds[3]) {
         return;
     }
     memcpy(h, msg + 4, sizeof h);
-    uint32_t uid = h[0], gid = h[1], nargs = h[2], nenv = h[3];
-    if (nargs == 0 || nargs > 65536 || nenv > 65536) {
+    uint32_t uid = h[0], gid = h[1], nargs = h[2], nenv = h[3], flags = h[4];
+    if (nargs == 0 || nargs > 65536 || nenv > 65536 || (flags & ~SPAWN_TTY)) {
         reply(c->fd, 'E', EINVAL);
         return;
     }
@@ -132,6 +136,8 @@ static void spawn(struct conn *c, char *msg, size_t len, int fds[3]) {
         signal(SIGPIPE, SIG_DFL);
         int e = 0;
         if (setsid() < 0 || dup2(fds[0], 0) < 0 || dup2(fds[1], 1) < 0 || dup2(fds[2], 2) < 0)
+            e = errno;
+        if (!e && (flags & SPAWN_TTY) && ioctl(0, TIOCSCTTY, 0) < 0)
             e = errno;
         /* Nothing of this process but the three streams (and the error pipe, until exec). */
         if (!e)

@@ -51,7 +51,13 @@ pub struct Spawn<'a> {
     pub cwd: &'a str,
     pub uid: u32,
     pub gid: u32,
+    /// stdin is a terminal's slave: make it the controlling terminal of the command's
+    /// session.
+    pub tty: bool,
 }
+
+/// Spawn flag: stdin is the command's controlling terminal.
+const SPAWN_TTY: u32 = 1;
 
 /// Why a spawn did not happen.
 #[derive(Debug)]
@@ -74,7 +80,8 @@ pub struct Running {
 
 fn encode(s: &Spawn<'_>) -> Result<Vec<u8>, SpawnError> {
     let mut m = vec![b'S', 0, 0, 0];
-    for v in [s.uid, s.gid, s.args.len() as u32, s.env.len() as u32, 0u32] {
+    let flags = if s.tty { SPAWN_TTY } else { 0 };
+    for v in [s.uid, s.gid, s.args.len() as u32, s.env.len() as u32, flags] {
         m.extend_from_slice(&v.to_le_bytes());
     }
     for part in std::iter::once(s.cwd)
@@ -232,6 +239,7 @@ mod tests {
             cwd: "/w",
             uid: 65534,
             gid: 7,
+            tty: true,
         })
         .unwrap();
         assert_eq!(&m[..4], b"S\0\0\0");
@@ -239,6 +247,7 @@ mod tests {
         assert_eq!(u32::from_le_bytes(m[8..12].try_into().unwrap()), 7);
         assert_eq!(u32::from_le_bytes(m[12..16].try_into().unwrap()), 3);
         assert_eq!(u32::from_le_bytes(m[16..20].try_into().unwrap()), 1);
+        assert_eq!(u32::from_le_bytes(m[20..24].try_into().unwrap()), SPAWN_TTY);
         assert_eq!(&m[24..], b"/w\0sh\0-c\0echo hi\0A=1\0");
         let bad = ["a\0b".to_owned()];
         assert!(matches!(
@@ -247,7 +256,8 @@ mod tests {
                 env: &[],
                 cwd: "/",
                 uid: 0,
-                gid: 0
+                gid: 0,
+                tty: false,
             }),
             Err(SpawnError::Invalid(_))
         ));

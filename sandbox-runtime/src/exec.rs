@@ -6,7 +6,13 @@
 //! but only counted. Every follower (the client that started it, clients that reattach)
 //! reads from an offset of the captured bytes, so a reattached client gets what it missed.
 //! A watch channel wakes followers when bytes arrive or the exec ends.
+//!
+//! While it runs, an exec can be driven ([`Exec::write_stdin`], [`Exec::close_stdin`],
+//! [`Exec::signal`], [`Exec::resize`]) through its [`Control`], which the code that started it
+//! (`crate::run`) installs: a channel to the task that owns its stdin, and how to signal it
+//! (through the sandbox's init, or the host pid of a `runc exec`'s command).
 
+use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -15,7 +21,8 @@ use tokio::io::AsyncReadExt;
 use tokio::sync::{mpsc, watch};
 use ublk_daemon::node::proto::ResponseLine;
 
-use crate::proto::{ExecEvent, ExecResult, ExecSummary, Stream};
+use crate::proto::{ExecEvent, ExecResult, ExecSummary, PtySize, Stream};
+use crate::{Error, Result};
 
 /// The default cap on captured output per stream.
 pub const DEFAULT_MAX_OUTPUT: u64 = 16 << 20;
@@ -48,19 +55,72 @@ pub struct Exec {
     pub args: Vec<String>,
     pub started: Instant,
     pub max_output: u64,
+    /// The caller's name for it.
+    pub tag: Option<String>,
+    /// Whether it runs under a pseudo-terminal (its output is all `stdout`).
+    pub pty: bool,
     state: Mutex<ExecState>,
     /// Bumped on every change.
     changed: watch::Sender<u64>,
+    control: Mutex<Control>,
+}
+
+/// How a running exec is driven; installed by whoever started it.
+#[derive(Debug, Default)]
+pub struct Control {
+    /// Its pid inside the sandbox (the init's report), when known.
+    pub pid: Option<i32>,
+    /// Bytes for its stdin (`None`: close it), to the task that owns the write end.
+    pub stdin: Option<mpsc::Sender<Option<Vec<u8>>>>,
+    /// Where signals go.
+    pub signal: Option<Signaller>,
+    /// Its terminal's master, for resizes.
+    pub pty_master: Option<Arc<OwnedFd>>,
+}
+
+/// Where an exec's signals go.
+#[derive(Debug)]
+pub enum Signaller {
+    /// Through the sandbox's init, to the command's process group.
+    Init(Arc<crate::agent::Running>),
+    /// A host pid (a `runc exec`'s command), read when the signal is sent.
+    HostPid(std::path::PathBuf),
+}
+
+/// What a follower of an exec receives: new output, then the end (last).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ExecUpdate {
+    Output {
+        stream: Stream,
+        /// Where `data` starts in the stream's captured output.
+        offset: u64,
+        data: Vec<u8>,
+    },
+    End(ExecResult),
 }
 
 impl Exec {
     pub fn new(id: String, sandbox: String, args: Vec<String>, max_output: u64) -> Arc<Self> {
+        Self::with_tag(id, sandbox, args, max_output, None, false)
+    }
+
+    pub fn with_tag(
+        id: String,
+        sandbox: String,
+        args: Vec<String>,
+        max_output: u64,
+        tag: Option<String>,
+        pty: bool,
+    ) -> Arc<Self> {
         Arc::new(Self {
             id,
             sandbox,
             args,
             started: Instant::now(),
             max_output,
+            tag,
+            pty,
+            control: Mutex::new(Control::default()),
             state: Mutex::new(ExecState {
                 stdout: Captured::default(),
                 stderr: Captured::default(),
@@ -140,29 +200,116 @@ impl Exec {
         }
     }
 
-    /// Stream this exec to a client from the given offsets: a `started` event, output
-    /// events, and the result as the final line. Ends early when the client goes away.
-    pub fn follow(self: &Arc<Self>, mut from: [u64; 2]) -> mpsc::Receiver<ResponseLine> {
+    fn control(&self) -> std::sync::MutexGuard<'_, Control> {
+        self.control.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Install how the exec is driven (by the code that started it).
+    pub fn set_control(&self, c: Control) {
+        *self.control() = c;
+    }
+
+    /// Its pid inside the sandbox, when its start reported one.
+    pub fn pid(&self) -> Option<i32> {
+        self.control().pid
+    }
+
+    fn not_running(&self, what: &str) -> Error {
+        Error::Conflict(format!("exec {} {what}", self.id))
+    }
+
+    /// Write `data` to its stdin (started with `stdin_open` or a pty); waits while the
+    /// command does not read.
+    pub async fn write_stdin(&self, data: Vec<u8>) -> Result<()> {
+        let tx = self.control().stdin.clone();
+        match tx {
+            Some(tx) if self.result().is_none() => tx
+                .send(Some(data))
+                .await
+                .map_err(|_| self.not_running("has closed its stdin")),
+            Some(_) => Err(self.not_running("has ended")),
+            None => Err(self.not_running("has no open stdin")),
+        }
+    }
+
+    /// Close its stdin (its reader sees the end of input). Closing twice is not an error.
+    pub async fn close_stdin(&self) -> Result<()> {
+        let tx = self.control().stdin.take();
+        if let Some(tx) = tx {
+            let _ = tx.send(None).await;
+        }
+        Ok(())
+    }
+
+    /// Send `signal` to the command's process group.
+    pub fn signal(&self, signal: i32) -> Result<()> {
+        if self.result().is_some() {
+            return Err(self.not_running("has ended"));
+        }
+        if !(1..=64).contains(&signal) {
+            return Err(Error::InvalidSpec(format!("no signal {signal}")));
+        }
+        let c = self.control();
+        match &c.signal {
+            Some(Signaller::Init(r)) => r
+                .kill(signal)
+                .map_err(|e| Error::io(format!("signal exec {}", self.id), e)),
+            Some(Signaller::HostPid(file)) => {
+                let pid = std::fs::read_to_string(file)
+                    .ok()
+                    .and_then(|s| s.trim().parse::<i32>().ok())
+                    .and_then(rustix::process::Pid::from_raw)
+                    .ok_or_else(|| self.not_running("has no pid yet"))?;
+                // SAFETY: kill(2) touches no memory of ours; any pid and signal number is
+                // a valid argument (the kernel checks them).
+                let r = unsafe { libc::kill(-pid.as_raw_nonzero().get(), signal) };
+                if r < 0 {
+                    // Not a group leader (runc exec's command): the process itself.
+                    // SAFETY: as above.
+                    let r = unsafe { libc::kill(pid.as_raw_nonzero().get(), signal) };
+                    if r < 0 {
+                        return Err(Error::io(
+                            format!("signal exec {}", self.id),
+                            std::io::Error::last_os_error(),
+                        ));
+                    }
+                }
+                Ok(())
+            }
+            None => Err(self.not_running("cannot be signalled")),
+        }
+    }
+
+    /// Resize its terminal.
+    pub fn resize(&self, size: PtySize) -> Result<()> {
+        let master = self.control().pty_master.clone();
+        let Some(master) = master else {
+            return Err(Error::InvalidSpec(format!(
+                "exec {} has no terminal",
+                self.id
+            )));
+        };
+        crate::pty::resize(&master, size)
+            .map_err(|e| Error::io(format!("resize the terminal of exec {}", self.id), e))
+    }
+
+    /// Drop what drives it (its end): stdin's channel and the signaller.
+    pub(crate) fn clear_control(&self) {
+        let mut c = self.control();
+        c.stdin = None;
+        c.signal = None;
+        c.pty_master = None;
+    }
+
+    /// Follow this exec from the given offsets: its output as it comes, in bounded pieces,
+    /// then its end. Ends early when the receiver is dropped.
+    pub fn updates(self: &Arc<Self>, mut from: [u64; 2]) -> mpsc::Receiver<ExecUpdate> {
         let (tx, rx) = mpsc::channel(16);
         let me = self.clone();
         tokio::spawn(async move {
             let mut changes = me.changed.subscribe();
-            let started = ExecEvent::Started {
-                exec: me.id.clone(),
-                sandbox: me.sandbox.clone(),
-            };
-            if tx
-                .send(ResponseLine::event(
-                    serde_json::to_value(started).unwrap_or_default(),
-                ))
-                .await
-                .is_err()
-            {
-                return;
-            }
             loop {
                 changes.borrow_and_update();
-                // Everything new, in bounded events; then the end, or wait for more.
                 let (chunks, result) = {
                     let s = me.lock();
                     let mut chunks = Vec::new();
@@ -180,27 +327,69 @@ impl Exec {
                     (chunks, s.result.clone())
                 };
                 for (stream, offset, data) in chunks {
-                    let ev = ExecEvent::Output {
+                    let u = ExecUpdate::Output {
                         stream,
                         offset,
-                        data: base64::engine::general_purpose::STANDARD.encode(&data),
+                        data,
                     };
-                    let line = ResponseLine::event(serde_json::to_value(ev).unwrap_or_default());
-                    if tx.send(line).await.is_err() {
+                    if tx.send(u).await.is_err() {
                         return;
                     }
                 }
                 if let Some(r) = result {
-                    let _ = tx
-                        .send(ResponseLine::success(
-                            serde_json::to_value(r).unwrap_or_default(),
-                        ))
-                        .await;
+                    let _ = tx.send(ExecUpdate::End(r)).await;
                     return;
                 }
                 tokio::select! {
                     c = changes.changed() => if c.is_err() { return },
                     () = tx.closed() => return,
+                }
+            }
+        });
+        rx
+    }
+
+    /// Stream this exec to a client from the given offsets: a `started` event, output
+    /// events, and the result as the final line. Ends early when the client goes away.
+    pub fn follow(self: &Arc<Self>, from: [u64; 2]) -> mpsc::Receiver<ResponseLine> {
+        let (tx, rx) = mpsc::channel(16);
+        let me = self.clone();
+        tokio::spawn(async move {
+            let started = ExecEvent::Started {
+                exec: me.id.clone(),
+                sandbox: me.sandbox.clone(),
+            };
+            if tx
+                .send(ResponseLine::event(
+                    serde_json::to_value(started).unwrap_or_default(),
+                ))
+                .await
+                .is_err()
+            {
+                return;
+            }
+            let mut updates = me.updates(from);
+            loop {
+                let line = tokio::select! {
+                    u = updates.recv() => match u {
+                        Some(ExecUpdate::Output { stream, offset, data }) => {
+                            let ev = ExecEvent::Output {
+                                stream,
+                                offset,
+                                data: base64::engine::general_purpose::STANDARD.encode(&data),
+                            };
+                            ResponseLine::event(serde_json::to_value(ev).unwrap_or_default())
+                        }
+                        Some(ExecUpdate::End(r)) => {
+                            ResponseLine::success(serde_json::to_value(r).unwrap_or_default())
+                        }
+                        None => return,
+                    },
+                    () = tx.closed() => return,
+                };
+                let last = line.event.is_none();
+                if tx.send(line).await.is_err() || last {
+                    return;
                 }
             }
         });

@@ -7,7 +7,9 @@ use ublk_daemon::node::proto::{ApiError, ErrorKind, ResponseLine};
 use ublk_daemon::node::server::Extension;
 
 use crate::manager::{exec_stream, Manager};
-use crate::proto::Request;
+use base64::Engine as _;
+
+use crate::proto::{InputRequest, Request};
 
 /// Serves [`crate::proto`]'s operations with a [`Manager`].
 #[derive(Debug, Clone)]
@@ -28,6 +30,27 @@ fn value<T: serde::Serialize>(r: crate::Result<T>) -> Result<serde_json::Value, 
     r.map_err(ApiError::from).and_then(|v| {
         serde_json::to_value(v).map_err(|e| ApiError::new(ErrorKind::Internal, e.to_string()))
     })
+}
+
+/// `sandbox_input`: each part present, in order (bytes, close, signal, resize).
+async fn input(m: &Manager, r: InputRequest) -> crate::Result<serde_json::Value> {
+    let e = m.find_exec(&r.id, &r.exec)?;
+    if let Some(d) = &r.data {
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(d)
+            .map_err(|err| crate::Error::InvalidSpec(format!("data is not base64: {err}")))?;
+        e.write_stdin(bytes).await?;
+    }
+    if r.close {
+        e.close_stdin().await?;
+    }
+    if let Some(s) = r.signal {
+        e.signal(s)?;
+    }
+    if let Some(size) = r.pty {
+        e.resize(size)?;
+    }
+    Ok(serde_json::json!({}))
 }
 
 impl Extension for SandboxExtension {
@@ -69,6 +92,9 @@ impl Extension for SandboxExtension {
                 Request::SandboxPoolSet(p) => one(value(m.set_pool(&p.stack, p.size))),
                 Request::SandboxPoolLs {} => one(value(Ok(m.pools()))),
                 Request::SandboxNet { id, allow } => one(value(m.set_net(&id, allow).await)),
+                Request::SandboxPause { id } => one(value(m.pause(&id).await)),
+                Request::SandboxResume { id } => one(value(m.resume(&id).await)),
+                Request::SandboxInput(r) => one(value(input(&m, r).await)),
             };
             while let Some(l) = lines.recv().await {
                 if tx.send(l).await.is_err() {

@@ -29,13 +29,14 @@
 
 pub mod agent;
 pub mod cgroup;
-mod exec;
+pub mod exec;
 mod ext;
 pub mod files;
 mod manager;
 pub mod net;
 mod pool;
 pub mod proto;
+pub mod pty;
 pub mod quota;
 mod run;
 pub mod runc;
@@ -43,7 +44,7 @@ pub mod spec;
 
 use ublk_daemon::node::proto::{ApiError, ErrorKind};
 
-pub use exec::Exec;
+pub use exec::{Exec, ExecUpdate};
 pub use ext::SandboxExtension;
 pub use manager::{valid_id, Manager, ManagerConfig, Record};
 pub use proto::Limits;

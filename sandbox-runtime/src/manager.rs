@@ -329,10 +329,18 @@ impl Manager {
             }
             let state = m.runtime.state(&id).await.ok().flatten();
             match (record.state, state.as_ref().map(|s| s.status.as_str())) {
-                (SandboxState::Running, Some("running" | "paused")) => {
+                (
+                    SandboxState::Running | SandboxState::Paused,
+                    Some(s @ ("running" | "paused")),
+                ) => {
+                    record.state = if s == "paused" {
+                        SandboxState::Paused
+                    } else {
+                        SandboxState::Running
+                    };
                     record.pid = state.map(|s| s.pid);
                 }
-                (SandboxState::Running | SandboxState::Stopped, _) => {
+                (SandboxState::Running | SandboxState::Paused | SandboxState::Stopped, _) => {
                     record.state = SandboxState::Stopped;
                     record.pid = None;
                 }
@@ -748,6 +756,10 @@ impl Manager {
             return Err(Error::NotFound(format!("no sandbox {id} on this node")));
         }
         let info = sb.info();
+        if info.state == SandboxState::Paused {
+            // Thawed first, so that the kill reaches every process at once.
+            let _ = self.runtime.resume(id).await;
+        }
         sb.set(|r| r.state = SandboxState::Removing)?;
         self.teardown(id, &sb.dir, sb.record().net_slot).await?;
         self.sandboxes
@@ -756,6 +768,30 @@ impl Manager {
             .remove(id);
         self.pools.forget(id);
         Ok(info)
+    }
+
+    /// Freeze every process of sandbox `id` (memory and files kept, nothing runs; execs'
+    /// timeouts still count). A paused sandbox takes no execs until `resume`.
+    pub async fn pause(&self, id: &str) -> Result<SandboxInfo> {
+        let sb = self.get(id)?;
+        let _life = sb.lifecycle.lock().await;
+        self.check_running(&sb)?;
+        self.runtime.pause(id).await?;
+        sb.set(|r| r.state = SandboxState::Paused)?;
+        Ok(sb.info())
+    }
+
+    /// Thaw a paused sandbox.
+    pub async fn resume(&self, id: &str) -> Result<SandboxInfo> {
+        let sb = self.get(id)?;
+        let _life = sb.lifecycle.lock().await;
+        if sb.record().state != SandboxState::Paused {
+            return Err(Error::Conflict(format!("sandbox {id} is not paused")));
+        }
+        self.runtime.resume(id).await?;
+        sb.set(|r| r.state = SandboxState::Running)?;
+        sb.touch();
+        Ok(sb.info())
     }
 
     /// Every sandbox, by id.
@@ -877,6 +913,13 @@ impl Manager {
             ),
             None => None,
         };
+        if let Some(t) = &req.tag {
+            if t.len() > 256 {
+                return Err(Error::InvalidSpec(
+                    "an exec's tag is at most 256 bytes".into(),
+                ));
+            }
+        }
         let (started, exec) = {
             let _life = sb.lifecycle.lock().await;
             self.check_running(&sb)?;
@@ -887,13 +930,24 @@ impl Manager {
             };
             let n = self.next_exec.fetch_add(1, Ordering::Relaxed);
             let exec_id = format!("e{n}-{}", now_ms() % 1_000_000);
-            let exec = Exec::new(exec_id, sb.id.clone(), req.args.clone(), max_output);
-            let started = match self
-                .start_with_init(&sb, &req, user, stdin.as_deref())
-                .await
-            {
+            let exec = Exec::with_tag(
+                exec_id,
+                sb.id.clone(),
+                req.args.clone(),
+                max_output,
+                req.tag.clone(),
+                req.pty.is_some(),
+            );
+            let with_stdin = stdin.is_some() || req.stdin_open;
+            let started = match self.start_with_init(&sb, &req, user, with_stdin).await {
                 Some(s) => s,
-                None => self.start_with_runtime(&sb, &exec, &req, user, stdin.is_some())?,
+                None if req.pty.is_some() => {
+                    return Err(Error::Conflict(format!(
+                        "sandbox {} was started without Strata's init: no terminals in it",
+                        sb.id
+                    )))
+                }
+                None => self.start_with_runtime(&sb, &exec, &req, user, with_stdin)?,
             };
             sb.running_execs.fetch_add(1, Ordering::SeqCst);
             sb.add_exec(exec.clone());
@@ -906,6 +960,7 @@ impl Manager {
             exec: exec.clone(),
             started,
             stdin,
+            stdin_open: req.stdin_open,
             timeout: req.timeout_ms.map(Duration::from_millis),
             oom_before,
             cgroups,
@@ -920,21 +975,29 @@ impl Manager {
         sb: &Sandbox,
         req: &ExecRequest,
         user: Option<(u32, u32)>,
-        stdin: Option<&[u8]>,
+        with_stdin: bool,
     ) -> Option<crate::run::Started> {
         let init_pid = sb.record().pid?;
         let mut env: Vec<String> = spec::BASE_ENV.iter().map(|s| s.to_string()).collect();
         env.extend(sb.record().env);
         env.extend(req.env.iter().cloned());
+        if req.pty.is_some() && !env.iter().any(|e| e.starts_with("TERM=")) {
+            env.push("TERM=xterm-256color".to_owned());
+        }
         let (uid, gid) = user.unwrap_or((0, 0));
-        let args = req.args.clone();
-        let cwd = req.cwd.clone().unwrap_or_else(|| "/".to_owned());
-        let with_stdin = stdin.is_some();
-        let r = tokio::task::spawn_blocking(move || {
-            crate::run::spawn_in_init(init_pid, &args, &env, &cwd, uid, gid, with_stdin)
-        })
-        .await
-        .ok()?;
+        let spawn = crate::run::InitSpawn {
+            init_pid,
+            args: req.args.clone(),
+            env,
+            cwd: req.cwd.clone().unwrap_or_else(|| "/".to_owned()),
+            uid,
+            gid,
+            with_stdin,
+            pty: req.pty,
+        };
+        let r = tokio::task::spawn_blocking(move || crate::run::spawn_in_init(spawn))
+            .await
+            .ok()?;
         match r {
             Ok(s) => Some(s),
             Err(crate::agent::SpawnError::Unreachable(e)) => {
@@ -989,6 +1052,14 @@ impl Manager {
         Ok(crate::run::Started::Runtime { child, pid_file })
     }
 
+    /// The execs of sandbox `id` that run, and the most recent that ended (bounded).
+    pub fn execs(&self, id: &str) -> Result<Vec<Arc<Exec>>> {
+        let sb = self.get(id)?;
+        sb.touch();
+        let all = sb.execs.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(all.iter().cloned().collect())
+    }
+
     /// A running or finished exec of sandbox `id`.
     pub fn find_exec(&self, id: &str, exec: &str) -> Result<Arc<Exec>> {
         let sb = self.get(id)?;
@@ -1010,6 +1081,10 @@ impl Manager {
             let Some(t) = sb.record().idle_timeout_s else {
                 continue;
             };
+            if sb.record().state == SandboxState::Paused {
+                // Paused on purpose: it waits for its resume.
+                continue;
+            }
             if sb.running_execs.load(Ordering::SeqCst) == 0 && sb.idle() >= Duration::from_secs(t) {
                 tracing::info!("sandbox {}: idle for {t} s, removing", sb.id);
                 if let Err(e) = self.remove(&sb.id).await {

@@ -14,6 +14,9 @@
 //! | `sandbox_pool_ls` | — | `[PoolInfo]` |
 //! | `sandbox_run` | `stack`, and [`ExecRequest`]'s fields but `id` | like `sandbox_exec`, in a pool sandbox that is removed after |
 //! | `sandbox_net` | `id`, `allow` (rules as text) | [`SandboxInfo`]; the sandbox's egress rules replaced at once |
+//! | `sandbox_pause` | `id` | [`SandboxInfo`]; every process frozen (the runtime's freezer), memory kept |
+//! | `sandbox_resume` | `id` | [`SandboxInfo`]; thawed |
+//! | `sandbox_input` | `id`, `exec`, `data` (base64)?, `close`?, `signal`?, `pty`? | `{}`: bytes to an exec's open stdin (or its terminal), its stdin closed, a signal to its process group, its terminal resized |
 //!
 //! Output bytes travel base64-encoded in events (`{"stream": "stdout", "offset": N,
 //! "data": "…"}`); `offset` is where the bytes start in that stream's captured output, so a
@@ -92,6 +95,9 @@ pub enum SandboxState {
     /// Its root is being composed or its init started.
     Creating,
     Running,
+    /// Frozen (`sandbox_pause`): its processes hold their memory and run nothing until
+    /// `sandbox_resume`.
+    Paused,
     /// Its init is gone (killed from outside, or the node rebooted); only `rm` is left.
     Stopped,
     /// Being removed.
@@ -174,6 +180,43 @@ pub struct ExecRequest {
     /// Answer with the exec's id only, and let it run (attach later).
     #[serde(default)]
     pub detach: bool,
+    /// Keep stdin open for `sandbox_input` after `stdin`'s bytes (if any), until closed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stdin_open: bool,
+    /// Run under a pseudo-terminal of this size: stdin, stdout and stderr are its slave,
+    /// the command leads its session with it as the controlling terminal, and everything it
+    /// writes arrives as `stdout`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pty: Option<PtySize>,
+    /// A name the caller gives the exec, to find it again (`Manager::execs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
+}
+
+/// A terminal's size in characters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PtySize {
+    pub cols: u16,
+    pub rows: u16,
+}
+
+/// `sandbox_input`: what to do to a running exec; the fields present, in this order.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InputRequest {
+    pub id: String,
+    pub exec: String,
+    /// Bytes for its stdin (an exec started with `stdin_open` or a `pty`), base64.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<String>,
+    /// Close its stdin (end of input).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub close: bool,
+    /// A signal to its process group.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<i32>,
+    /// Resize its terminal.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pty: Option<PtySize>,
 }
 
 /// One line of an exec's stream.
@@ -343,6 +386,13 @@ pub enum Request {
         id: String,
         allow: Vec<crate::net::Rule>,
     },
+    SandboxPause {
+        id: String,
+    },
+    SandboxResume {
+        id: String,
+    },
+    SandboxInput(InputRequest),
 }
 
 impl Request {

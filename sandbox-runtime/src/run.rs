@@ -3,7 +3,7 @@
 //! classified (`ExitReason`).
 
 use std::collections::{BTreeMap, HashMap};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -13,19 +13,18 @@ use tokio::io::AsyncWriteExt;
 
 use crate::agent::{self, SpawnError};
 use crate::cgroup;
-use crate::exec::{self, Exec};
+use crate::exec::{self, Control, Exec, Signaller};
 use crate::manager::Sandbox;
-use crate::proto::{ExecResult, ExitReason, SandboxState, Stream};
+use crate::proto::{ExecResult, ExitReason, PtySize, SandboxState, Stream};
+use crate::pty;
 
 /// How an exec was started.
 pub(crate) enum Started {
     /// By the sandbox's init: our ends of its pipes.
     Init {
-        running: agent::Running,
+        running: Arc<agent::Running>,
         init_pid: u32,
-        stdout: tokio::net::unix::pipe::Receiver,
-        stderr: tokio::net::unix::pipe::Receiver,
-        stdin: Option<tokio::net::unix::pipe::Sender>,
+        io: InitIo,
     },
     /// By `runc exec`, which lives as long as the command.
     Runtime {
@@ -36,61 +35,145 @@ pub(crate) enum Started {
     Failed(String),
 }
 
+/// Our ends of an init-started command's stdio.
+pub(crate) enum InitIo {
+    Pipes {
+        stdout: tokio::net::unix::pipe::Receiver,
+        stderr: tokio::net::unix::pipe::Receiver,
+        stdin: Option<tokio::net::unix::pipe::Sender>,
+    },
+    /// A terminal: the master carries output and input.
+    Pty(Arc<OwnedFd>),
+}
+
 /// What `run` needs.
 pub(crate) struct Job {
     pub sb: Arc<Sandbox>,
     pub exec: Arc<Exec>,
     pub started: Started,
     pub stdin: Option<Vec<u8>>,
+    /// Keep stdin open for `Exec::write_stdin` after `stdin`'s bytes.
+    pub stdin_open: bool,
     pub timeout: Option<Duration>,
     pub oom_before: u64,
     pub cgroups: BTreeMap<String, PathBuf>,
 }
 
-/// Make the pipes and ask the init to start the command (blocking: off the async threads).
-pub(crate) fn spawn_in_init(
-    init_pid: u32,
-    args: &[String],
-    env: &[String],
-    cwd: &str,
-    uid: u32,
-    gid: u32,
-    with_stdin: bool,
-) -> Result<Started, SpawnError> {
+/// What `spawn_in_init` starts.
+pub(crate) struct InitSpawn {
+    pub init_pid: u32,
+    pub args: Vec<String>,
+    pub env: Vec<String>,
+    pub cwd: String,
+    pub uid: u32,
+    pub gid: u32,
+    /// A pipe for stdin (else `/dev/null`), unless there is a terminal.
+    pub with_stdin: bool,
+    pub pty: Option<PtySize>,
+}
+
+/// Make the pipes (or the terminal) and ask the init to start the command (blocking: off
+/// the async threads).
+pub(crate) fn spawn_in_init(s: InitSpawn) -> Result<Started, SpawnError> {
     let io = |e: std::io::Error| SpawnError::Unreachable(e);
+    let spawn = |stdio: [std::os::fd::BorrowedFd<'_>; 3], tty: bool| {
+        agent::spawn(
+            s.init_pid,
+            &agent::Spawn {
+                args: &s.args,
+                env: &s.env,
+                cwd: &s.cwd,
+                uid: s.uid,
+                gid: s.gid,
+                tty,
+            },
+            stdio,
+        )
+    };
+    if let Some(size) = s.pty {
+        let (master, slave) = pty::open(size).map_err(io)?;
+        let running = spawn([slave.as_fd(), slave.as_fd(), slave.as_fd()], true)?;
+        // Only the command holds the slave now: its end (and its children's) hangs it up.
+        drop(slave);
+        return Ok(Started::Init {
+            running: Arc::new(running),
+            init_pid: s.init_pid,
+            io: InitIo::Pty(Arc::new(master)),
+        });
+    }
     let (out_r, out_w) = agent::pipe().map_err(io)?;
     let (err_r, err_w) = agent::pipe().map_err(io)?;
-    let (in_r, in_w) = if with_stdin {
+    let (in_r, in_w) = if s.with_stdin {
         let (r, w) = agent::pipe().map_err(io)?;
         (r, Some(w))
     } else {
         let null = std::fs::File::open("/dev/null").map_err(io)?;
-        (std::os::fd::OwnedFd::from(null), None)
+        (OwnedFd::from(null), None)
     };
-    let running = agent::spawn(
-        init_pid,
-        &agent::Spawn {
-            args,
-            env,
-            cwd,
-            uid,
-            gid,
-        },
-        [in_r.as_fd(), out_w.as_fd(), err_w.as_fd()],
-    )?;
+    let running = spawn([in_r.as_fd(), out_w.as_fd(), err_w.as_fd()], false)?;
     // Only the command holds the write ends now: its end (and its children's) closes them.
     drop((in_r, out_w, err_w));
     let recv = |fd| tokio::net::unix::pipe::Receiver::from_owned_fd(fd).map_err(io);
     Ok(Started::Init {
-        running,
-        init_pid,
-        stdout: recv(out_r)?,
-        stderr: recv(err_r)?,
-        stdin: match in_w {
-            Some(w) => Some(tokio::net::unix::pipe::Sender::from_owned_fd(w).map_err(io)?),
-            None => None,
+        running: Arc::new(running),
+        init_pid: s.init_pid,
+        io: InitIo::Pipes {
+            stdout: recv(out_r)?,
+            stderr: recv(err_r)?,
+            stdin: match in_w {
+                Some(w) => Some(tokio::net::unix::pipe::Sender::from_owned_fd(w).map_err(io)?),
+                None => None,
+            },
         },
     })
+}
+
+/// Where an exec's input goes.
+enum Sink {
+    Pipe(tokio::net::unix::pipe::Sender),
+    Child(tokio::process::ChildStdin),
+    Pty(Arc<pty::Master>),
+}
+
+impl Sink {
+    async fn write(&mut self, data: &[u8]) -> std::io::Result<()> {
+        match self {
+            Sink::Pipe(w) => w.write_all(data).await,
+            Sink::Child(w) => w.write_all(data).await,
+            Sink::Pty(m) => m.write_all(data).await,
+        }
+    }
+}
+
+/// Feed `first` and then, if `open`, what `Exec::write_stdin` sends, until closed. Installs
+/// the channel in `control`.
+fn feed_stdin(mut sink: Sink, first: Option<Vec<u8>>, open: bool, control: &mut Control) {
+    let rx = if open {
+        let (tx, rx) = tokio::sync::mpsc::channel::<Option<Vec<u8>>>(16);
+        control.stdin = Some(tx);
+        Some(rx)
+    } else {
+        None
+    };
+    tokio::spawn(async move {
+        if let Some(b) = first {
+            if sink.write(&b).await.is_err() {
+                return;
+            }
+        }
+        let Some(mut rx) = rx else {
+            return;
+        };
+        while let Some(Some(b)) = rx.recv().await {
+            if sink.write(&b).await.is_err() {
+                return;
+            }
+        }
+        // Closed: a pipe's reader sees EOF when the write end goes; a terminal's on ^D.
+        if let Sink::Pty(m) = &sink {
+            let _ = m.write_all(&[4]).await;
+        }
+    });
 }
 
 enum Ended {
@@ -109,6 +192,7 @@ pub(crate) async fn run(job: Job) {
         exec,
         started,
         stdin,
+        stdin_open,
         timeout,
         oom_before,
         cgroups,
@@ -123,25 +207,45 @@ pub(crate) async fn run(job: Job) {
         Started::Init {
             running,
             init_pid,
-            stdout,
-            stderr,
-            stdin: w,
+            io,
         } => {
-            if let (Some(bytes), Some(mut w)) = (stdin, w) {
-                tokio::spawn(async move {
-                    let _ = w.write_all(&bytes).await;
-                });
+            let mut control = Control {
+                pid: Some(running.pid),
+                signal: Some(Signaller::Init(running.clone())),
+                ..Default::default()
+            };
+            match io {
+                InitIo::Pipes {
+                    stdout,
+                    stderr,
+                    stdin: w,
+                } => {
+                    if let Some(w) = w {
+                        feed_stdin(Sink::Pipe(w), stdin, stdin_open, &mut control);
+                    }
+                    pumps.push(tokio::spawn(exec::pump(
+                        exec.clone(),
+                        Stream::Stdout,
+                        stdout,
+                    )));
+                    pumps.push(tokio::spawn(exec::pump(
+                        exec.clone(),
+                        Stream::Stderr,
+                        stderr,
+                    )));
+                }
+                InitIo::Pty(fd) => match pty::Master::new(fd.clone()) {
+                    Ok(m) => {
+                        let m = Arc::new(m);
+                        control.pty_master = Some(fd);
+                        feed_stdin(Sink::Pty(m.clone()), stdin, true, &mut control);
+                        let e = exec.clone();
+                        pumps.push(tokio::spawn(async move { m.pump(e).await }));
+                    }
+                    Err(e) => tracing::warn!("exec {}: its terminal: {e}", exec.id),
+                },
             }
-            pumps.push(tokio::spawn(exec::pump(
-                exec.clone(),
-                Stream::Stdout,
-                stdout,
-            )));
-            pumps.push(tokio::spawn(exec::pump(
-                exec.clone(),
-                Stream::Stderr,
-                stderr,
-            )));
+            exec.set_control(control);
             let status = match timeout {
                 Some(t) => match tokio::time::timeout(t, running.wait()).await {
                     Ok(s) => s,
@@ -166,11 +270,14 @@ pub(crate) async fn run(job: Job) {
             mut child,
             pid_file,
         } => {
-            if let (Some(bytes), Some(mut w)) = (stdin, child.stdin.take()) {
-                tokio::spawn(async move {
-                    let _ = w.write_all(&bytes).await;
-                });
+            let mut control = Control {
+                signal: Some(Signaller::HostPid(pid_file.clone())),
+                ..Default::default()
+            };
+            if let Some(w) = child.stdin.take() {
+                feed_stdin(Sink::Child(w), stdin, stdin_open, &mut control);
             }
+            exec.set_control(control);
             if let Some(p) = child.stdout.take() {
                 pumps.push(tokio::spawn(exec::pump(exec.clone(), Stream::Stdout, p)));
             }
@@ -244,6 +351,7 @@ fn finish(
     signal: Option<i32>,
     message: Option<String>,
 ) {
+    exec.clear_control();
     let (stdout_bytes, stderr_bytes, truncated) = exec.totals();
     exec.finish(ExecResult {
         exec: exec.id.clone(),

@@ -1,5 +1,5 @@
 //! The OCI runtime, driven through its command line (`runc` 1.1 here; any runtime with
-//! runc's CLI — `run -d`, `exec`, `state`, `kill`, `delete` — fits).
+//! runc's CLI — `run -d`, `exec`, `state`, `kill`, `pause`, `resume`, `delete` — fits).
 //!
 //! Every call runs the runtime as a child process: never inside the daemon's threads, and
 //! nothing of a container is the daemon's child, so a daemon that dies leaves its sandboxes
@@ -133,6 +133,20 @@ impl Runtime {
             }
             Err(e) => Err(e),
         }
+    }
+
+    /// Freeze every process of the container (the runtime's freezer cgroup).
+    pub async fn pause(&self, id: &str) -> Result<()> {
+        let mut c = self.command(None);
+        c.arg("pause").arg(id);
+        self.output(c, "pause", None).await.map(|_| ())
+    }
+
+    /// Thaw what `pause` froze.
+    pub async fn resume(&self, id: &str) -> Result<()> {
+        let mut c = self.command(None);
+        c.arg("resume").arg(id);
+        self.output(c, "resume", None).await.map(|_| ())
     }
 
     /// Forget the container (killing what is left of it).
