@@ -393,9 +393,13 @@ pub async fn pause_sandbox(api: &Api, id: &str) -> Result<()> {
     if m.paused {
         return Err(Error::Conflict(format!("sandbox {id} is already paused")));
     }
-    Err(Error::Unsupported(
-        "pause needs the runtime's freezer, which this node does not have yet".into(),
-    ))
+    match api.manager.pause(id).await {
+        Ok(_) => {}
+        Err(sandbox_runtime::Error::Conflict(m)) => return Err(Error::Conflict(m)),
+        Err(e) => return Err(e.into()),
+    }
+    api.update_meta(id, |m| m.paused = true)?;
+    Ok(())
 }
 
 async fn pause(api: &Api, id: &str) -> Result<Response> {
@@ -405,12 +409,20 @@ async fn pause(api: &Api, id: &str) -> Result<Response> {
 async fn connect(api: &Api, id: &str, body: Incoming) -> Result<Response> {
     let b: TimeoutBody = crate::http::read_json(body).await?;
     let m = sandbox_meta(api, id)?;
-    if m.paused {
-        return Err(Error::Unsupported(
-            "resume needs the runtime's freezer, which this node does not have yet".into(),
-        ));
-    }
     let t = b.timeout.unwrap_or(DEFAULT_TIMEOUT_V2_S).min(MAX_TIMEOUT_S);
+    if m.paused {
+        match api.manager.resume(id).await {
+            Ok(_) => {}
+            // Resumed behind the API's back: running, as the API is told now.
+            Err(sandbox_runtime::Error::Conflict(_)) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let m = api.update_meta(id, |m| {
+            m.paused = false;
+            m.end_ms = now_ms() + t * 1000;
+        })?;
+        return Ok(json(201, &created(id, &m)));
+    }
     // Connecting never shortens a running sandbox's life.
     let m = api.update_meta(id, |m| m.end_ms = m.end_ms.max(now_ms() + t * 1000))?;
     Ok(json(200, &created(id, &m)))

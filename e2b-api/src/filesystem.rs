@@ -217,8 +217,9 @@ const WATCH_FLAGS: inotify::WatchFlags = inotify::WatchFlags::CREATE
     .union(inotify::WatchFlags::MOVED_TO)
     .union(inotify::WatchFlags::MOVE_SELF)
     .union(inotify::WatchFlags::ATTRIB)
-    .union(inotify::WatchFlags::ONLYDIR)
-    .union(inotify::WatchFlags::DONT_FOLLOW);
+    // Not DONT_FOLLOW: the path is `/proc/self/fd/N`, a magic link to the directory opened
+    // confined; following it is the point.
+    .union(inotify::WatchFlags::ONLYDIR);
 
 impl Watch {
     fn new(root: Root, base: String, recursive: bool) -> crate::Result<Watch> {

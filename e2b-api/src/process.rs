@@ -2,10 +2,11 @@
 //! caps). `Start` and `Connect` are server streams of `ProcessEvent`s (`start` with the pid,
 //! `data` with stdout/stderr bytes, `keepalive`, `end` with the exit); the rest are unary.
 //!
-//! A process is named by a pid this API hands out (unique on the node while it runs) and an
-//! optional tag. Signals reach the command and everything it started: each exec carries a
-//! marker variable (`STRATA_E2B_PROCESS`), and the processes of the sandbox's cgroup whose
-//! environment holds it are signalled from the host.
+//! A process is named by its pid inside the sandbox (the runtime's `Exec::pid`; a sandbox
+//! whose init predates that report gets pids this API hands out, from [`SYNTHETIC_PIDS`]) and
+//! an optional tag. Signals go to the command's process group (`Exec::signal`); stdin, the
+//! PTY and its size are the runtime's (`Exec::write_stdin`, `close_stdin`, `resize`). A PTY
+//! command's output arrives as `pty` data, the others' as `stdout`/`stderr`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -21,8 +22,8 @@ use crate::envd::{request_message, Ctx};
 use crate::http::Response;
 use crate::Error;
 
-/// The environment variable that marks an exec's processes.
-pub const MARKER: &str = "STRATA_E2B_PROCESS";
+/// Where the pids this API hands out start (above any Linux pid: `pid_max` ≤ 2^22).
+pub const SYNTHETIC_PIDS: u32 = 1 << 30;
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -93,7 +94,7 @@ pub struct Proc {
     pub tag: Option<String>,
     pub config: ProcessConfig,
     pub exec: Arc<sandbox_runtime::Exec>,
-    marker: String,
+    pub pty: bool,
 }
 
 /// The processes of every sandbox, by sandbox.
@@ -106,7 +107,7 @@ pub struct Procs {
 impl Default for Procs {
     fn default() -> Self {
         Self {
-            next: AtomicU32::new(1000),
+            next: AtomicU32::new(SYNTHETIC_PIDS),
             map: Mutex::new(HashMap::new()),
         }
     }
@@ -198,25 +199,33 @@ pub async fn handle(
         },
         "List" => unary(list(&ctx)),
         "SendSignal" => match request_message::<SignalRequest>(parts, body).await {
-            Ok(r) => unary(send_signal(&ctx, r).await),
+            Ok(r) => unary(send_signal(&ctx, r)),
             Err(e) => connect::unary_error(&e),
         },
-        "SendInput" | "CloseStdin" | "Update" => {
-            // Parsed first, so a malformed request is still a clear invalid_argument.
-            match request_message::<serde_json::Value>(parts, body).await {
-                Ok(_) => connect::unary_error(&no_interactive(method)),
-                Err(e) => connect::unary_error(&e),
-            }
-        }
+        "SendInput" => match request_message::<InputRequest>(parts, body).await {
+            Ok(r) => unary(send_input(&ctx, r).await),
+            Err(e) => connect::unary_error(&e),
+        },
+        "CloseStdin" => match request_message::<WithSelector>(parts, body).await {
+            Ok(r) => unary(close_stdin(&ctx, r).await),
+            Err(e) => connect::unary_error(&e),
+        },
+        "Update" => match request_message::<UpdateRequest>(parts, body).await {
+            Ok(r) => unary(update(&ctx, r)),
+            Err(e) => connect::unary_error(&e),
+        },
         "StreamInput" => {
-            let mut reader = connect::MessageReader::new(body);
-            let first = reader.next_json::<serde_json::Value>().await;
-            let e = match first {
-                Err(e) => e,
-                Ok(_) => no_interactive(method),
-            };
+            let r = stream_input(&ctx, connect::MessageReader::new(body)).await;
             let (tx, resp) = connect::stream_response();
-            tokio::spawn(tx.end(Some(e)));
+            tokio::spawn(async move {
+                match r {
+                    Ok(()) => {
+                        tx.send(&json!({})).await;
+                        tx.end(None).await;
+                    }
+                    Err(e) => tx.end(Some(e)).await,
+                }
+            });
             resp
         }
         other => connect::unary_error(&RpcError::new(
@@ -226,13 +235,118 @@ pub async fn handle(
     }
 }
 
-fn no_interactive(method: &str) -> RpcError {
-    RpcError::new(
-        Code::Unimplemented,
-        format!(
-            "process.Process/{method}: this node's runtime has no stdin, PTY or resize for a running command yet"
-        ),
-    )
+/// `ProcessInput`: `{"stdin": b64}` or `{"pty": b64}`.
+#[derive(Debug, Default, Deserialize)]
+struct Input {
+    #[serde(default)]
+    stdin: Option<String>,
+    #[serde(default)]
+    pty: Option<String>,
+}
+
+impl Input {
+    fn bytes(&self) -> RpcResult<Vec<u8>> {
+        use base64::Engine as _;
+        let b64 = self.stdin.as_deref().or(self.pty.as_deref()).unwrap_or("");
+        base64::engine::general_purpose::STANDARD
+            .decode(b64)
+            .or_else(|_| base64::engine::general_purpose::URL_SAFE.decode(b64))
+            .map_err(|e| RpcError::new(Code::InvalidArgument, format!("input is not base64: {e}")))
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct InputRequest {
+    #[serde(default)]
+    process: Option<Selector>,
+    #[serde(default)]
+    input: Option<Input>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct UpdateRequest {
+    #[serde(default)]
+    process: Option<Selector>,
+    #[serde(default)]
+    pty: Option<Pty>,
+}
+
+/// A `StreamInputRequest`: `start` (the selector), `data` (input) or `keepalive`.
+#[derive(Debug, Default, Deserialize)]
+struct StreamInputEvent {
+    #[serde(default)]
+    start: Option<WithSelector>,
+    #[serde(default)]
+    data: Option<InputData>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct InputData {
+    #[serde(default)]
+    input: Option<Input>,
+}
+
+fn runtime(e: sandbox_runtime::Error) -> RpcError {
+    match e {
+        sandbox_runtime::Error::Conflict(m) => RpcError::new(Code::FailedPrecondition, m),
+        e => RpcError::from(Error::from(e)),
+    }
+}
+
+async fn send_input(ctx: &Ctx, req: InputRequest) -> RpcResult<serde_json::Value> {
+    let p = ctx.api.procs.find(&ctx.id, &selector(req.process)?)?;
+    let data = req.input.unwrap_or_default().bytes()?;
+    p.exec.write_stdin(data).await.map_err(runtime)?;
+    Ok(json!({}))
+}
+
+async fn close_stdin(ctx: &Ctx, req: WithSelector) -> RpcResult<serde_json::Value> {
+    let p = ctx.api.procs.find(&ctx.id, &selector(req.process)?)?;
+    if p.pty {
+        return Err(RpcError::new(
+            Code::FailedPrecondition,
+            "a PTY has no stdin to close (send Ctrl-D, 0x04)",
+        ));
+    }
+    p.exec.close_stdin().await.map_err(runtime)?;
+    Ok(json!({}))
+}
+
+fn update(ctx: &Ctx, req: UpdateRequest) -> RpcResult<serde_json::Value> {
+    let p = ctx.api.procs.find(&ctx.id, &selector(req.process)?)?;
+    if let Some(size) = req.pty.and_then(|p| p.size) {
+        p.exec.resize(pty_size(&size)?).map_err(runtime)?;
+    }
+    Ok(json!({}))
+}
+
+/// A client stream of input: a `start` naming the process, then `data` in order.
+async fn stream_input(ctx: &Ctx, mut reader: connect::MessageReader) -> RpcResult<()> {
+    let mut target: Option<Arc<Proc>> = None;
+    while let Some(ev) = reader.next_json::<StreamInputEvent>().await? {
+        if let Some(start) = ev.start {
+            target = Some(ctx.api.procs.find(&ctx.id, &selector(start.process)?)?);
+        } else if let Some(data) = ev.data {
+            let p = target.as_ref().ok_or_else(|| {
+                RpcError::new(Code::InvalidArgument, "input before the start event")
+            })?;
+            let bytes = data.input.unwrap_or_default().bytes()?;
+            p.exec.write_stdin(bytes).await.map_err(runtime)?;
+        }
+    }
+    Ok(())
+}
+
+fn pty_size(s: &PtySize) -> RpcResult<sandbox_runtime::proto::PtySize> {
+    let cols = u16::try_from(s.cols).ok().filter(|c| *c > 0);
+    let rows = u16::try_from(s.rows).ok().filter(|r| *r > 0);
+    match (cols, rows) {
+        (Some(cols), Some(rows)) => Ok(sandbox_runtime::proto::PtySize { cols, rows }),
+        _ => Err(RpcError::new(
+            Code::InvalidArgument,
+            format!("bad PTY size {}x{}", s.cols, s.rows),
+        )),
+    }
 }
 
 fn unary(r: RpcResult<serde_json::Value>) -> Response {
@@ -276,32 +390,26 @@ async fn start_exec(ctx: &Ctx, req: StartRequest) -> RpcResult<Arc<Proc>> {
             "the process has no cmd",
         ));
     }
-    if let Some(pty) = &req.pty {
-        let size = pty.size.clone().unwrap_or_default();
-        return Err(RpcError::new(
-            Code::Unimplemented,
-            format!(
-                "a PTY ({}x{}) needs the runtime's terminal support, which this node does not have yet",
-                size.cols, size.rows
-            ),
-        ));
-    }
-    if req.stdin == Some(true) {
-        return Err(no_interactive("Start with stdin"));
-    }
+    let pty = match &req.pty {
+        Some(p) => Some(pty_size(
+            &p.size.clone().unwrap_or(PtySize { cols: 80, rows: 24 }),
+        )?),
+        None => None,
+    };
     let root = ctx.root().map_err(RpcError::from)?;
     let (user, _) = ctx.user(&root).map_err(RpcError::from)?;
     let cwd = match config.cwd.as_deref() {
         Some(c) if !c.is_empty() => crate::fs::absolute(c, &user.home).map_err(RpcError::from)?,
         _ => user.home.clone(),
     };
-    let pid = ctx.api.procs.next.fetch_add(1, Ordering::Relaxed);
-    let marker = format!("{}-{pid}", ctx.id);
     let mut env: Vec<String> = vec![
         format!("HOME={}", user.home),
         format!("USER={}", user.name),
         format!("LOGNAME={}", user.name),
     ];
+    if pty.is_some() {
+        env.push("TERM=xterm-256color".into());
+    }
     for (k, v) in &config.envs {
         if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
             return Err(RpcError::new(
@@ -311,7 +419,6 @@ async fn start_exec(ctx: &Ctx, req: StartRequest) -> RpcResult<Arc<Proc>> {
         }
         env.push(format!("{k}={v}"));
     }
-    env.push(format!("{MARKER}={marker}"));
     let mut args = vec![config.cmd.clone()];
     args.extend(config.args.iter().cloned());
     let exec = ctx
@@ -323,16 +430,24 @@ async fn start_exec(ctx: &Ctx, req: StartRequest) -> RpcResult<Arc<Proc>> {
             env,
             cwd: Some(cwd),
             user: (user.uid != 0).then(|| format!("{}:{}", user.uid, user.gid)),
+            // The protocol's default: stdin open (the SDK asks for it closed unless told).
+            stdin_open: pty.is_some() || req.stdin.unwrap_or(true),
+            pty,
+            tag: req.tag.clone(),
             ..Default::default()
         })
         .await
         .map_err(|e| RpcError::from(Error::from(e)))?;
+    let pid = match exec.pid().and_then(|p| u32::try_from(p).ok()) {
+        Some(p) => p,
+        None => ctx.api.procs.next.fetch_add(1, Ordering::Relaxed),
+    };
     let p = Arc::new(Proc {
         pid,
         tag: req.tag,
         config,
         exec,
-        marker,
+        pty: pty.is_some(),
     });
     ctx.api.procs.add(&ctx.id, p.clone());
     Ok(p)
@@ -411,12 +526,14 @@ async fn follow(
     from: [u64; 2],
     keepalive_s: Option<u64>,
 ) -> RpcResult<()> {
-    let mut lines = p.exec.follow(from);
+    use base64::Engine as _;
+    use sandbox_runtime::ExecUpdate;
+    let mut updates = p.exec.updates(from);
     let period = Duration::from_secs(keepalive_s.unwrap_or(50).clamp(1, 3600));
     let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
     loop {
-        let line = tokio::select! {
-            l = lines.recv() => l,
+        let update = tokio::select! {
+            u = updates.recv() => u,
             _ = ticker.tick() => {
                 if !tx.send(&json!({ "event": { "keepalive": {} } })).await {
                     return Ok(());
@@ -425,42 +542,32 @@ async fn follow(
             }
             () = tx.closed() => return Ok(()),
         };
-        let Some(line) = line else {
-            return Err(RpcError::new(
-                Code::Internal,
-                "the exec's stream ended without its result",
-            ));
-        };
-        if let Some(ev) = line.event {
-            if ev.get("type").and_then(|t| t.as_str()) != Some("output") {
-                continue;
+        match update {
+            None => {
+                return Err(RpcError::new(
+                    Code::Internal,
+                    "the exec's stream ended without its result",
+                ))
             }
-            let stream = match ev.get("stream").and_then(|s| s.as_str()) {
-                Some("stderr") => "stderr",
-                _ => "stdout",
-            };
-            // The runtime's base64 is proto3 JSON's `bytes` already.
-            let data = ev.get("data").cloned().unwrap_or_else(|| json!(""));
-            if !tx
-                .send(&json!({ "event": { "data": { stream: data } } }))
-                .await
-            {
+            Some(ExecUpdate::Output { stream, data, .. }) => {
+                let field = match (p.pty, stream) {
+                    (true, _) => "pty",
+                    (false, sandbox_runtime::proto::Stream::Stdout) => "stdout",
+                    (false, sandbox_runtime::proto::Stream::Stderr) => "stderr",
+                };
+                let b64 = base64::engine::general_purpose::STANDARD.encode(&data);
+                if !tx
+                    .send(&json!({ "event": { "data": { field: b64 } } }))
+                    .await
+                {
+                    return Ok(());
+                }
+            }
+            Some(ExecUpdate::End(result)) => {
+                tx.send(&end_event(&result)).await;
                 return Ok(());
             }
-            continue;
         }
-        if !line.ok {
-            let msg = line
-                .error
-                .map(|e| e.message)
-                .unwrap_or_else(|| "the exec failed".into());
-            return Err(RpcError::new(Code::Internal, msg));
-        }
-        let result: sandbox_runtime::proto::ExecResult =
-            serde_json::from_value(line.result.unwrap_or_default())
-                .map_err(|e| RpcError::new(Code::Internal, format!("the exec's result: {e}")))?;
-        tx.send(&end_event(&result)).await;
-        return Ok(());
     }
 }
 
@@ -487,7 +594,7 @@ fn parse_signal(v: Option<&serde_json::Value>) -> RpcResult<i32> {
     }
 }
 
-async fn send_signal(ctx: &Ctx, req: SignalRequest) -> RpcResult<serde_json::Value> {
+fn send_signal(ctx: &Ctx, req: SignalRequest) -> RpcResult<serde_json::Value> {
     let sig = parse_signal(req.signal.as_ref())?;
     let p = ctx.api.procs.find(&ctx.id, &selector(req.process)?)?;
     if p.exec.result().is_some() {
@@ -496,57 +603,14 @@ async fn send_signal(ctx: &Ctx, req: SignalRequest) -> RpcResult<serde_json::Val
             format!("process with pid {} not found (it has ended)", p.pid),
         ));
     }
-    let init = ctx.api.init_pid(&ctx.id).map_err(RpcError::from)?;
-    let marker = format!("{MARKER}={}", p.marker);
-    let n = tokio::task::spawn_blocking(move || signal_marked(init, &marker, sig))
-        .await
-        .map_err(|e| RpcError::new(Code::Internal, format!("signal task: {e}")))?;
-    if n == 0 && p.exec.result().is_none() {
-        // Started, not yet visible (or just gone): one more look.
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let marker = format!("{MARKER}={}", p.marker);
-        tokio::task::spawn_blocking(move || signal_marked(init, &marker, sig))
-            .await
-            .map_err(|e| RpcError::new(Code::Internal, format!("signal task: {e}")))?;
+    match p.exec.signal(sig) {
+        Ok(()) => Ok(json!({})),
+        // Ended between the check and the signal.
+        Err(sandbox_runtime::Error::Conflict(m)) if p.exec.result().is_some() => {
+            Err(RpcError::new(Code::NotFound, m))
+        }
+        Err(e) => Err(runtime(e)),
     }
-    Ok(json!({}))
-}
-
-/// Signal every process in `init`'s cgroup (the sandbox's) whose environment has `marker`;
-/// how many were.
-fn signal_marked(init: u32, marker: &str, sig: i32) -> usize {
-    let Ok(cgroup) = std::fs::read(format!("/proc/{init}/cgroup")) else {
-        return 0;
-    };
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return 0;
-    };
-    let mut n = 0;
-    for e in dir.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
-            continue;
-        };
-        if pid as u32 == init {
-            continue;
-        }
-        if std::fs::read(format!("/proc/{pid}/cgroup")).ok().as_deref() != Some(&cgroup[..]) {
-            continue;
-        }
-        let Ok(environ) = std::fs::read(format!("/proc/{pid}/environ")) else {
-            continue;
-        };
-        if environ.split(|b| *b == 0).any(|v| v == marker.as_bytes()) {
-            if let (Some(p), Some(s)) = (
-                rustix::process::Pid::from_raw(pid),
-                rustix::process::Signal::from_named_raw(sig),
-            ) {
-                if rustix::process::kill_process(p, s).is_ok() {
-                    n += 1;
-                }
-            }
-        }
-    }
-    n
 }
 
 #[cfg(test)]

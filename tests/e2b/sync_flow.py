@@ -62,6 +62,54 @@ try:
     r = h2.wait()
     check(r.stdout == "late\n", "connect to a running command gets its later output")
 
+    # stdin: sent, then closed.
+    h = sb.commands.run("cat", background=True, stdin=True)
+    sb.commands.send_stdin(h.pid, "line one\n")
+    sb.commands.send_stdin(h.pid, b"line two\n")
+    sb.commands.close_stdin(h.pid)
+    r = h.wait()
+    check(r.stdout == "line one\nline two\n", "stdin sent and closed")
+    h = sb.commands.run("wc -c", background=True, stdin=True)
+    sb.commands.stream_input(h.pid, [b"abc", "def", b"\n"])
+    sb.commands.close_stdin(h.pid)
+    check(h.wait().stdout.strip() == "7", "stdin streamed")
+    r = sb.commands.run("cat; echo done")
+    check(r.stdout == "done\n", "stdin=False by default: cat reads EOF")
+
+    # A PTY: input, output, resize, kill.
+    from e2b import PtySize
+
+    t = sb.pty.create(PtySize(rows=24, cols=80))
+    sb.pty.send_stdin(t.pid, b"stty size; echo pty-$((6*7))\n")
+    text = ""
+    resized = False
+    try:
+        for _, _, pty in t:
+            text += bytes(pty or b"").decode(errors="replace")
+            if not resized and "pty-42" in text:
+                resized = True
+                sb.pty.resize(t.pid, PtySize(rows=30, cols=100))
+                sb.pty.send_stdin(t.pid, b"stty size; exit\n")
+    except CommandExitException:
+        pass
+    check("pty-42" in text and "24 80" in text and "30 100" in text, f"PTY output and resize: {text[-200:]!r}")
+    t = sb.pty.create(PtySize(rows=24, cols=80))
+    check(sb.pty.kill(t.pid), "PTY killed")
+
+    # Watch a directory (polled watcher).
+    sb.files.make_dir("/tmp/w")
+    w = sb.files.watch_dir("/tmp/w", recursive=True)
+    sb.files.write("/tmp/w/new.txt", "x")
+    sb.files.make_dir("/tmp/w/sub")
+    time.sleep(0.3)
+    sb.files.write("/tmp/w/sub/deep.txt", "y")
+    sb.files.remove("/tmp/w/new.txt")
+    time.sleep(0.3)
+    evs = [(e.name, e.type.value) for e in w.get_new_events()]
+    check(("new.txt", "create") in evs and ("new.txt", "remove") in evs, f"watch events: {evs}")
+    check(("sub/deep.txt", "create") in evs, "recursive watch sees new subdirectories")
+    w.stop()
+
     # Files.
     info = sb.files.write("/tmp/t/hello.txt", "hello")
     check(info.path == "/tmp/t/hello.txt", "write str")
@@ -112,6 +160,22 @@ try:
     check(len(metrics) == 1 and metrics[0].mem_used > 0, "metrics")
     again = Sandbox.connect(sb.sandbox_id)
     check(again.commands.run("echo back").stdout == "back\n", "connect to a running sandbox")
+
+    # Pause, then connect: files and a running process intact.
+    sb.files.write("/tmp/kept.txt", "kept")
+    h = sb.commands.run("for i in $(seq 1 100); do echo tick $i; sleep 0.1; done", background=True)
+    time.sleep(0.3)
+    check(sb.pause(), "pause")
+    check(sb.get_info().state.value == "paused", "state paused")
+    check(not sb.pause(), "pausing a paused sandbox is False (409)")
+    paused = Sandbox.list(query=__import__("e2b").SandboxQuery(state=[__import__("e2b").SandboxState.PAUSED])).next_items()
+    check(sb.sandbox_id in [s.sandbox_id for s in paused], "list by state paused")
+    resumed = Sandbox.connect(sb.sandbox_id)
+    check(sb.get_info().state.value == "running", "connect resumed it")
+    check(resumed.files.read("/tmp/kept.txt") == "kept", "files intact after pause")
+    check(any(p.pid == h.pid for p in resumed.commands.list()), "the process is still there")
+    r = resumed.commands.connect(h.pid).wait()
+    check("tick 100" in r.stdout, "the process ran on to its end")
 finally:
     killed = sb.kill()
 check(killed, "kill")
