@@ -1,0 +1,387 @@
+//! The E2B protocol end to end: a real node daemon with `--api` on a free port of 127.0.0.1,
+//! a template on a real Debian base layer (`scripts/debian-base.sh`), and the unmodified `e2b`
+//! Python SDK (pinned, in the virtualenv `scripts/install-test-deps.sh` makes) running the
+//! scripts of `tests/e2b/`. Every test runs as root, cleans up however it ends (sandboxes,
+//! the daemon, its mounts), and says SKIPPED loudly — failing under `CI=true` — where runc,
+//! the base or the SDK is missing.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+const BASE: &str = "base/debian:12";
+/// The virtualenv with the pinned SDK (`scripts/install-test-deps.sh`).
+const VENV_PYTHON: &str = "/usr/local/lib/strata/e2b/bin/python";
+const API_KEY: &str = "strata-test-key-0123456789";
+
+fn strata_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_strata")
+}
+
+fn debian_root() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("STRATA_TEST_DEBIAN_ROOT") {
+        return Some(p.into());
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/debian-base.sh");
+    let out = Command::new(script)
+        .stderr(Stdio::inherit())
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+}
+
+/// The store with the base layer, built once per test binary.
+struct Store {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+}
+
+fn store() -> Option<&'static Store> {
+    static S: OnceLock<Option<Store>> = OnceLock::new();
+    S.get_or_init(|| {
+        let base = debian_root()?;
+        let dir = tempfile::Builder::new()
+            .prefix("strata-e2b-store")
+            .tempdir_in("/var/tmp")
+            .unwrap();
+        let path = dir.path().join("store");
+        let out = Command::new(strata_bin())
+            .env("STRATA_HOME", dir.path().join("home"))
+            .arg("--store")
+            .arg(&path)
+            .args(["layer", "build"])
+            .arg(&base)
+            .args(["--name", BASE])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "layer build: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Some(Store { _dir: dir, path })
+    })
+    .as_ref()
+}
+
+fn sdk_version() -> Option<String> {
+    let out = Command::new(VENV_PYTHON)
+        .args(["-c", "import importlib.metadata as m; print(m.version('e2b'))"])
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+/// Whether the SDK can drive a node here; otherwise a loud SKIPPED (a failure under CI).
+fn ready(test: &str) -> bool {
+    if !common::require_root(test) {
+        return false;
+    }
+    let runc = Command::new("sh")
+        .args(["-c", "command -v runc"])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    let why = if !runc {
+        Some("runc not installed".to_owned())
+    } else if sdk_version().as_deref() != Some("2.63.0") {
+        Some(format!(
+            "the e2b SDK 2.63.0 is not in {VENV_PYTHON}'s virtualenv (found {:?})",
+            sdk_version()
+        ))
+    } else if store().is_none() {
+        Some("no Debian base root (scripts/debian-base.sh failed)".to_owned())
+    } else {
+        None
+    };
+    if let Some(why) = why {
+        println!("\n*** SKIPPED {test}: {why} ***\n");
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "{test}: {why} (scripts/install-test-deps.sh installs it under CI)"
+        );
+        return false;
+    }
+    true
+}
+
+/// One node with the API on a free port; removes every sandbox, stops the daemon and
+/// detaches what is left, however the test ends.
+struct Node {
+    tmp: tempfile::TempDir,
+    home: PathBuf,
+    run: PathBuf,
+    store: PathBuf,
+    addr: String,
+    daemon: Option<std::process::Child>,
+}
+
+impl Node {
+    fn start(name: &str) -> Node {
+        let tmp = tempfile::Builder::new()
+            .prefix(&format!("strata-e2b-{name}"))
+            .tempdir_in("/var/tmp")
+            .unwrap();
+        let keys = tmp.path().join("keys");
+        std::fs::write(&keys, format!("# test keys\n{API_KEY}\n")).unwrap();
+        let mut node = Node {
+            home: tmp.path().join("home"),
+            run: tmp.path().join("run"),
+            store: store().unwrap().path.clone(),
+            tmp,
+            addr: String::new(),
+            daemon: None,
+        };
+        node.spawn_daemon();
+        node.ok(&["template", "set", "base", "--layer", BASE]);
+        node
+    }
+
+    fn spawn_daemon(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.tmp.path().join("daemon.log"))
+            .unwrap();
+        let addr_file = self.run.join("api.addr");
+        let _ = std::fs::remove_file(&addr_file);
+        let mut c = self.cmd();
+        c.arg("daemon")
+            .args(["--api", "127.0.0.1:0", "--api-keys"])
+            .arg(self.tmp.path().join("keys"))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log);
+        std::os::unix::process::CommandExt::process_group(&mut c, 0);
+        self.daemon = Some(c.spawn().unwrap());
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !addr_file.exists() {
+            if let Some(s) = self.daemon.as_mut().unwrap().try_wait().unwrap() {
+                panic!("the daemon exited ({s}): {}", self.log());
+            }
+            assert!(Instant::now() < deadline, "no API within 60 s: {}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.addr = std::fs::read_to_string(&addr_file).unwrap().trim().to_owned();
+    }
+
+    /// Stop the daemon (SIGTERM: the sandboxes stay) and wait for its end.
+    fn stop_daemon(&mut self) {
+        if let Some(mut d) = self.daemon.take() {
+            if let Some(pid) = rustix::process::Pid::from_raw(d.id() as i32) {
+                let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+            }
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while d.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = d.kill();
+            let _ = d.wait();
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.tmp.path().join("daemon.log")).unwrap_or_default()
+    }
+
+    fn cmd(&self) -> Command {
+        let mut c = Command::new(strata_bin());
+        c.env("STRATA_HOME", &self.home)
+            .env("STRATA_RUN_DIR", &self.run)
+            .env_remove("STRATA_STORE")
+            .env_remove("STRATA_UPPERS_SIZE")
+            .arg("--store")
+            .arg(&self.store);
+        c
+    }
+
+    fn ok(&self, args: &[&str]) -> String {
+        let out = self.cmd().args(args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "strata {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Run `tests/e2b/<script>` with the SDK pointed at this node; its output, which must
+    /// end in `ALL OK`.
+    fn python(&self, script: &str) -> String {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/e2b")
+            .join(script);
+        let url = format!("http://{}", self.addr);
+        let t0 = Instant::now();
+        let out = Command::new(VENV_PYTHON)
+            .arg(&path)
+            .env("E2B_API_URL", &url)
+            .env("E2B_SANDBOX_URL", &url)
+            .env("E2B_API_KEY", API_KEY)
+            .env("STRATA_TEMPLATE", "base")
+            .env_remove("E2B_DEBUG")
+            .env_remove("E2B_DOMAIN")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        println!("{script} ({:.1} s):\n{stdout}", t0.elapsed().as_secs_f64());
+        assert!(
+            out.status.success() && stdout.trim_end().ends_with("ALL OK"),
+            "{script} failed ({}):\n{stdout}\n{stderr}\n--- daemon log ---\n{}",
+            out.status,
+            self.log()
+        );
+        stdout
+    }
+
+    fn ids(&self) -> Vec<String> {
+        let out = self
+            .cmd()
+            .args(["--json", "sandbox", "ls"])
+            .stderr(Stdio::null())
+            .output();
+        let Ok(out) = out else { return vec![] };
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        v.as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|s| s["id"].as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        for id in self.ids() {
+            let _ = self
+                .cmd()
+                .args(["sandbox", "rm", &id])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
+        self.stop_daemon();
+        // Whatever is left: containers of this node, then its mounts.
+        let runc_root = self.run.join("runc");
+        if let Ok(rd) = std::fs::read_dir(&runc_root) {
+            for e in rd.flatten() {
+                let _ = Command::new("runc")
+                    .arg("--root")
+                    .arg(&runc_root)
+                    .args(["delete", "--force"])
+                    .arg(e.file_name())
+                    .stderr(Stdio::null())
+                    .status();
+            }
+        }
+        // The fd holder this node's daemon started (`strata fuse-holder --run-dir RUN`).
+        let run = self.run.to_string_lossy().into_owned();
+        for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+                continue;
+            };
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+            if args.contains(&&b"fuse-holder"[..]) && args.contains(&run.as_bytes()) {
+                if let Some(p) = rustix::process::Pid::from_raw(pid) {
+                    let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+                }
+            }
+        }
+        if let Ok(mi) = std::fs::read_to_string("/proc/self/mountinfo") {
+            let root = self.tmp.path().to_string_lossy().into_owned();
+            let mut mps: Vec<&str> = mi
+                .lines()
+                .filter_map(|l| l.split(' ').nth(4))
+                .filter(|m| m.starts_with(&root))
+                .collect();
+            mps.sort_by_key(|m| std::cmp::Reverse(m.len()));
+            for m in mps {
+                let _ = rustix::mount::unmount(m, rustix::mount::UnmountFlags::DETACH);
+            }
+        }
+        let _ = ublk_daemon::node::sys::detach_stale(&self.run);
+    }
+}
+
+#[test]
+fn the_sdk_drives_sandboxes_sync() {
+    if !ready("the_sdk_drives_sandboxes_sync") {
+        return;
+    }
+    let node = Node::start("sync");
+    node.python("sync_flow.py");
+    assert!(node.ids().is_empty(), "the flow leaves no sandbox behind");
+}
+
+#[test]
+fn the_async_sdk_drives_sandboxes() {
+    if !ready("the_async_sdk_drives_sandboxes") {
+        return;
+    }
+    let node = Node::start("async");
+    node.python("async_flow.py");
+    assert!(node.ids().is_empty(), "the flow leaves no sandbox behind");
+}
+
+#[test]
+fn the_error_paths_raise_the_sdks_exceptions() {
+    if !ready("the_error_paths_raise_the_sdks_exceptions") {
+        return;
+    }
+    let node = Node::start("errors");
+    node.python("errors.py");
+    // Nothing unauthenticated gets through, whatever the path.
+    for (method, path) in [
+        ("GET", "/v2/sandboxes"),
+        ("POST", "/v2/sandboxes"),
+        ("DELETE", "/sandboxes/x"),
+        ("GET", "/anything"),
+    ] {
+        let out = Command::new(VENV_PYTHON)
+            .args([
+                "-c",
+                "import sys, urllib.request, urllib.error\n\
+                 r = urllib.request.Request(sys.argv[1], method=sys.argv[2], data=b'{}' if sys.argv[2] == 'POST' else None)\n\
+                 try:\n    urllib.request.urlopen(r); print('200')\n\
+                 except urllib.error.HTTPError as e:\n    print(e.code, e.read().decode())",
+            ])
+            .arg(format!("http://{}{path}", node.addr))
+            .arg(method)
+            .output()
+            .unwrap();
+        let s = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            s.starts_with("401 {\"code\":401,\"message\":"),
+            "{method} {path} without a key: {s}"
+        );
+    }
+}
+
+#[test]
+fn templates_persist_across_a_daemon_restart() {
+    if !ready("templates_persist_across_a_daemon_restart") {
+        return;
+    }
+    let mut node = Node::start("templates");
+    node.ok(&["template", "set", "other", "--layer", BASE, "--cpus", "0.5"]);
+    let before = node.ok(&["--json", "template", "ls"]);
+    let v: serde_json::Value = serde_json::from_str(&before).unwrap();
+    assert_eq!(v.as_array().unwrap().len(), 2, "{before}");
+    assert!(before.contains("\"cpu_millis\": 500"), "{before}");
+    node.stop_daemon();
+    node.spawn_daemon();
+    assert_eq!(node.ok(&["--json", "template", "ls"]), before);
+    node.ok(&["template", "rm", "other"]);
+    assert!(!node.ok(&["template", "ls"]).contains("other"));
+}
