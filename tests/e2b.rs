@@ -71,7 +71,10 @@ fn store() -> Option<&'static Store> {
 
 fn sdk_version() -> Option<String> {
     let out = Command::new(VENV_PYTHON)
-        .args(["-c", "import importlib.metadata as m; print(m.version('e2b'))"])
+        .args([
+            "-c",
+            "import importlib.metadata as m; print(m.version('e2b'))",
+        ])
         .output()
         .ok()?;
     out.status
@@ -166,10 +169,17 @@ impl Node {
             if let Some(s) = self.daemon.as_mut().unwrap().try_wait().unwrap() {
                 panic!("the daemon exited ({s}): {}", self.log());
             }
-            assert!(Instant::now() < deadline, "no API within 60 s: {}", self.log());
+            assert!(
+                Instant::now() < deadline,
+                "no API within 60 s: {}",
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
-        self.addr = std::fs::read_to_string(&addr_file).unwrap().trim().to_owned();
+        self.addr = std::fs::read_to_string(&addr_file)
+            .unwrap()
+            .trim()
+            .to_owned();
     }
 
     /// Stop the daemon (SIGTERM: the sandboxes stay) and wait for its end.

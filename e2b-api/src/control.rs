@@ -254,12 +254,13 @@ async fn create(api: &Arc<Api>, body: Incoming, default_timeout: u64) -> Result<
     Ok(json(201, &created(&id, &meta)))
 }
 
+/// The size of the filesystem a sandbox's writes land on (its root's: the overlay reports
+/// its upper's), MiB.
 fn disk_mb(api: &Api, id: &str) -> u64 {
-    // The filesystem the sandbox's upper is on.
-    let _ = (api, id);
-    rustix::fs::statvfs("/")
-        .map(|s| s.f_blocks * s.f_frsize >> 20)
-        .unwrap_or(0)
+    api.view(id)
+        .ok()
+        .and_then(|v| rustix::fs::statvfs(&v).ok())
+        .map_or(0, |s| (s.f_blocks * s.f_frsize) >> 20)
 }
 
 fn get(api: &Api, id: &str) -> Result<Response> {
@@ -316,7 +317,6 @@ fn list(api: &Api, query: Option<&str>) -> Result<Response> {
     let template = query_get(&q, "template");
     let desc = query_get(&q, "order").as_deref() == Some("desc");
     let next = query_get(&q, "nextToken");
-    let disk = disk_mb(api, "");
     let mut all: Vec<(String, SandboxMeta)> = api
         .all_meta()
         .into_iter()
@@ -347,7 +347,7 @@ fn list(api: &Api, query: Option<&str>) -> Result<Response> {
         .iter()
         .skip(start)
         .take(limit)
-        .map(|(id, m)| detail(id, m, false, disk))
+        .map(|(id, m)| detail(id, m, false, disk_mb(api, id)))
         .collect();
     let mut r = json(200, &page);
     if let Some((id, _)) = all.get(start + limit) {

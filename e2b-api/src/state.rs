@@ -398,16 +398,17 @@ impl std::fmt::Debug for TemplateExtension {
 }
 
 #[derive(Deserialize)]
-#[serde(tag = "op", rename_all = "snake_case")]
+#[serde(tag = "op")]
 enum TemplateRequest {
-    TemplateSet {
+    #[serde(rename = "template_set")]
+    Set {
         #[serde(flatten)]
         template: Template,
     },
-    TemplateLs {},
-    TemplateRm {
-        name: String,
-    },
+    #[serde(rename = "template_ls")]
+    Ls {},
+    #[serde(rename = "template_rm")]
+    Rm { name: String },
 }
 
 impl Extension for TemplateExtension {
@@ -437,15 +438,15 @@ impl Extension for TemplateExtension {
                     ErrorKind::BadRequest,
                     format!("bad request: {e}"),
                 )),
-                Ok(TemplateRequest::TemplateSet { template }) => self
+                Ok(TemplateRequest::Set { template }) => self
                     .templates
                     .set(template)
                     .map(|t| serde_json::to_value(t).unwrap_or_default())
                     .map_err(to_api),
-                Ok(TemplateRequest::TemplateLs {}) => {
+                Ok(TemplateRequest::Ls {}) => {
                     Ok(serde_json::to_value(self.templates.list()).unwrap_or_default())
                 }
-                Ok(TemplateRequest::TemplateRm { name }) => self
+                Ok(TemplateRequest::Rm { name }) => self
                     .templates
                     .remove(&name)
                     .map(|t| serde_json::to_value(t).unwrap_or_default())
