@@ -513,3 +513,9 @@ async fn all_metrics(api: &Api, query: Option<&str>) -> Result<Response> {
     }
     Ok(json(200, &serde_json::json!({ "sandboxes": out })))
 }
+
+/// The control plane's request bodies, parsed from `data` (the fuzz target's entry).
+pub(crate) fn fuzz(data: &[u8]) {
+    let _ = serde_json::from_slice::<NewSandbox>(data);
+    let _ = serde_json::from_slice::<TimeoutBody>(data);
+}

@@ -83,7 +83,7 @@ pub async fn handle_signed(api: &Arc<Api>, id: &str, req: hyper::Request<Incomin
 async fn serve(api: &Arc<Api>, id: &str, req: hyper::Request<Incoming>, signed: bool) -> Response {
     let (parts, body) = req.into_parts();
     let path = parts.uri.path().to_owned();
-    let is_rpc = path.matches('/').count() == 2 && path[1..].contains('.');
+    let is_rpc = path.matches('/').count() == 2 && path.get(1..).is_some_and(|p| p.contains('.'));
     let Some(meta) = api.meta(id) else {
         // What E2B's proxy answers for a sandbox it does not have: the SDK's
         // "sandbox was not found" (`SandboxNotRunningException`).
@@ -166,6 +166,12 @@ pub async fn request_message<T: serde::de::DeserializeOwned>(
             .await
             .map_err(RpcError::from)?;
         crate::http::parse_json(&b).map_err(RpcError::from)
+    }
+}
+
+pub(crate) fn fuzz(data: &[u8]) {
+    if let Ok(s) = std::str::from_utf8(data) {
+        let _ = basic_user(s);
     }
 }
 

@@ -57,7 +57,7 @@ pub fn signed_sandbox(
         None => None,
     };
     if let Some(e) = expiration {
-        if e * 1000 < crate::time::now_ms() {
+        if e.saturating_mul(1000) < crate::time::now_ms() {
             return Err(Error::Unauthenticated("the signature has expired".into()));
         }
     }
@@ -461,6 +461,14 @@ async fn upload_multipart(
         return Err(Error::BadRequest("no `file` part in the upload".into()));
     }
     Ok(out)
+}
+
+/// The upload's header parsers on `data` (the fuzz target's entry).
+pub(crate) fn fuzz(data: &[u8]) {
+    let _ = part_names(data);
+    if let Ok(s) = std::str::from_utf8(data) {
+        let _ = multipart_boundary(s);
+    }
 }
 
 #[cfg(test)]

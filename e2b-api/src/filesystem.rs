@@ -504,3 +504,12 @@ async fn create_watcher(ctx: &Ctx, req: PathRequest) -> RpcResult<serde_json::Va
         );
     Ok(json!({ "watcherId": id }))
 }
+
+/// Every request message of this service, parsed from `data` (the fuzz target's entry).
+pub(crate) fn fuzz(data: &[u8]) {
+    if let Ok(r) = serde_json::from_slice::<PathRequest>(data) {
+        let _ = absolute(&r.path, "/root");
+    }
+    let _ = serde_json::from_slice::<MoveRequest>(data);
+    let _ = serde_json::from_slice::<WatcherRequest>(data);
+}

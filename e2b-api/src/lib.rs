@@ -68,6 +68,46 @@ pub fn state_templates(state_dir: &std::path::Path) -> Result<std::sync::Arc<Tem
     Templates::open(state_dir).map(std::sync::Arc::new)
 }
 
+/// Every parser of bytes from the network on `data`: Connect envelopes (in pieces of
+/// every size the input's first byte picks), query strings, times, paths, the headers of
+/// uploads and every request message. None may panic; the fuzz target
+/// (`fuzz/fuzz_targets/e2b_request.rs`) and the tests call it.
+#[doc(hidden)]
+pub fn fuzz_parse(data: &[u8]) {
+    let step = usize::from(data.first().copied().unwrap_or(1)).max(1);
+    let mut d = connect::Decoder::default();
+    for piece in data.chunks(step) {
+        d.push(piece);
+        loop {
+            match d.next() {
+                Ok(Some((_, msg))) => {
+                    process::fuzz(&msg);
+                    filesystem::fuzz(&msg);
+                }
+                Ok(None) | Err(_) => break,
+            }
+        }
+    }
+    process::fuzz(data);
+    filesystem::fuzz(data);
+    control::fuzz(data);
+    files::fuzz(data);
+    envd::fuzz(data);
+    if let Ok(s) = std::str::from_utf8(data) {
+        let q = http::query_pairs(Some(s));
+        if let Some(m) = http::query_get(&q, "metadata") {
+            let _ = http::query_pairs(Some(&m));
+        }
+        let _ = time::parse_rfc3339_ms(s);
+        if let Ok(a) = fs::absolute(s, "/root") {
+            assert!(
+                a.starts_with('/') && !a.split('/').any(|c| c == ".."),
+                "{a}"
+            );
+        }
+    }
+}
+
 /// The envd version the node reports at create (the SDK turns features on by it): 0.5.7
 /// has stdin, the default user (no `Authorization` needed), closing stdin and octet-stream
 /// uploads (what streamed `files.write` needs); 0.6.2's file metadata (xattrs) and 0.6.3's
@@ -165,3 +205,27 @@ impl From<sandbox_runtime::Error> for Error {
 
 /// The crate's result.
 pub type Result<T> = std::result::Result<T, Error>;
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_parsers_survive_hostile_input() {
+        let mut inputs: Vec<Vec<u8>> = vec![
+            b"".to_vec(),
+            b"{\"process\":{\"cmd\":\"/bin/bash\",\"args\":[\"-c\",\"x\"]},\"pty\":{\"size\":{\"cols\":70000,\"rows\":0}}}".to_vec(),
+            b"{\"process\":{\"pid\":1},\"signal\":\"SIGNAL_SIGKILL\"}".to_vec(),
+            b"{\"input\":{\"stdin\":\"!!notbase64\"}}".to_vec(),
+            b"path=%2F..%2F..%2Fetc&metadata=a%3D%25zz%26b".to_vec(),
+            b"2026-02-30T25:61:61.9999999+99:99".to_vec(),
+            b"Content-Disposition: form-data; name=\"file\"; filename*=utf-8''%2F%zz".to_vec(),
+            vec![0, 0xff, 0xff, 0xff, 0xff, 1, 2],
+        ];
+        let mut env = vec![0u8];
+        env.extend_from_slice(&(7u32).to_be_bytes());
+        env.extend_from_slice(b"{\"a\":1}");
+        inputs.push(env);
+        for i in inputs {
+            super::fuzz_parse(&i);
+        }
+    }
+}

@@ -613,6 +613,22 @@ fn send_signal(ctx: &Ctx, req: SignalRequest) -> RpcResult<serde_json::Value> {
     }
 }
 
+/// Every request message of this service, parsed from `data` (the fuzz target's entry).
+pub(crate) fn fuzz(data: &[u8]) {
+    let _ = serde_json::from_slice::<StartRequest>(data).map(|r| {
+        if let Some(p) = r.pty.and_then(|p| p.size) {
+            let _ = pty_size(&p);
+        }
+    });
+    let _ = serde_json::from_slice::<WithSelector>(data);
+    let _ = serde_json::from_slice::<SignalRequest>(data).map(|r| parse_signal(r.signal.as_ref()));
+    let _ =
+        serde_json::from_slice::<InputRequest>(data).map(|r| r.input.unwrap_or_default().bytes());
+    let _ = serde_json::from_slice::<UpdateRequest>(data);
+    let _ = serde_json::from_slice::<StreamInputEvent>(data)
+        .map(|e| e.data.and_then(|d| d.input).map(|i| i.bytes()));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
