@@ -35,7 +35,9 @@ fn strata_bin() -> PathBuf {
         .and_then(Path::parent)
         .map(|d| d.join("strata"))
         .filter(|p| p.is_file())
-        .expect("no strata binary beside the bench: cargo build --release --bin strata, or STRATA_BIN")
+        .expect(
+            "no strata binary beside the bench: cargo build --release --bin strata, or STRATA_BIN",
+        )
 }
 
 struct Node {
@@ -68,17 +70,15 @@ impl Node {
 
 impl Drop for Node {
     fn drop(&mut self) {
-        let ids: Vec<String> = serde_json::from_str::<serde_json::Value>(
-            &String::from_utf8_lossy(
-                &self
-                    .cmd()
-                    .args(["--json", "sandbox", "ls"])
-                    .stderr(Stdio::null())
-                    .output()
-                    .map(|o| o.stdout)
-                    .unwrap_or_default(),
-            ),
-        )
+        let ids: Vec<String> = serde_json::from_str::<serde_json::Value>(&String::from_utf8_lossy(
+            &self
+                .cmd()
+                .args(["--json", "sandbox", "ls"])
+                .stderr(Stdio::null())
+                .output()
+                .map(|o| o.stdout)
+                .unwrap_or_default(),
+        ))
         .ok()
         .and_then(|v| {
             v.as_array().map(|a| {
@@ -144,7 +144,9 @@ fn main() {
         Path::new(VENV_PYTHON).exists(),
         "no {VENV_PYTHON}: scripts/install-test-deps.sh installs the e2b SDK"
     );
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the repository");
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the repository");
     let out = Command::new(repo.join("scripts/debian-base.sh"))
         .stderr(Stdio::inherit())
         .output()
@@ -161,7 +163,13 @@ fn main() {
         bin: strata_bin(),
         daemon: None,
     };
-    node.ok(&["layer", "build", &base.to_string_lossy(), "--name", "base/debian:12"]);
+    node.ok(&[
+        "layer",
+        "build",
+        &base.to_string_lossy(),
+        "--name",
+        "base/debian:12",
+    ]);
     let keys = node.dir.path().join("keys");
     std::fs::write(&keys, format!("{KEY}\n")).expect("write the keys");
     let log = std::fs::File::create(node.dir.path().join("daemon.log")).expect("the log");
@@ -181,7 +189,9 @@ fn main() {
     }
     let url = format!(
         "http://{}",
-        std::fs::read_to_string(&addr_file).expect("api.addr").trim()
+        std::fs::read_to_string(&addr_file)
+            .expect("api.addr")
+            .trim()
     );
     node.ok(&["template", "set", "base", "--layer", "base/debian:12"]);
     println!(

@@ -222,8 +222,9 @@ async fn create(api: &Arc<Api>, body: Incoming, default_timeout: u64) -> Result<
             .map_or(node_cpus, |m| m.div_ceil(1000) as u32),
         memory_mb: template.memory.map_or(node_mem, |m| m >> 20),
     };
-    // Known to the API before the runtime has it: the reaper then never sees it as gone.
-    api.insert_meta(&id, meta.clone())?;
+    // Known to the API before the runtime has it (the reaper then never sees it as gone);
+    // written once it runs.
+    api.remember(&id, meta);
     let r = api
         .manager
         .create(sandbox_runtime::proto::CreateRequest {

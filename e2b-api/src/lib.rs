@@ -34,9 +34,12 @@
 //! - Signed URLs (envd's v1): `signature = "v1_" + base64(sha256("path:op:user:token" [+
 //!   ":expiry"]))` without padding, `op` = `read` | `write`, `signature_expiration` Unix
 //!   seconds.
-//! - State (`<state dir>/e2b.json`, written atomically): the API's side of each sandbox
-//!   (template, access token, metadata, start and end times, auto-pause) and the templates
-//!   (name → layer stack). The runtime's record stays the truth of whether a sandbox exists.
+//! - State, in the state directory (`$STRATA_HOME/api`), every file written atomically:
+//!   `templates.json` (name → layer stack and limits) and `sandboxes/<id>.json`, the API's
+//!   side of each sandbox (template, access token, metadata, envVars, start and end times,
+//!   auto-pause, paused), one file each so that creates on many connections never wait for
+//!   each other's writes. The runtime's record stays the truth of whether a sandbox exists: a
+//!   file whose sandbox is gone is removed when the API opens.
 //!
 //! ## Invariants
 //! - Nothing from the network panics the daemon: every malformed request is a clear 4xx.

@@ -158,14 +158,22 @@ pub struct SandboxMeta {
     pub memory_mb: u64,
 }
 
+/// One sandbox's meta and the lock that orders the writes of its file.
+#[derive(Debug)]
+struct Entry {
+    meta: SandboxMeta,
+    write: Arc<Mutex<()>>,
+}
+
 /// The API's state (see the module docs).
 #[derive(Debug)]
 pub struct Api {
     pub manager: Arc<sandbox_runtime::Manager>,
     pub templates: Arc<Templates>,
     keys: Vec<String>,
-    path: PathBuf,
-    sandboxes: Mutex<BTreeMap<String, SandboxMeta>>,
+    /// `<state dir>/sandboxes/`: one `<id>.json` per sandbox.
+    dir: PathBuf,
+    sandboxes: Mutex<BTreeMap<String, Entry>>,
     pub procs: crate::process::Procs,
     pub watchers: crate::filesystem::Watchers,
 }
@@ -193,25 +201,48 @@ impl Api {
                 keys.display()
             )));
         }
-        let path = state_dir.join("e2b-sandboxes.json");
-        let mut sandboxes: BTreeMap<String, SandboxMeta> = match std::fs::read(&path) {
-            Ok(b) => serde_json::from_slice(&b).unwrap_or_default(),
-            Err(_) => BTreeMap::new(),
-        };
+        let dir = state_dir.join("sandboxes");
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
         let live: std::collections::BTreeSet<String> =
             manager.list().into_iter().map(|s| s.id).collect();
-        sandboxes.retain(|id, _| live.contains(id));
-        let api = Arc::new(Self {
+        let mut sandboxes = BTreeMap::new();
+        let entries =
+            std::fs::read_dir(&dir).map_err(|e| Error::io(format!("read {}", dir.display()), e))?;
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(id) = name.strip_suffix(".json") else {
+                // A temporary file of a write that did not finish.
+                let _ = std::fs::remove_file(e.path());
+                continue;
+            };
+            let meta = std::fs::read(e.path())
+                .ok()
+                .and_then(|b| serde_json::from_slice::<SandboxMeta>(&b).ok());
+            match meta {
+                Some(meta) if live.contains(id) => {
+                    sandboxes.insert(
+                        id.to_owned(),
+                        Entry {
+                            meta,
+                            write: Default::default(),
+                        },
+                    );
+                }
+                _ => {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+        Ok(Arc::new(Self {
             manager,
             templates,
             keys: key_list,
-            path,
+            dir,
             sandboxes: Mutex::new(sandboxes),
             procs: Default::default(),
             watchers: Default::default(),
-        });
-        api.save()?;
-        Ok(api)
+        }))
     }
 
     /// Whether `key` is one of the API keys (compared in constant time).
@@ -221,15 +252,24 @@ impl Api {
             .any(|k| ct_eq(k.as_bytes(), key.as_bytes()))
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, SandboxMeta>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Entry>> {
         self.sandboxes.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn save(&self) -> Result<()> {
-        let b =
-            serde_json::to_vec_pretty(&*self.lock()).map_err(|e| Error::Runtime(e.to_string()))?;
-        fs_cache::write_atomic(&self.path, &b)
-            .map_err(|e| Error::io(format!("write {}", self.path.display()), e))
+    /// Write sandbox `id`'s file with its meta as it is now. Writers of one sandbox take its
+    /// lock in turn and each writes the latest meta, so the last rename holds the latest.
+    fn persist(&self, id: &str) -> Result<()> {
+        let Some(write) = self.lock().get(id).map(|e| e.write.clone()) else {
+            return Ok(());
+        };
+        let _w = write.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(meta) = self.meta(id) else {
+            return Ok(());
+        };
+        let b = serde_json::to_vec_pretty(&meta).map_err(|e| Error::Runtime(e.to_string()))?;
+        let path = self.dir.join(format!("{id}.json"));
+        fs_cache::write_atomic(&path, &b)
+            .map_err(|e| Error::io(format!("write {}", path.display()), e))
     }
 
     /// The sandbox's init pid (host), while it runs.
@@ -252,38 +292,52 @@ impl Api {
     }
 
     pub fn meta(&self, id: &str) -> Option<SandboxMeta> {
-        self.lock().get(id).cloned()
+        self.lock().get(id).map(|e| e.meta.clone())
     }
 
     pub fn all_meta(&self) -> BTreeMap<String, SandboxMeta> {
-        self.lock().clone()
+        self.lock()
+            .iter()
+            .map(|(id, e)| (id.clone(), e.meta.clone()))
+            .collect()
     }
 
-    pub fn insert_meta(&self, id: &str, m: SandboxMeta) -> Result<()> {
-        self.lock().insert(id.to_owned(), m);
-        self.save()
+    /// Know sandbox `id` (in memory: its first `update_meta` writes it).
+    pub fn remember(&self, id: &str, meta: SandboxMeta) {
+        self.lock().insert(
+            id.to_owned(),
+            Entry {
+                meta,
+                write: Default::default(),
+            },
+        );
     }
 
     /// Change a sandbox's meta; `NotFound` if the API does not know it.
     pub fn update_meta(&self, id: &str, f: impl FnOnce(&mut SandboxMeta)) -> Result<SandboxMeta> {
         let m = {
             let mut all = self.lock();
-            let m = all
+            let e = all
                 .get_mut(id)
                 .ok_or_else(|| Error::NotFound(format!("sandbox {id} was not found")))?;
-            f(m);
-            m.clone()
+            f(&mut e.meta);
+            e.meta.clone()
         };
-        self.save()?;
+        self.persist(id)?;
         Ok(m)
     }
 
     pub fn forget(&self, id: &str) {
-        self.lock().remove(id);
+        let entry = self.lock().remove(id);
         self.procs.forget(id);
         self.watchers.forget(id);
-        if let Err(e) = self.save() {
-            tracing::warn!("e2b api: saving the state: {e}");
+        if let Some(e) = entry {
+            let _w = e.write.lock().unwrap_or_else(|p| p.into_inner());
+            match std::fs::remove_file(self.dir.join(format!("{id}.json"))) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => tracing::warn!("e2b api: forgetting sandbox {id}: {e}"),
+            }
         }
     }
 
