@@ -225,6 +225,10 @@ impl Node {
     /// Run `tests/e2b/<script>` with the SDK pointed at this node; its output, which must
     /// end in `ALL OK`.
     fn python(&self, script: &str) -> String {
+        self.python_args(script, &[])
+    }
+
+    fn python_args(&self, script: &str, args: &[&str]) -> String {
         let path = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("tests/e2b")
             .join(script);
@@ -232,6 +236,8 @@ impl Node {
         let t0 = Instant::now();
         let out = Command::new(VENV_PYTHON)
             .arg(&path)
+            .args(args)
+            .env("STRATA_TEST_DIR", self.tmp.path())
             .env("E2B_API_URL", &url)
             .env("E2B_SANDBOX_URL", &url)
             .env("E2B_API_KEY", API_KEY)
@@ -379,8 +385,8 @@ fn the_error_paths_raise_the_sdks_exceptions() {
 }
 
 #[test]
-fn templates_persist_across_a_daemon_restart() {
-    if !ready("templates_persist_across_a_daemon_restart") {
+fn templates_and_sandboxes_outlive_a_daemon_restart() {
+    if !ready("templates_and_sandboxes_outlive_a_daemon_restart") {
         return;
     }
     let mut node = Node::start("templates");
@@ -389,9 +395,11 @@ fn templates_persist_across_a_daemon_restart() {
     let v: serde_json::Value = serde_json::from_str(&before).unwrap();
     assert_eq!(v.as_array().unwrap().len(), 2, "{before}");
     assert!(before.contains("\"cpu_millis\": 500"), "{before}");
+    node.python_args("restart.py", &["before"]);
     node.stop_daemon();
     node.spawn_daemon();
     assert_eq!(node.ok(&["--json", "template", "ls"]), before);
+    node.python_args("restart.py", &["after"]);
     node.ok(&["template", "rm", "other"]);
     assert!(!node.ok(&["template", "ls"]).contains("other"));
 }
