@@ -1,7 +1,6 @@
 //! The HTTP plumbing every handler shares: the response body (whole, or a stream fed by a
 //! channel), JSON answers and errors, bounded request bodies, query strings.
 
-use std::convert::Infallible;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
@@ -13,8 +12,9 @@ use tokio::sync::mpsc;
 
 use crate::{Error, Result};
 
-/// A response body: bytes known up front, or a stream of chunks from a channel (a Connect
-/// stream, a file download). A stream ends when its sender is dropped.
+/// A response body: bytes known up front, a stream of chunks from a channel (a Connect
+/// stream, a file download; it ends when its sender is dropped), or the body of a response
+/// proxied from a sandbox's port.
 #[derive(Debug)]
 pub struct Body(Inner);
 
@@ -22,6 +22,7 @@ pub struct Body(Inner);
 enum Inner {
     Full(Option<Bytes>),
     Stream(mpsc::Receiver<Bytes>),
+    Proxied(Incoming),
 }
 
 impl Body {
@@ -39,30 +40,43 @@ impl Body {
         let (tx, rx) = mpsc::channel(depth);
         (tx, Body(Inner::Stream(rx)))
     }
+
+    /// The body of a response from elsewhere, passed through as it comes.
+    pub fn proxied(b: Incoming) -> Body {
+        Body(Inner::Proxied(b))
+    }
 }
 
 impl http_body::Body for Body {
     type Data = Bytes;
-    type Error = Infallible;
+    /// Only a proxied body fails (its origin went away mid-body): the client then sees the
+    /// body cut short, never a truncation passed off as whole.
+    type Error = hyper::Error;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<std::result::Result<Frame<Bytes>, Infallible>>> {
+    ) -> Poll<Option<std::result::Result<Frame<Bytes>, hyper::Error>>> {
         match &mut self.0 {
             Inner::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
             Inner::Stream(rx) => rx.poll_recv(cx).map(|o| o.map(|b| Ok(Frame::data(b)))),
+            Inner::Proxied(b) => Pin::new(b).poll_frame(cx),
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        matches!(&self.0, Inner::Full(None))
+        match &self.0 {
+            Inner::Full(b) => b.is_none(),
+            Inner::Stream(_) => false,
+            Inner::Proxied(b) => http_body::Body::is_end_stream(b),
+        }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.0 {
             Inner::Full(b) => SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64)),
             Inner::Stream(_) => SizeHint::default(),
+            Inner::Proxied(b) => http_body::Body::size_hint(b),
         }
     }
 }

@@ -57,6 +57,7 @@ mod files;
 mod filesystem;
 mod fs;
 mod http;
+mod ports;
 mod process;
 mod server;
 mod state;
@@ -81,14 +82,9 @@ pub fn fuzz_parse(data: &[u8]) {
     let mut d = connect::Decoder::default();
     for piece in data.chunks(step) {
         d.push(piece);
-        loop {
-            match d.next() {
-                Ok(Some((_, msg))) => {
-                    process::fuzz(&msg);
-                    filesystem::fuzz(&msg);
-                }
-                Ok(None) | Err(_) => break,
-            }
+        while let Ok(Some((_, msg))) = d.next() {
+            process::fuzz(&msg);
+            filesystem::fuzz(&msg);
         }
     }
     process::fuzz(data);

@@ -61,13 +61,28 @@ pub async fn serve(api: Arc<Api>, listener: TcpListener) {
 
 /// Route one request.
 async fn route(api: &Arc<Api>, req: hyper::Request<Incoming>) -> Response {
-    let sandbox = req
-        .headers()
-        .get("e2b-sandbox-id")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned);
-    if let Some(id) = sandbox {
-        return crate::envd::handle(api, &id, req).await;
+    let header = |name: &str| {
+        req.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    let sandbox = header("e2b-sandbox-id");
+    let port = header("e2b-sandbox-port").and_then(|p| p.parse::<u16>().ok());
+    match (sandbox, port) {
+        (Some(id), Some(port)) if port.to_string() != crate::envd::ENVD_PORT => {
+            return crate::ports::proxy(api, &id, port, req).await;
+        }
+        (Some(id), _) => return crate::envd::handle(api, &id, req).await,
+        (None, _) => {}
+    }
+    // `{port}-{id}.{domain}`: a port of a sandbox (HTTP/1.1's Host, HTTP/2's authority).
+    let host = header("host").or_else(|| req.uri().authority().map(|a| a.to_string()));
+    if let Some((port, id)) = host.as_deref().and_then(crate::ports::parse_host) {
+        if port.to_string() == crate::envd::ENVD_PORT {
+            return crate::envd::handle(api, &id, req).await;
+        }
+        return crate::ports::proxy(api, &id, port, req).await;
     }
     let path = req.uri().path().to_owned();
     let query = req.uri().query().map(str::to_owned);

@@ -5,6 +5,7 @@ and STRATA_TEMPLATE naming a template of the node. Exits non-zero on the first f
 import io
 import os
 import time
+import urllib.error
 import urllib.request
 
 from e2b import Sandbox, CommandExitException
@@ -109,6 +110,28 @@ try:
     check(("new.txt", "create") in evs and ("new.txt", "remove") in evs, f"watch events: {evs}")
     check(("sub/deep.txt", "create") in evs, "recursive watch sees new subdirectories")
     w.stop()
+
+    # A port of the sandbox, by the Host name get_host() builds.
+    server = (
+        "perl -MIO::Socket::INET -e '$s=IO::Socket::INET->new(LocalAddr=>\"127.0.0.1\",LocalPort=>8000,"
+        "Listen=>5,ReuseAddr=>1) or die $!; while($c=$s->accept){$r=\"\"; while(<$c>){$r.=$_; last if /^\\r?\\n$/}"
+        " ($p)=$r=~/^GET (\\S+)/; $b=\"hello from $p\"; print $c \"HTTP/1.1 200 OK\\r\\nContent-Length: \""
+        ".length($b).\"\\r\\nConnection: close\\r\\n\\r\\n$b\"; close $c}'"
+    )
+    srv = sb.commands.run(server, background=True)
+    host = sb.get_host(8000)
+    body = None
+    for _ in range(50):
+        req = urllib.request.Request(os.environ["E2B_SANDBOX_URL"] + "/some/path?q=1", headers={"Host": host})
+        try:
+            body = urllib.request.urlopen(req).read()
+            break
+        except urllib.error.HTTPError as e:
+            if e.code != 502:
+                raise
+            time.sleep(0.1)
+    check(body == b"hello from /some/path?q=1", f"port 8000 through {host}: {body!r}")
+    sb.commands.kill(srv.pid)
 
     # Files.
     info = sb.files.write("/tmp/t/hello.txt", "hello")
