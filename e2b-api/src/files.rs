@@ -171,12 +171,52 @@ pub async fn upload(ctx: &Ctx, parts: &http::request::Parts, body: Incoming) -> 
     }
 }
 
-fn entry(abs: &str) -> serde_json::Value {
-    json!({
+fn entry(abs: &str, metadata: &std::collections::BTreeMap<String, String>) -> serde_json::Value {
+    let mut e = json!({
         "name": abs.rsplit('/').next().unwrap_or(""),
         "type": "file",
         "path": abs,
-    })
+    });
+    if !metadata.is_empty() {
+        e["metadata"] = json!(metadata);
+    }
+    e
+}
+
+/// The upload's `X-Metadata-<key>: value` headers (keys lowercased: header names are
+/// case-insensitive), checked as the SDK checks them.
+fn upload_metadata(
+    parts: &http::request::Parts,
+) -> Result<std::collections::BTreeMap<String, String>> {
+    let mut m = std::collections::BTreeMap::new();
+    for (name, value) in &parts.headers {
+        let Some(key) = name.as_str().strip_prefix("x-metadata-") else {
+            continue;
+        };
+        let ok_key = !key.is_empty()
+            && key.len() <= 200
+            && key
+                .bytes()
+                .all(|c| c.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&c));
+        let value = value
+            .to_str()
+            .ok()
+            .filter(|v| v.bytes().all(|c| (0x20..0x7f).contains(&c)) && v.len() <= 4096);
+        match (ok_key, value) {
+            (true, Some(v)) => {
+                m.insert(key.to_owned(), v.to_owned());
+            }
+            _ => {
+                return Err(Error::BadRequest(format!(
+                    "bad metadata header {name}: a token key and a printable ASCII value"
+                )))
+            }
+        }
+    }
+    if m.len() > 64 {
+        return Err(Error::BadRequest("at most 64 metadata entries".into()));
+    }
+    Ok(m)
 }
 
 /// Writes a stream of chunks to a sandbox file, counting against [`MAX_UPLOAD`].
@@ -200,12 +240,16 @@ impl Sink {
             .map_err(|e| Error::io(format!("write {}", self.abs), e))
     }
 
-    async fn finish(mut self) -> Result<String> {
+    async fn finish(
+        mut self,
+        metadata: &std::collections::BTreeMap<String, String>,
+    ) -> Result<serde_json::Value> {
         self.file
             .flush()
             .await
             .map_err(|e| Error::io(format!("write {}", self.abs), e))?;
-        Ok(self.abs)
+        crate::fs::set_metadata(&self.file, metadata)?;
+        Ok(entry(&self.abs, metadata))
     }
 }
 
@@ -238,6 +282,7 @@ async fn upload_inner(
     mut body: Incoming,
 ) -> Result<Vec<serde_json::Value>> {
     let (root, path, user) = path_and_user(ctx, parts.uri.query())?;
+    let metadata = upload_metadata(parts)?;
     let ct = header(parts, "content-type").unwrap_or("").to_owned();
     let mime = ct
         .split(';')
@@ -263,7 +308,7 @@ async fn upload_inner(
         }
         let boundary = multipart_boundary(&ct)
             .ok_or_else(|| Error::BadRequest("multipart/form-data without a boundary".into()))?;
-        return upload_multipart(&root, path, &user, &boundary, &mut body).await;
+        return upload_multipart(&root, path, &user, &boundary, &metadata, &mut body).await;
     }
     if mime != "application/octet-stream" && !mime.is_empty() {
         return Err(Error::BadRequest(format!(
@@ -293,8 +338,7 @@ async fn upload_inner(
             .map_err(|e| Error::BadRequest(format!("bad gzip body: {e}")))?;
         sink.write(&rest).await?;
     }
-    let abs = sink.finish().await?;
-    Ok(vec![entry(&abs)])
+    Ok(vec![sink.finish(&metadata).await?])
 }
 
 fn multipart_boundary(ct: &str) -> Option<String> {
@@ -363,6 +407,7 @@ async fn upload_multipart(
     path: Option<String>,
     user: &crate::fs::User,
     boundary: &str,
+    metadata: &std::collections::BTreeMap<String, String>,
     body: &mut Incoming,
 ) -> Result<Vec<serde_json::Value>> {
     let first = format!("--{boundary}");
@@ -427,7 +472,7 @@ async fn upload_multipart(
                         }
                         buf.drain(..i + delim.len());
                         if let Some(s) = sink.take() {
-                            out.push(entry(&s.finish().await?));
+                            out.push(s.finish(metadata).await?);
                         }
                         state = Part::Headers;
                         progressed = true;

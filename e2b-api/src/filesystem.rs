@@ -42,6 +42,12 @@ struct PathRequest {
     depth: Option<u32>,
     #[serde(default)]
     recursive: bool,
+    /// Watches: each event carries the entry's info (when it still exists).
+    #[serde(default)]
+    include_entry: bool,
+    /// Watches on network mounts: accepted (a sandbox has none; its mounts are all local).
+    #[serde(default)]
+    allow_network_mounts: bool,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -206,6 +212,7 @@ struct Watch {
     dirs: HashMap<i32, String>,
     base: String,
     recursive: bool,
+    include_entry: bool,
 }
 
 const WATCH_FLAGS: inotify::WatchFlags = inotify::WatchFlags::CREATE
@@ -222,7 +229,7 @@ const WATCH_FLAGS: inotify::WatchFlags = inotify::WatchFlags::CREATE
     .union(inotify::WatchFlags::ONLYDIR);
 
 impl Watch {
-    fn new(root: Root, base: String, recursive: bool) -> crate::Result<Watch> {
+    fn new(root: Root, base: String, recursive: bool, include_entry: bool) -> crate::Result<Watch> {
         let fd = inotify::init(inotify::CreateFlags::CLOEXEC | inotify::CreateFlags::NONBLOCK)
             .map_err(|e| Error::io("inotify_init", e.into()))?;
         // SAFETY: `fd` is an `OwnedFd` moved into the `AsyncFd`: it stays open, and its
@@ -240,6 +247,7 @@ impl Watch {
             dirs: HashMap::new(),
             base,
             recursive,
+            include_entry,
         };
         w.add("")?;
         Ok(w)
@@ -336,7 +344,7 @@ impl Watch {
                                 new_dirs.push(rel.clone());
                             }
                             if let Some(kind) = event_kind(flags) {
-                                out.push(event_json(&rel, kind));
+                                out.push((rel, kind));
                             }
                         }
                         Err(rustix::io::Errno::WOULDBLOCK) => {
@@ -354,7 +362,22 @@ impl Watch {
                 }
             }
             if !out.is_empty() {
-                return Some(out);
+                let names = self.include_entry.then(|| self.root.names());
+                return Some(
+                    out.into_iter()
+                        .map(|(rel, kind)| {
+                            let mut e = event_json(&rel, kind);
+                            if let Some(names) = &names {
+                                if kind != "EVENT_TYPE_REMOVE" {
+                                    if let Ok(info) = self.root.stat(&self.abs(&rel), names) {
+                                        e["entry"] = json!(info);
+                                    }
+                                }
+                            }
+                            e
+                        })
+                        .collect(),
+                );
             }
             if gone {
                 return None;
@@ -367,7 +390,8 @@ fn open_watch(ctx: &Ctx, req: &PathRequest) -> RpcResult<Watch> {
     let root = ctx.root().map_err(RpcError::from)?;
     let (user, _) = ctx.user(&root).map_err(RpcError::from)?;
     let abs = absolute(&req.path, &user.home).map_err(RpcError::from)?;
-    Watch::new(root, abs.clone(), req.recursive).map_err(|e| not_found(e, &abs))
+    let _ = req.allow_network_mounts;
+    Watch::new(root, abs.clone(), req.recursive, req.include_entry).map_err(|e| not_found(e, &abs))
 }
 
 async fn watch_dir(ctx: Ctx, req: PathRequest) -> Response {

@@ -7,8 +7,9 @@
 //! its confined parent with that one name, so a symlink there is the entry itself, never
 //! followed out. Removal of a tree walks descriptors only (`O_NOFOLLOW`).
 
+use std::collections::BTreeMap;
 use std::fs::File;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::{Component, Path, PathBuf};
 
 use rustix::fs::{AtFlags, FileType, Mode, OFlags, ResolveFlags};
@@ -130,8 +131,52 @@ pub struct EntryInfo {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub symlink_target: Option<String>,
     pub is_symlink: bool,
+    /// Its `user.e2b.*` extended attributes (the upload's `X-Metadata-*`).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub metadata: BTreeMap<String, String>,
     #[serde(skip)]
     pub file_kind: Kind,
+}
+
+/// The prefix of the extended attributes that hold a file's metadata.
+pub const METADATA_XATTR: &str = "user.e2b.";
+
+/// The `user.e2b.*` attributes of what `fd` (an `O_PATH` descriptor, not of a symlink)
+/// names, read through `/proc/self/fd/N` (an `O_PATH` descriptor takes no `f*xattr`).
+fn metadata_of(fd: &OwnedFd) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    let mut list = vec![0u8; 16 << 10];
+    let Ok(n) = rustix::fs::listxattr(&path, &mut list[..]) else {
+        return out;
+    };
+    for name in list[..n.min(list.len())].split(|b| *b == 0) {
+        let Some(key) = name.strip_prefix(METADATA_XATTR.as_bytes()) else {
+            continue;
+        };
+        let mut value = vec![0u8; 8 << 10];
+        if let Ok(m) = rustix::fs::getxattr(&path, name, &mut value[..]) {
+            out.insert(
+                String::from_utf8_lossy(key).into_owned(),
+                String::from_utf8_lossy(&value[..m.min(value.len())]).into_owned(),
+            );
+        }
+    }
+    out
+}
+
+/// Store `metadata` on `file` as `user.e2b.<key>` attributes.
+pub fn set_metadata(file: &impl AsFd, metadata: &BTreeMap<String, String>) -> Result<()> {
+    for (k, v) in metadata {
+        rustix::fs::fsetxattr(
+            file,
+            format!("{METADATA_XATTR}{k}"),
+            v.as_bytes(),
+            rustix::fs::XattrFlags::empty(),
+        )
+        .map_err(sys(format!("set the metadata {k:?}")))?;
+    }
+    Ok(())
 }
 
 fn kind_of(mode: u32) -> Kind {
@@ -265,6 +310,7 @@ impl Root {
         st: &rustix::fs::Stat,
         target: Option<(String, Option<rustix::fs::Stat>)>,
         names: &Names,
+        metadata: BTreeMap<String, String>,
     ) -> EntryInfo {
         let own_kind = kind_of(st.st_mode);
         let (shown, is_symlink, symlink_target) = match (&target, own_kind) {
@@ -290,6 +336,7 @@ impl Root {
             modified_time: crate::time::rfc3339_ns(st.st_mtime, st.st_mtime_nsec as u32),
             symlink_target,
             is_symlink,
+            metadata,
             file_kind: kind,
         }
     }
@@ -298,7 +345,13 @@ impl Root {
     pub fn stat(&self, abs: &str, names: &Names) -> Result<EntryInfo> {
         let fd = self.open_at(abs, OFlags::PATH | OFlags::NOFOLLOW, Mode::empty())?;
         let st = rustix::fs::fstat(&fd).map_err(sys(abs.to_owned()))?;
-        let target = if kind_of(st.st_mode) == Kind::Symlink {
+        let is_link = kind_of(st.st_mode) == Kind::Symlink;
+        let metadata = if is_link {
+            BTreeMap::new()
+        } else {
+            metadata_of(&fd)
+        };
+        let target = if is_link {
             let t = rustix::fs::readlinkat(&fd, "", Vec::new())
                 .map(|c| c.to_string_lossy().into_owned())
                 .unwrap_or_default();
@@ -310,7 +363,7 @@ impl Root {
         } else {
             None
         };
-        Ok(self.info_from(abs, &st, target, names))
+        Ok(self.info_from(abs, &st, target, names, metadata))
     }
 
     /// The entries of directory `abs`, `depth` levels down (1: its own entries).

@@ -107,11 +107,12 @@ pub fn fuzz_parse(data: &[u8]) {
     }
 }
 
-/// The envd version the node reports at create (the SDK turns features on by it): 0.5.7
-/// has stdin, the default user (no `Authorization` needed), closing stdin and octet-stream
-/// uploads (what streamed `files.write` needs); 0.6.2's file metadata (xattrs) and 0.6.3's
-/// entry info in watch events are not implemented, so the SDK refuses them itself.
-pub const ENVD_VERSION: &str = "0.5.7";
+/// The envd version the node reports at create (the SDK turns features on by it): 0.6.4,
+/// every feature the SDK gates up to it being implemented — stdin (0.3.0), the default user
+/// without `Authorization` (0.4.0), closing stdin (0.5.2), octet-stream uploads, streamed and
+/// gzip (0.5.7), file metadata as `user.e2b.*` xattrs (0.6.2), entry info in watch events
+/// (0.6.3), watches that allow network mounts (0.6.4: accepted; a sandbox has none).
+pub const ENVD_VERSION: &str = "0.6.4";
 
 /// The largest JSON request body (a Connect message, a control-plane request).
 pub const MAX_JSON_BODY: usize = 4 << 20;

@@ -110,6 +110,19 @@ try:
     check(("new.txt", "create") in evs and ("new.txt", "remove") in evs, f"watch events: {evs}")
     check(("sub/deep.txt", "create") in evs, "recursive watch sees new subdirectories")
     w.stop()
+    w = sb.files.watch_dir("/tmp/w", include_entry=True)
+    sb.files.write("/tmp/w/with-entry.txt", "12345")
+    time.sleep(0.3)
+    with_entry = [e for e in w.get_new_events() if e.name == "with-entry.txt" and e.entry]
+    check(with_entry and with_entry[0].entry.path == "/tmp/w/with-entry.txt", "watch events with entry info")
+    w.stop()
+
+    # File metadata (user.e2b.* xattrs).
+    wi = sb.files.write("/root/meta.txt", "m", metadata={"owner": "rl-job-7", "step": "3"})
+    check(wi.metadata == {"owner": "rl-job-7", "step": "3"}, f"write with metadata: {wi.metadata}")
+    check(sb.files.get_info("/root/meta.txt").metadata == {"owner": "rl-job-7", "step": "3"}, "metadata read back")
+    listed_meta = [e.metadata for e in sb.files.list("/root") if e.name == "meta.txt"]
+    check(listed_meta == [{"owner": "rl-job-7", "step": "3"}], "metadata in list")
 
     # A port of the sandbox, by the Host name get_host() builds.
     server = (
