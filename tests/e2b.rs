@@ -403,3 +403,12 @@ fn templates_and_sandboxes_outlive_a_daemon_restart() {
     node.ok(&["template", "rm", "other"]);
     assert!(!node.ok(&["template", "ls"]).contains("other"));
 }
+
+#[test]
+fn the_wire_is_connect_over_http1_and_h2c() {
+    if !ready("the_wire_is_connect_over_http1_and_h2c") {
+        return;
+    }
+    let node = Node::start("wire");
+    node.python("protocol.py");
+}
