@@ -180,6 +180,23 @@ try:
     # Signed URLs, fetched without any header.
     url = sb.download_url("/tmp/m/a")
     check(urllib.request.urlopen(url).read() == b"A", "signed download URL")
+    up = sb.upload_url("/tmp/m/up.txt")
+    boundary = "strata-test-boundary"
+    form = (
+        f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"up.txt\"\r\n"
+        f"Content-Type: application/octet-stream\r\n\r\nuploaded\r\n--{boundary}--\r\n"
+    ).encode()
+    req = urllib.request.Request(
+        up, data=form, method="POST", headers={"Content-Type": f"multipart/form-data; boundary={boundary}"}
+    )
+    urllib.request.urlopen(req).read()
+    check(sb.files.read("/tmp/m/up.txt") == "uploaded", "signed upload URL")
+    bad = url.replace("signature=v1_", "signature=v1_x")
+    try:
+        urllib.request.urlopen(bad)
+        check(False, "a bad signature is refused")
+    except urllib.error.HTTPError as e:
+        check(e.code == 401, "a bad signature is refused (401)")
 
     # The control plane.
     info = sb.get_info()
@@ -230,8 +247,14 @@ finally:
     for s in made:
         s.kill()
 
-# A sandbox ends at its timeout.
+# A sandbox ends at its timeout: removed, or paused when asked.
 short = Sandbox.create(TEMPLATE, timeout=2)
+napper = Sandbox.create(TEMPLATE, timeout=2, lifecycle={"on_timeout": "pause"})
+napper.files.write("/root/nap.txt", "zzz")
 time.sleep(4)
 check(not short.is_running(), "a sandbox is removed at its timeout")
+check(napper.get_info().state.value == "paused", "an auto-pause sandbox is paused at its timeout")
+woken = Sandbox.connect(napper.sandbox_id, timeout=30)
+check(woken.files.read("/root/nap.txt") == "zzz", "and connect resumes it, files intact")
+woken.kill()
 print("ALL OK")
