@@ -301,7 +301,8 @@ impl Node {
 
     /// Take down the layers in `ids` that nothing needs any more (unmount, drop unused blob
     /// files, remove their directory). Failures are logged: the layer stays listed.
-    pub(super) async fn release_unused(&self, ids: &[String]) {
+    pub(super) async fn release_unused(&self, ids: &[String]) -> bool {
+        let mut changed = false;
         for id in ids {
             let lock = self.layer_lock(id);
             let _layer = lock.lock().await;
@@ -327,6 +328,7 @@ impl Node {
                 continue;
             }
             if let Some(layer) = inner.state.layers.remove(id) {
+                changed = true;
                 let still_used = inner.state.blobs_in_use();
                 if let Some(fs) = &inner.blobfs {
                     for b in layer
@@ -342,6 +344,7 @@ impl Node {
             }
             remove_layer_dir(&self.layer_dir(id));
         }
+        changed
     }
 
     /// Bring every chunk of a layer's data blobs into level 2 (`ChunkCache::warm_local`), so
@@ -430,9 +433,13 @@ impl Node {
         if let Some(l) = inner.state.layers.get_mut(&id) {
             l.pins += 1;
         }
-        self.save(&inner)?;
-        self.layer_info(&inner, &id)
-            .ok_or_else(|| internal(&id, "vanished"))
+        let g = self.stage(&inner)?;
+        let info = self
+            .layer_info(&inner, &id)
+            .ok_or_else(|| internal(&id, "vanished"));
+        drop(inner);
+        self.commit(g).await?;
+        info
     }
 
     /// Drop one pin of a layer; it is unmounted when nothing else uses it.
@@ -440,7 +447,7 @@ impl Node {
         self.check_running()?;
         let r = parse_ref(reference)?;
         let canonical = r.to_string();
-        let (id, mut info) = {
+        let (id, mut info, g) = {
             let mut inner = self.inner.lock().await;
             let (id, layer) = inner
                 .state
@@ -459,13 +466,13 @@ impl Node {
             let info = self
                 .layer_info(&inner, &id)
                 .ok_or_else(|| internal(&id, "vanished"))?;
-            self.save(&inner)?;
-            (id, info)
+            (id, info, self.stage(&inner)?)
         };
-        self.release_unused(std::slice::from_ref(&id)).await;
-        let inner = self.inner.lock().await;
-        self.save(&inner)?;
-        if !inner.state.layers.contains_key(&id) {
+        self.commit(g).await?;
+        if self.release_unused(std::slice::from_ref(&id)).await {
+            self.save_unlocked().await?;
+        }
+        if !self.inner.lock().await.state.layers.contains_key(&id) {
             info.mnt = PathBuf::new();
         }
         Ok(info)
@@ -535,22 +542,41 @@ impl Node {
             }
         };
         let mut result = self.mount_layers(&mp, &m).await;
-        {
+        let staged = {
             let mut inner = self.inner.lock().await;
-            inner.busy.remove(&mp);
             inner.unreserve(&ids);
-            if result.is_ok() {
-                inner.state.mounts.insert(mp.clone(), m.clone());
-                if let Err(e) = self.save(&inner) {
-                    inner.state.mounts.remove(&mp);
-                    let target = mp.clone();
-                    let _ = blocking(move || sys::unmount(&target, true)).await;
-                    result = Err(e);
+            match result {
+                Ok(()) => {
+                    inner.state.mounts.insert(mp.clone(), m.clone());
+                    Some(self.stage(&inner))
                 }
+                Err(_) => {
+                    inner.busy.remove(&mp);
+                    None
+                }
+            }
+        };
+        if let Some(staged) = staged {
+            let committed = match staged {
+                Ok(g) => self.commit(g).await,
+                Err(e) => Err(e),
+            };
+            let mut inner = self.inner.lock().await;
+            // Busy until now: no umount of it can start before it is on disk.
+            inner.busy.remove(&mp);
+            if let Err(e) = committed {
+                inner.state.mounts.remove(&mp);
+                let _ = self.stage(&inner);
+                drop(inner);
+                let target = mp.clone();
+                let _ = blocking(move || sys::unmount(&target, true)).await;
+                result = Err(e);
             }
         }
         if let Err(e) = result {
-            self.release_unused(&ids).await;
+            if self.release_unused(&ids).await {
+                let _ = self.save_unlocked().await;
+            }
             return Err(e);
         }
         Ok(mount_info(&mp, &m))
@@ -600,18 +626,22 @@ impl Node {
         };
         let target = mp.clone();
         let unmounted = blocking(move || sys::unmount(&target, false)).await;
-        {
+        let staged = {
             let mut inner = self.inner.lock().await;
             inner.busy.remove(&mp);
-            if unmounted.is_ok() {
-                inner.state.mounts.remove(&mp);
-                self.save(&inner)?;
+            match unmounted {
+                Ok(()) => {
+                    inner.state.mounts.remove(&mp);
+                    self.stage(&inner)?
+                }
+                Err(e) => return Err(e),
             }
+        };
+        self.commit(staged).await?;
+        // Saved again only if releasing the layers changed the state (a layer went).
+        if self.release_unused(&m.layer_ids).await {
+            self.save_unlocked().await?;
         }
-        unmounted?;
-        self.release_unused(&m.layer_ids).await;
-        let inner = self.inner.lock().await;
-        self.save(&inner)?;
         Ok(mount_info(&mp, &m))
     }
 }

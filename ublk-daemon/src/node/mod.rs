@@ -28,6 +28,11 @@
 //! - A blob file exists in the FUSE mount while a mounted layer names it.
 //! - Every change is in `state.json` before it is acknowledged; mounts are taken down in
 //!   reverse: user mounts, layer mounts, then the FUSE mount.
+//! - `state.json` is written by group commit, never under the node's lock: a change is
+//!   serialised under the lock into a numbered snapshot (`Node::stage`), and the request waits
+//!   (`Node::commit`) until a snapshot at least that new is on disk. One writer at a time
+//!   writes the newest staged snapshot, so requests that staged meanwhile share its fsyncs,
+//!   and the file never goes back to an older snapshot.
 //! - At start, every mount left by an earlier daemon on this run directory (the FUSE mount,
 //!   layer mounts, user mounts stacked on them) is detached before anything is mounted.
 
@@ -150,6 +155,8 @@ pub struct Node {
     /// Set once a handover is complete (the connection that asked has its answer).
     handed_over: AtomicBool,
     handover_done: tokio::sync::Notify,
+    /// `state.json`'s group commit (see the invariants above).
+    persist: Persist,
     /// Holds the run directory's flock for the node's lifetime.
     _lock: std::fs::File,
 }
@@ -170,6 +177,15 @@ fn internal(what: impl std::fmt::Display, e: impl std::fmt::Display) -> ApiError
 }
 
 /// Run blocking system calls (mount(2) may call back into our own FUSE threads).
+/// The newest staged snapshot of the state, and the newest on disk.
+#[derive(Debug, Default)]
+struct Persist {
+    /// (generation, the state file's bytes): replaced under the node's lock.
+    staged: std::sync::Mutex<(u64, Arc<Vec<u8>>)>,
+    /// The generation on disk; held while writing.
+    written: Mutex<u64>,
+}
+
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
     tokio::task::spawn_blocking(f)
         .await
@@ -197,12 +213,57 @@ impl Node {
         socket_path(&self.config.run_dir)
     }
 
-    fn save(&self, inner: &Inner) -> Result<()> {
-        let path = self.config.run_dir.join("state.json");
-        inner
+    /// Serialise the state as it is now (the caller holds the node's lock) into the next
+    /// snapshot; its generation, for `commit`.
+    fn stage(&self, inner: &Inner) -> Result<u64> {
+        let bytes = inner
             .state
-            .save(&path)
-            .map_err(|e| internal(format!("write {}", path.display()), e))
+            .to_bytes()
+            .map_err(|e| internal("serialise the state", e))?;
+        let mut staged = self
+            .persist
+            .staged
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        staged.0 += 1;
+        staged.1 = Arc::new(bytes);
+        Ok(staged.0)
+    }
+
+    /// Wait until snapshot `generation` or a newer one is in `state.json`, writing the newest
+    /// staged one if no writer has yet. Call it without the node's lock.
+    async fn commit(&self, generation: u64) -> Result<()> {
+        let mut written = self.persist.written.lock().await;
+        if *written >= generation {
+            return Ok(());
+        }
+        let (newest, bytes) = self
+            .persist
+            .staged
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let path = self.config.run_dir.join("state.json");
+        blocking(move || {
+            fs_cache::write_atomic(&path, &bytes)
+                .map_err(|e| internal(format!("write {}", path.display()), e))
+        })
+        .await?;
+        *written = newest;
+        Ok(())
+    }
+
+    /// `stage` (taking the node's lock for it) and `commit`.
+    async fn save_unlocked(&self) -> Result<()> {
+        let g = self.stage(&*self.inner.lock().await)?;
+        self.commit(g).await
+    }
+
+    /// `stage` and `commit` while the caller holds the node's lock (for the rare requests
+    /// that must not let anything in between: start, handover, shutdown).
+    async fn save_locked(&self, inner: &Inner) -> Result<()> {
+        let g = self.stage(inner)?;
+        self.commit(g).await
     }
 
     fn check_running(&self) -> Result<()> {
@@ -283,7 +344,7 @@ impl Node {
             .flush()
             .await
             .map_err(|e| ApiError::from_store("flush the chunk cache", &e))?;
-        self.save(&inner)?;
+        self.save_locked(&inner).await?;
         self.handed_over.store(true, Ordering::SeqCst);
         tracing::info!("handed over to the next daemon");
         Ok(self.pong())
@@ -436,7 +497,7 @@ impl Node {
         if let Err(e) = self.cache.flush().await {
             first_error.get_or_insert(ApiError::from_store("flush the chunk cache", &e));
         }
-        if let Err(e) = self.save(&inner) {
+        if let Err(e) = self.save_locked(&inner).await {
             first_error.get_or_insert(e);
         }
         match first_error {

@@ -373,6 +373,7 @@ impl Node {
             gate: tokio::sync::RwLock::new(()),
             handed_over: AtomicBool::new(false),
             handover_done: tokio::sync::Notify::new(),
+            persist: Default::default(),
             _lock: lock,
             config,
         });
@@ -384,7 +385,7 @@ impl Node {
             }
         }
         node.sweep_layer_dirs(&*node.inner.lock().await);
-        node.save(&*node.inner.lock().await)?;
+        node.save_locked(&*node.inner.lock().await).await?;
         // Level-2 chunks that a crashed daemon's passthrough readers may still read stay
         // pinned (fs-cache holds) until their FUSE connection is gone; look every minute.
         let weak = Arc::downgrade(&node);
