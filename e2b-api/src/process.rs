@@ -124,6 +124,8 @@ impl Procs {
     fn add(&self, sandbox: &str, p: Arc<Proc>) {
         let mut m = self.lock();
         let v = m.entry(sandbox.to_owned()).or_default();
+        // A `List` between the exec's start and here may have adopted it already.
+        v.retain(|o| !Arc::ptr_eq(&o.exec, &p.exec));
         v.push(p);
         while v.iter().filter(|p| p.exec.result().is_some()).count() > KEPT_FINISHED {
             if let Some(i) = v.iter().position(|p| p.exec.result().is_some()) {
@@ -174,6 +176,50 @@ impl Procs {
 
     pub fn forget(&self, sandbox: &str) {
         self.lock().remove(sandbox);
+    }
+
+    /// Take in the running execs of the sandbox that other clients started (`strata sandbox
+    /// exec`, the socket): they are listed, signalled and connected to like the API's own.
+    fn adopt(&self, sandbox: &str, execs: Vec<Arc<sandbox_runtime::Exec>>) {
+        let mut m = self.lock();
+        let known = m.entry(sandbox.to_owned()).or_default();
+        for e in execs {
+            if e.result().is_some() || known.iter().any(|p| Arc::ptr_eq(&p.exec, &e)) {
+                continue;
+            }
+            let Some(pid) = e.pid().and_then(|p| u32::try_from(p).ok()) else {
+                continue;
+            };
+            let mut args = e.args.clone();
+            let cmd = if args.is_empty() {
+                String::new()
+            } else {
+                args.remove(0)
+            };
+            known.push(Arc::new(Proc {
+                pid,
+                tag: e.tag.clone(),
+                config: ProcessConfig {
+                    cmd,
+                    args,
+                    ..Default::default()
+                },
+                pty: e.pty,
+                exec: e,
+            }));
+        }
+    }
+}
+
+/// The sandbox's process `sel` names (its running execs taken in first).
+fn find(ctx: &Ctx, sel: &Selector) -> RpcResult<Arc<Proc>> {
+    sync(ctx);
+    ctx.api.procs.find(&ctx.id, sel)
+}
+
+fn sync(ctx: &Ctx) {
+    if let Ok(execs) = ctx.api.manager.execs(&ctx.id) {
+        ctx.api.procs.adopt(&ctx.id, execs);
     }
 }
 
@@ -294,14 +340,14 @@ fn runtime(e: sandbox_runtime::Error) -> RpcError {
 }
 
 async fn send_input(ctx: &Ctx, req: InputRequest) -> RpcResult<serde_json::Value> {
-    let p = ctx.api.procs.find(&ctx.id, &selector(req.process)?)?;
+    let p = find(ctx, &selector(req.process)?)?;
     let data = req.input.unwrap_or_default().bytes()?;
     p.exec.write_stdin(data).await.map_err(runtime)?;
     Ok(json!({}))
 }
 
 async fn close_stdin(ctx: &Ctx, req: WithSelector) -> RpcResult<serde_json::Value> {
-    let p = ctx.api.procs.find(&ctx.id, &selector(req.process)?)?;
+    let p = find(ctx, &selector(req.process)?)?;
     if p.pty {
         return Err(RpcError::new(
             Code::FailedPrecondition,
@@ -313,7 +359,7 @@ async fn close_stdin(ctx: &Ctx, req: WithSelector) -> RpcResult<serde_json::Valu
 }
 
 fn update(ctx: &Ctx, req: UpdateRequest) -> RpcResult<serde_json::Value> {
-    let p = ctx.api.procs.find(&ctx.id, &selector(req.process)?)?;
+    let p = find(ctx, &selector(req.process)?)?;
     if let Some(size) = req.pty.and_then(|p| p.size) {
         p.exec.resize(pty_size(&size)?).map_err(runtime)?;
     }
@@ -325,7 +371,7 @@ async fn stream_input(ctx: &Ctx, mut reader: connect::MessageReader) -> RpcResul
     let mut target: Option<Arc<Proc>> = None;
     while let Some(ev) = reader.next_json::<StreamInputEvent>().await? {
         if let Some(start) = ev.start {
-            target = Some(ctx.api.procs.find(&ctx.id, &selector(start.process)?)?);
+            target = Some(find(ctx, &selector(start.process)?)?);
         } else if let Some(data) = ev.data {
             let p = target.as_ref().ok_or_else(|| {
                 RpcError::new(Code::InvalidArgument, "input before the start event")
@@ -357,6 +403,7 @@ fn unary(r: RpcResult<serde_json::Value>) -> Response {
 }
 
 fn list(ctx: &Ctx) -> RpcResult<serde_json::Value> {
+    sync(ctx);
     let processes: Vec<serde_json::Value> = ctx
         .api
         .procs
@@ -454,7 +501,7 @@ async fn start_exec(ctx: &Ctx, req: StartRequest) -> RpcResult<Arc<Proc>> {
 }
 
 async fn reconnect(ctx: Ctx, req: WithSelector) -> Response {
-    let p = match selector(req.process).and_then(|s| ctx.api.procs.find(&ctx.id, &s)) {
+    let p = match selector(req.process).and_then(|s| find(&ctx, &s)) {
         Ok(p) => p,
         Err(e) => return connect::stream_error(e),
     };
@@ -596,7 +643,7 @@ fn parse_signal(v: Option<&serde_json::Value>) -> RpcResult<i32> {
 
 fn send_signal(ctx: &Ctx, req: SignalRequest) -> RpcResult<serde_json::Value> {
     let sig = parse_signal(req.signal.as_ref())?;
-    let p = ctx.api.procs.find(&ctx.id, &selector(req.process)?)?;
+    let p = find(ctx, &selector(req.process)?)?;
     if p.exec.result().is_some() {
         return Err(RpcError::new(
             Code::NotFound,

@@ -1,6 +1,7 @@
 """The unmodified e2b SDK (sync) against a Strata node: create, commands, files, list,
-timeout, kill. Run by tests/e2b.rs with E2B_API_URL / E2B_SANDBOX_URL / E2B_API_KEY set
-and STRATA_TEMPLATE naming a template of the node. Exits non-zero on the first failure."""
+timeout, kill. Run by tests/e2b.rs with E2B_API_URL / E2B_SANDBOX_URL / E2B_API_KEY set,
+STRATA_TEMPLATE naming a template of the node and STRATA_BIN (with STRATA_HOME and
+STRATA_RUN_DIR) reaching the node's socket. Exits non-zero on the first failure."""
 
 import io
 import os
@@ -56,6 +57,19 @@ try:
         check(e.exit_code != 0, "the killed command ended non-zero")
     check(all(p.pid != h.pid for p in sb.commands.list()), "killed command no longer listed")
     check(not sb.commands.kill(h.pid), "killing it again returns False")
+
+    # A command another client of the node started (`strata sandbox exec`): listed, killed.
+    import subprocess
+
+    out = subprocess.run(
+        [os.environ["STRATA_BIN"], "sandbox", "exec", "--detach", sb.sandbox_id, "--", "sleep", "200"],
+        check=True,
+        capture_output=True,
+    )
+    time.sleep(0.2)
+    other = [p for p in sb.commands.list() if p.cmd == "sleep" and p.args == ["200"]]
+    check(len(other) == 1, f"a command started by `strata sandbox exec` is listed ({out.stdout!r})")
+    check(sb.commands.kill(other[0].pid), "and killed")
 
     # Connect to a running command.
     h = sb.commands.run("sleep 1; echo late", background=True)
