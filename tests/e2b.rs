@@ -35,38 +35,10 @@ fn debian_root() -> Option<PathBuf> {
         .then(|| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
 }
 
-/// The store with the base layer, built once per test binary.
-struct Store {
-    _dir: tempfile::TempDir,
-    path: PathBuf,
-}
-
-fn store() -> Option<&'static Store> {
-    static S: OnceLock<Option<Store>> = OnceLock::new();
-    S.get_or_init(|| {
-        let base = debian_root()?;
-        let dir = tempfile::Builder::new()
-            .prefix("strata-e2b-store")
-            .tempdir_in("/var/tmp")
-            .unwrap();
-        let path = dir.path().join("store");
-        let out = Command::new(strata_bin())
-            .env("STRATA_HOME", dir.path().join("home"))
-            .arg("--store")
-            .arg(&path)
-            .args(["layer", "build"])
-            .arg(&base)
-            .args(["--name", BASE])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "layer build: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Some(Store { _dir: dir, path })
-    })
-    .as_ref()
+/// The Debian root, found once per test binary.
+fn base_root() -> Option<&'static PathBuf> {
+    static R: OnceLock<Option<PathBuf>> = OnceLock::new();
+    R.get_or_init(debian_root).as_ref()
 }
 
 fn sdk_version() -> Option<String> {
@@ -99,7 +71,7 @@ fn ready(test: &str) -> bool {
             "the e2b SDK 2.63.0 is not in {VENV_PYTHON}'s virtualenv (found {:?})",
             sdk_version()
         ))
-    } else if store().is_none() {
+    } else if base_root().is_none() {
         Some("no Debian base root (scripts/debian-base.sh failed)".to_owned())
     } else {
         None
@@ -137,11 +109,19 @@ impl Node {
         let mut node = Node {
             home: tmp.path().join("home"),
             run: tmp.path().join("run"),
-            store: store().unwrap().path.clone(),
+            // The node's own store (the layer builds in ~2 s), removed with it.
+            store: tmp.path().join("store"),
             tmp,
             addr: String::new(),
             daemon: None,
         };
+        node.ok(&[
+            "layer",
+            "build",
+            &base_root().unwrap().to_string_lossy(),
+            "--name",
+            BASE,
+        ]);
         node.spawn_daemon();
         node.ok(&["template", "set", "base", "--layer", BASE]);
         node
