@@ -224,8 +224,24 @@ mod tests {
         env.extend_from_slice(&(7u32).to_be_bytes());
         env.extend_from_slice(b"{\"a\":1}");
         inputs.push(env);
-        for i in inputs {
-            super::fuzz_parse(&i);
+        for i in &inputs {
+            super::fuzz_parse(i);
+        }
+        // Random bytes and random mutations of the seeds (a short fuzz run in every test run).
+        let mut rng = fastrand::Rng::with_seed(0x5eed);
+        for _ in 0..20_000 {
+            let mut b = inputs[rng.usize(..inputs.len())].clone();
+            for _ in 0..rng.usize(0..8) {
+                match rng.u8(0..3) {
+                    0 if !b.is_empty() => {
+                        let i = rng.usize(..b.len());
+                        b[i] = rng.u8(..);
+                    }
+                    1 => b.insert(rng.usize(..=b.len()), rng.u8(..)),
+                    _ => b.truncate(rng.usize(..=b.len())),
+                }
+            }
+            super::fuzz_parse(&b);
         }
     }
 }
