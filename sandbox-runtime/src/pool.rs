@@ -175,6 +175,9 @@ impl Pools {
     }
 }
 
+/// The longest a pool's refill waits for the taken sandbox's first output.
+const REFILL_AFTER: std::time::Duration = std::time::Duration::from_millis(100);
+
 impl Manager {
     /// Run `req` in a sandbox of `stack` taken from its pool (created on the spot when the
     /// pool is empty or there is none); the sandbox is removed when the command ends.
@@ -195,15 +198,22 @@ impl Manager {
                 .id
             }
         };
-        self.pools.refill(self);
         req.id = id.clone();
         let exec = match self.exec(req).await {
             Ok(e) => e,
             Err(e) => {
+                self.pools.refill(self);
                 let _ = self.remove(&id).await;
                 return Err(e);
             }
         };
+        // The replacement's runtime start costs tens of ms of CPU: begin it once the taken
+        // sandbox's command has answered (or after REFILL_AFTER), not in its way.
+        let (m, e) = (self.clone(), exec.clone());
+        tokio::spawn(async move {
+            e.first_activity(REFILL_AFTER).await;
+            m.pools.refill(&m);
+        });
         let (m, e) = (self.clone(), exec.clone());
         tokio::spawn(async move {
             e.wait().await;
