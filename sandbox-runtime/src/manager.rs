@@ -118,7 +118,7 @@ impl Sandbox {
             .clone()
     }
 
-    fn set(&self, f: impl FnOnce(&mut Record)) -> Result<()> {
+    pub(crate) fn set(&self, f: impl FnOnce(&mut Record)) -> Result<()> {
         let r = {
             let mut r = self.record.lock().unwrap_or_else(|p| p.into_inner());
             f(&mut r);
@@ -154,7 +154,7 @@ impl Sandbox {
         }
     }
 
-    fn info(&self) -> SandboxInfo {
+    pub(crate) fn info(&self) -> SandboxInfo {
         let r = self.record();
         SandboxInfo {
             id: r.id,
