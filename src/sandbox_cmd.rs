@@ -153,6 +153,10 @@ pub struct CreateArgs {
     /// Remove the sandbox after this long without an operation (e.g. 10m).
     #[arg(long, value_parser = humantime::parse_duration)]
     idle_timeout: Option<Duration>,
+    /// Take a ready sandbox of this stack's warm pool if there is one (only with no other
+    /// option but --layer and --json).
+    #[arg(long)]
+    pooled: bool,
     #[command(flatten)]
     node: NodeOpts,
 }
@@ -509,6 +513,7 @@ fn create(a: CreateArgs, store: &StoreArg, cache: &CacheOpts, json: bool) -> Res
         secrets: a.secrets,
         net,
         idle_timeout_s: a.idle_timeout.map(|d| d.as_secs().max(1)),
+        pooled: a.pooled,
     });
     let mut c = running_or_start(&a.node, store, cache)?;
     let info: SandboxInfo = call(&mut c, &req)?;

@@ -1052,6 +1052,34 @@ fn a_pool_keeps_sandboxes_ready_and_run_discards_them() {
             "clean\n"
         );
     }
+    // create --pooled takes a ready one (kept: it left the pool), and the pool refills.
+    let ready = node.ids();
+    let took = node
+        .ok(&[
+            "sandbox", "create", "--pooled", "--layer", BASE, "--layer", WORKSPACE, "--layer",
+            TOOLKIT,
+        ])
+        .trim()
+        .to_owned();
+    assert!(ready.contains(&took), "{took} is not one of {ready:?}");
+    assert_eq!(node.sh_ok(&took, "cat /work/TASK"), "make the tests pass\n");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while node.ids().len() != 3 || node.json(&["sandbox", "pool", "ls"])[0]["ready"] != 2 {
+        assert!(Instant::now() < deadline, "not refilled after a take");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // With an option a pooled sandbox lacks, a new one is made.
+    let own = node
+        .ok(&[
+            "sandbox", "create", "--pooled", "--layer", BASE, "--layer", WORKSPACE, "--layer",
+            TOOLKIT, "--env", "X=1",
+        ])
+        .trim()
+        .to_owned();
+    assert!(!node.ids().is_empty() && !ready.contains(&own));
+    assert_eq!(node.sh_ok(&own, "echo $X"), "1\n");
+    node.ok(&["sandbox", "rm", &took, &own]);
+
     node.ok(&["sandbox", "pool", "set", &stack, "--size", "0"]);
     let deadline = Instant::now() + Duration::from_secs(30);
     while !node.ids().is_empty() {

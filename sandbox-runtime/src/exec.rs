@@ -186,6 +186,23 @@ impl Exec {
         }
     }
 
+    /// Wait until the exec has written something or ended, at most `limit`.
+    pub async fn first_activity(&self, limit: std::time::Duration) {
+        let mut changes = self.changed.subscribe();
+        let active = |me: &Self| {
+            let s = me.lock();
+            s.stdout.total > 0 || s.stderr.total > 0 || s.result.is_some()
+        };
+        let _ = tokio::time::timeout(limit, async {
+            while !active(self) {
+                if changes.changed().await.is_err() {
+                    return;
+                }
+            }
+        })
+        .await;
+    }
+
     pub fn result(&self) -> Option<ExecResult> {
         self.lock().result.clone()
     }

@@ -72,7 +72,7 @@ impl Extension for SandboxExtension {
         let (tx, rx) = mpsc::channel(16);
         tokio::spawn(async move {
             let mut lines = match request {
-                Request::SandboxCreate(r) => one(value(m.create(r).await)),
+                Request::SandboxCreate(r) => one(value(m.create_or_take(r).await)),
                 Request::SandboxExec(r) => {
                     let detach = r.detach;
                     exec_stream(m.exec(r).await, detach)

@@ -86,6 +86,10 @@ pub struct Record {
     pub create_ms: u64,
     pub state: SandboxState,
     pub pid: Option<u32>,
+    /// The init's start time (`/proc/<pid>/stat`'s 22nd field, clock ticks since boot): the
+    /// pid names our init only while this matches.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init_start: Option<u64>,
     #[serde(default)]
     pub pool: Option<String>,
     /// The network slot (`crate::net`), with an allowlist network.
@@ -114,7 +118,7 @@ impl Sandbox {
             .clone()
     }
 
-    fn set(&self, f: impl FnOnce(&mut Record)) -> Result<()> {
+    pub(crate) fn set(&self, f: impl FnOnce(&mut Record)) -> Result<()> {
         let r = {
             let mut r = self.record.lock().unwrap_or_else(|p| p.into_inner());
             f(&mut r);
@@ -150,7 +154,7 @@ impl Sandbox {
         }
     }
 
-    fn info(&self) -> SandboxInfo {
+    pub(crate) fn info(&self) -> SandboxInfo {
         let r = self.record();
         SandboxInfo {
             id: r.id,
@@ -514,6 +518,7 @@ impl Manager {
             create_ms: 0,
             state: SandboxState::Creating,
             pid: None,
+            init_start: None,
             pool,
             net_slot,
             addr,
@@ -554,9 +559,11 @@ impl Manager {
         match self.compose_and_start(&sb, &record, &secrets).await {
             Ok(pid) => {
                 let create_ms = t0.elapsed().as_millis() as u64;
+                let started = start_time(pid);
                 sb.set(|r| {
                     r.state = SandboxState::Running;
                     r.pid = Some(pid);
+                    r.init_start = started;
                     r.create_ms = create_ms;
                 })?;
                 Ok(sb.info())
@@ -684,12 +691,27 @@ impl Manager {
     async fn teardown(&self, id: &str, dir: &Path, net_slot: Option<u32>) -> Result<()> {
         // One runtime process to kill, one to delete: the init's end is watched in /proc
         // (the pid namespace dies with it), not by polling the runtime (a process each).
-        let pid = Record::parse(
+        let record = Record::parse(
             &std::fs::read(dir.join("sandbox.json")).unwrap_or_default(),
             id,
-        )
-        .and_then(|r| r.pid);
-        self.runtime.kill_all(id, "KILL").await.ok();
+        );
+        let pid = record.as_ref().and_then(|r| r.pid);
+        // SIGKILL to the init ends its PID namespace, every process of the sandbox with it
+        // (none can leave it: no setns, no CAP_SYS_ADMIN): no runtime process for that, when
+        // the pid is still provably our init. Otherwise the runtime's kill.
+        let ours = match (pid, record.as_ref().and_then(|r| r.init_start)) {
+            (Some(p), Some(t)) => start_time(p) == Some(t),
+            _ => false,
+        };
+        let killed = ours
+            && pid
+                .and_then(|p| rustix::process::Pid::from_raw(p as i32))
+                .is_some_and(|p| {
+                    rustix::process::kill_process(p, rustix::process::Signal::KILL).is_ok()
+                });
+        if !killed {
+            self.runtime.kill_all(id, "KILL").await.ok();
+        }
         for _ in 0..250 {
             let gone = match pid {
                 Some(p) => pid_gone(p),
@@ -1095,6 +1117,19 @@ impl Manager {
     }
 }
 
+/// Process `pid`'s start time (clock ticks after boot), if it runs.
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // pid (comm) state ppid …: comm may hold anything; starttime is the 22nd field, the
+    // 20th after the closing parenthesis.
+    stat.rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .nth(19)?
+        .parse()
+        .ok()
+}
+
 /// Whether process `pid` has ended (gone, or a zombie waiting for its parent).
 fn pid_gone(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
@@ -1226,6 +1261,24 @@ mod tests {
             assert!(!valid_id(bad), "{bad}");
         }
         assert!(valid_id(&fresh_id()));
+    }
+
+    #[test]
+    fn start_times_tell_a_process_from_a_reused_pid() {
+        let me = std::process::id();
+        let t = start_time(me).expect("our own start time");
+        assert_eq!(start_time(me), Some(t));
+        // A process started later has a later (or equal, within a tick) start time.
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .unwrap();
+        let c = start_time(child.id()).unwrap();
+        assert!(c >= t);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(start_time(child.id()), None);
+        assert_eq!(start_time(u32::MAX), None);
     }
 
     #[test]

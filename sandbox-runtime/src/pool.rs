@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use crate::manager::Manager;
-use crate::proto::{parse_stack, CreateRequest, ExecRequest, PoolInfo, SandboxState};
+use crate::proto::{parse_stack, CreateRequest, ExecRequest, PoolInfo, SandboxInfo, SandboxState};
 use crate::{Error, Result};
 
 /// Sandboxes one pool creates at a time.
@@ -70,6 +70,16 @@ impl Pools {
 
     fn take(&self, stack: &str) -> Option<String> {
         self.lock().ready.get_mut(stack)?.pop_front()
+    }
+
+    /// A ready sandbox of a pool whose stack is `layers`.
+    fn take_layers(&self, layers: &[String]) -> Option<String> {
+        let mut inner = self.lock();
+        inner
+            .ready
+            .iter_mut()
+            .filter(|(stack, _)| parse_stack(stack) == layers)
+            .find_map(|(_, q)| q.pop_front())
     }
 
     pub fn list(&self) -> Vec<PoolInfo> {
@@ -175,6 +185,9 @@ impl Pools {
     }
 }
 
+/// The longest a pool's refill waits for the taken sandbox's first output.
+const REFILL_AFTER: std::time::Duration = std::time::Duration::from_millis(100);
+
 impl Manager {
     /// Run `req` in a sandbox of `stack` taken from its pool (created on the spot when the
     /// pool is empty or there is none); the sandbox is removed when the command ends.
@@ -195,15 +208,22 @@ impl Manager {
                 .id
             }
         };
-        self.pools.refill(self);
         req.id = id.clone();
         let exec = match self.exec(req).await {
             Ok(e) => e,
             Err(e) => {
+                self.pools.refill(self);
                 let _ = self.remove(&id).await;
                 return Err(e);
             }
         };
+        // The replacement's runtime start costs tens of ms of CPU: begin it once the taken
+        // sandbox's command has answered (or after REFILL_AFTER), not in its way.
+        let (m, e) = (self.clone(), exec.clone());
+        tokio::spawn(async move {
+            e.first_activity(REFILL_AFTER).await;
+            m.pools.refill(&m);
+        });
         let (m, e) = (self.clone(), exec.clone());
         tokio::spawn(async move {
             e.wait().await;
@@ -212,6 +232,34 @@ impl Manager {
             }
         });
         Ok(exec)
+    }
+
+    /// `sandbox_create`: a pooled sandbox when the request asks for one and for nothing a
+    /// pooled one lacks (`CreateRequest::pooled`), else a new one.
+    pub async fn create_or_take(self: &Arc<Self>, req: CreateRequest) -> Result<SandboxInfo> {
+        let plain = CreateRequest {
+            layers: req.layers.clone(),
+            pooled: true,
+            ..CreateRequest::default()
+        };
+        if req.pooled && req == plain {
+            while let Some(id) = self.pools.take_layers(&req.layers) {
+                // Removed meanwhile (an idle timeout, an rm by id): the next one.
+                let Ok(sb) = self.get(&id) else { continue };
+                if sb.set(|r| r.pool = None).is_err() {
+                    continue;
+                }
+                sb.touch();
+                let m = self.clone();
+                tokio::spawn(async move {
+                    // Out of the way of the caller's first command.
+                    tokio::time::sleep(REFILL_AFTER).await;
+                    m.pools.refill(&m);
+                });
+                return Ok(sb.info());
+            }
+        }
+        self.create(req).await
     }
 
     /// `pool set`.

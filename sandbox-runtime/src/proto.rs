@@ -86,6 +86,12 @@ pub struct CreateRequest {
     /// running exec.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle_timeout_s: Option<u64>,
+    /// Take a ready sandbox of a warm pool of this stack (`sandbox_pool_set`) if there is one,
+    /// instead of creating one. Only a request that asks for nothing a pooled sandbox was not
+    /// made with (no id, limits, env, secrets, network or idle timeout) takes one; any other
+    /// is created as usual. The sandbox taken leaves its pool and is refilled.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pooled: bool,
 }
 
 /// A sandbox's lifecycle state.
