@@ -25,6 +25,11 @@ pub enum TemplateCmd {
         memory: Option<u64>,
         #[arg(long)]
         default: bool,
+        /// Keep this many ready sandboxes of the stack (a warm pool): a create takes one.
+        /// Only for a template without --cpus/--memory (pooled sandboxes have the node's
+        /// defaults). 0 empties the pool.
+        #[arg(long, default_value_t = 0)]
+        pool: u32,
         #[command(flatten)]
         node: NodeOpts,
     },
@@ -54,10 +59,15 @@ fn call<T: serde::de::DeserializeOwned>(
 
 fn print(t: &Template) {
     println!(
-        "{}{}\t{}",
+        "{}{}\t{}{}",
         t.name,
         if t.default { " (default)" } else { "" },
-        t.layers.join(",")
+        t.layers.join(","),
+        if t.pool > 0 {
+            format!("\tpool {}", t.pool)
+        } else {
+            String::new()
+        }
     );
 }
 
@@ -70,8 +80,14 @@ pub fn run(cmd: TemplateCmd, store: &StoreArg, cache: &CacheOpts, json: bool) ->
             cpus,
             memory,
             default,
+            pool,
             node,
         } => {
+            if pool > 0 && (cpus.is_some() || memory.is_some()) {
+                return Err(anyhow!(
+                    "--pool: pooled sandboxes have the node's limits; drop --cpus/--memory"
+                ));
+            }
             if let Some(c) = cpus {
                 if !(c > 0.0 && c <= 1024.0) {
                     return Err(anyhow!("--cpus {c} is not between 0 and 1024"));
@@ -83,6 +99,7 @@ pub fn run(cmd: TemplateCmd, store: &StoreArg, cache: &CacheOpts, json: bool) ->
                 cpu_millis: cpus.map(|c| (c * 1000.0).round() as u64),
                 memory,
                 default,
+                pool,
             };
             let mut req = serde_json::to_value(&t)?;
             req["op"] = "template_set".into();

@@ -205,7 +205,6 @@ async fn create(api: &Arc<Api>, body: Incoming, default_timeout: u64) -> Result<
             .map_err(|e: sandbox_runtime::Error| Error::Runtime(e.to_string()))?]),
         _ => sandbox_runtime::proto::Network::None,
     };
-    let id = format!("i{}", random_token(19));
     let (node_cpus, node_mem) = node_resources();
     let meta = SandboxMeta {
         template_id: template.name.clone(),
@@ -222,41 +221,67 @@ async fn create(api: &Arc<Api>, body: Incoming, default_timeout: u64) -> Result<
             .map_or(node_cpus, |m| m.div_ceil(1000) as u32),
         memory_mb: template.memory.map_or(node_mem, |m| m >> 20),
     };
-    // Known to the API before the runtime has it (the reaper then never sees it as gone);
-    // written once it runs.
-    api.remember(&id, meta);
-    let r = api
-        .manager
-        .create(sandbox_runtime::proto::CreateRequest {
-            layers: template.layers.clone(),
-            id: Some(id.clone()),
-            limits: sandbox_runtime::Limits {
-                cpu_millis: template.cpu_millis,
-                memory: template.memory,
+    let pooled = template.pool > 0
+        && template.cpu_millis.is_none()
+        && template.memory.is_none()
+        && net == sandbox_runtime::proto::Network::None;
+    let id = if pooled {
+        // A ready sandbox of the template's pool (or a new one when it is empty), made
+        // without the envVars: they go with every command instead (`process::start_exec`).
+        let info = api
+            .manager
+            .create_or_take(sandbox_runtime::proto::CreateRequest {
+                layers: template.layers.clone(),
+                pooled: true,
                 ..Default::default()
-            },
-            env: env_vars.iter().map(|(k, v)| format!("{k}={v}")).collect(),
-            net,
-            ..Default::default()
-        })
-        .await;
-    if let Err(e) = r {
-        api.forget(&id);
-        return Err(match e {
-            sandbox_runtime::Error::Node(a)
-                if a.kind == ublk_daemon::node::proto::ErrorKind::UnknownLayer =>
-            {
-                Error::BadRequest(format!("template {}: {}", template.name, a.message))
-            }
-            e => e.into(),
-        });
-    }
+            })
+            .await
+            .map_err(|e| create_error(&template.name, e))?;
+        api.remember(&info.id, meta);
+        info.id
+    } else {
+        let id = format!("i{}", random_token(19));
+        // Known to the API before the runtime has it (the reaper then never sees it as
+        // gone); written once it runs.
+        api.remember(&id, meta);
+        let r = api
+            .manager
+            .create(sandbox_runtime::proto::CreateRequest {
+                layers: template.layers.clone(),
+                id: Some(id.clone()),
+                limits: sandbox_runtime::Limits {
+                    cpu_millis: template.cpu_millis,
+                    memory: template.memory,
+                    ..Default::default()
+                },
+                env: env_vars.iter().map(|(k, v)| format!("{k}={v}")).collect(),
+                net,
+                ..Default::default()
+            })
+            .await;
+        if let Err(e) = r {
+            api.forget(&id);
+            return Err(create_error(&template.name, e));
+        }
+        id
+    };
     let meta = api.update_meta(&id, |m| m.started_ms = now_ms())?;
     Ok(json(201, &created(&id, &meta)))
 }
 
 /// The size of the filesystem a sandbox's writes land on (its root's: the overlay reports
 /// its upper's), MiB.
+fn create_error(template: &str, e: sandbox_runtime::Error) -> Error {
+    match e {
+        sandbox_runtime::Error::Node(a)
+            if a.kind == ublk_daemon::node::proto::ErrorKind::UnknownLayer =>
+        {
+            Error::BadRequest(format!("template {template}: {}", a.message))
+        }
+        e => e.into(),
+    }
+}
+
 fn disk_mb(api: &Api, id: &str) -> u64 {
     api.view(id)
         .ok()

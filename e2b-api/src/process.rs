@@ -457,6 +457,10 @@ async fn start_exec(ctx: &Ctx, req: StartRequest) -> RpcResult<Arc<Proc>> {
     if pty.is_some() {
         env.push("TERM=xterm-256color".into());
     }
+    // The create's envVars (a pooled sandbox was made without them), then the command's own.
+    if let Some(m) = ctx.api.meta(&ctx.id) {
+        env.extend(m.env_vars.iter().map(|(k, v)| format!("{k}={v}")));
+    }
     for (k, v) in &config.envs {
         if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
             return Err(RpcError::new(

@@ -30,6 +30,14 @@ pub struct Template {
     /// The template a create without one (the SDK's `base`) gets.
     #[serde(default)]
     pub default: bool,
+    /// Ready sandboxes the runtime keeps of this template's stack (its warm pool): a create
+    /// takes one when the template sets no limits and the create asks for no network.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub pool: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// The node's templates, `<state dir>/templates.json`.
@@ -78,7 +86,12 @@ impl Templates {
 
     /// Add or replace a template (the default one, if `t.default`; the first one is the
     /// default too).
-    pub fn set(&self, mut t: Template) -> Result<Template> {
+    /// The template and the pool size it had before (0: none).
+    pub fn set(&self, t: Template) -> Result<Template> {
+        self.set_with_previous(t).map(|(t, _)| t)
+    }
+
+    fn set_with_previous(&self, mut t: Template) -> Result<(Template, u32)> {
         if !valid_template_name(&t.name) {
             return Err(Error::BadRequest(format!(
                 "bad template name {:?} (letters, digits, -_./:)",
@@ -91,6 +104,7 @@ impl Templates {
             ));
         }
         let mut map = self.lock();
+        let previous_pool = map.get(&t.name).map_or(0, |o| o.pool);
         if map.values().all(|o| !o.default || o.name == t.name) && !t.default {
             t.default = map.get(&t.name).is_some_and(|o| o.default) || map.is_empty();
         }
@@ -101,7 +115,7 @@ impl Templates {
         }
         map.insert(t.name.clone(), t.clone());
         self.save(&map)?;
-        Ok(t)
+        Ok((t, previous_pool))
     }
 
     pub fn remove(&self, name: &str) -> Result<Template> {
@@ -465,6 +479,58 @@ enum TemplateRequest {
     Rm { name: String },
 }
 
+impl TemplateExtension {
+    /// `template_set`: the template, then its stack's warm pool (`sandbox_pool_set` of the
+    /// sandbox extension) when it has one or had one.
+    fn set_with_pool(
+        &self,
+        template: Template,
+        v: Option<serde_json::Value>,
+    ) -> mpsc::Receiver<ResponseLine> {
+        let (tx, rx) = mpsc::channel(1);
+        let (t, previous) = match self.templates.set_with_previous(template) {
+            Ok(x) => x,
+            Err(e) => {
+                let _ = tx.try_send(ResponseLine::failure(ApiError::new(
+                    ErrorKind::BadRequest,
+                    e.to_string(),
+                )));
+                return rx;
+            }
+        };
+        let answer = serde_json::to_value(&t).unwrap_or_default();
+        if t.pool == 0 && previous == 0 {
+            let _ = tx.try_send(ResponseLine::success(answer));
+            return rx;
+        }
+        let mut pool = serde_json::json!({
+            "op": "sandbox_pool_set",
+            "stack": t.layers.join(","),
+            "size": t.pool,
+        });
+        if let Some(v) = v {
+            pool["v"] = v;
+        }
+        let mut lines = self.inner.handle(pool);
+        tokio::spawn(async move {
+            let mut last = None;
+            while let Some(l) = lines.recv().await {
+                last = Some(l);
+            }
+            let line = match last {
+                Some(l) if l.ok => ResponseLine::success(answer),
+                Some(l) => l,
+                None => ResponseLine::failure(ApiError::new(
+                    ErrorKind::Internal,
+                    "the pool of the template's stack: no answer",
+                )),
+            };
+            let _ = tx.send(line).await;
+        });
+        rx
+    }
+}
+
 impl Extension for TemplateExtension {
     fn claims(&self, op: &str) -> bool {
         op.starts_with("template_") || self.inner.claims(op)
@@ -479,8 +545,14 @@ impl Extension for TemplateExtension {
             return self.inner.handle(request);
         }
         let mut request = request;
+        let v = request.get("v").cloned();
         if let Some(o) = request.as_object_mut() {
             o.remove("v");
+        }
+        if let Ok(TemplateRequest::Set { template }) =
+            serde_json::from_value::<TemplateRequest>(request.clone())
+        {
+            return self.set_with_pool(template, v);
         }
         let to_api = |e: Error| match e {
             Error::NotFound(m) | Error::BadRequest(m) => ApiError::new(ErrorKind::BadRequest, m),
