@@ -395,3 +395,26 @@ fn the_wire_is_connect_over_http1_and_h2c() {
     let node = Node::start("wire");
     node.python("protocol.py");
 }
+
+#[test]
+fn a_template_with_a_pool_hands_out_ready_sandboxes() {
+    if !ready("a_template_with_a_pool_hands_out_ready_sandboxes") {
+        return;
+    }
+    let node = Node::start("pool");
+    node.ok(&["template", "set", "base", "--layer", BASE, "--pool", "2"]);
+    // Wait for the pool to be ready (at most 60 s).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !node
+        .ok(&["sandbox", "pool", "ls"])
+        .contains("2 wanted, 2 ready")
+    {
+        assert!(Instant::now() < deadline, "the pool never filled");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    node.python("pool.py");
+    assert!(node.ok(&["template", "ls"]).contains("pool 2"));
+    // Pool 0 drains it (what the cleanup then finds is only the API's sandboxes: none).
+    node.ok(&["template", "set", "base", "--layer", BASE, "--pool", "0"]);
+    assert!(!node.ok(&["sandbox", "pool", "ls"]).contains("2 wanted"));
+}
