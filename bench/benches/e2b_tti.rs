@@ -9,8 +9,9 @@
 //!
 //! Set-up, never timed: the Debian tree of `scripts/debian-base.sh` built as one layer
 //! (`base/debian:12`) into a local store under the bench directory, a `strata daemon --api
-//! 127.0.0.1:0` on a fresh run directory and home, and a template `base` of that layer. The
-//! first sandbox of the run mounts the layer (counted in the sequential figures' max).
+//! 127.0.0.1:0` on a fresh run directory and home, and a template `base` of that layer, with a
+//! warm pool of `STRATA_BENCH_TTI_POOL` (0: none) sandboxes, filled before the run. Without a
+//! pool the first sandbox of the run mounts the layer (counted in the sequential max).
 //!
 //! Binaries: `strata` beside the bench executable's directory (`target/release/strata`, after
 //! `cargo build --release --bin strata`) or `STRATA_BIN`; `runc` on `PATH`. Needs root.
@@ -70,6 +71,21 @@ impl Node {
 
 impl Drop for Node {
     fn drop(&mut self) {
+        // A warm pool would refill what is removed: emptied first.
+        let _ = self
+            .cmd()
+            .args([
+                "template",
+                "set",
+                "base",
+                "--layer",
+                "base/debian:12",
+                "--pool",
+                "0",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
         let ids: Vec<String> = serde_json::from_str::<serde_json::Value>(&String::from_utf8_lossy(
             &self
                 .cmd()
@@ -106,6 +122,21 @@ impl Drop for Node {
             }
             let _ = d.kill();
             let _ = d.wait();
+        }
+        // Containers left behind (a daemon stopped while sandboxes ran keeps them).
+        let runc_root = self.dir.path().join("run/runc");
+        for e in std::fs::read_dir(&runc_root)
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let _ = Command::new("runc")
+                .arg("--root")
+                .arg(&runc_root)
+                .args(["delete", "--force"])
+                .arg(e.file_name())
+                .stderr(Stdio::null())
+                .status();
         }
         let run = self.dir.path().join("run").to_string_lossy().into_owned();
         for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
@@ -193,9 +224,29 @@ fn main() {
             .expect("api.addr")
             .trim()
     );
-    node.ok(&["template", "set", "base", "--layer", "base/debian:12"]);
+    let pool: u32 = std::env::var("STRATA_BENCH_TTI_POOL")
+        .ok()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0);
+    node.ok(&[
+        "template",
+        "set",
+        "base",
+        "--layer",
+        "base/debian:12",
+        "--pool",
+        &pool.to_string(),
+    ]);
+    if pool > 0 {
+        let deadline = Instant::now() + Duration::from_secs(300);
+        let want = format!("{pool} wanted, {pool} ready");
+        while !node.ok(&["sandbox", "pool", "ls"]).contains(&want) {
+            assert!(Instant::now() < deadline, "the pool never filled");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
     println!(
-        "e2b_tti: strata {}, node {url}, {} CPUs",
+        "e2b_tti: strata {}, node {url}, pool {pool}, {} CPUs",
         node.bin.display(),
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
