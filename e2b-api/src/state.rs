@@ -290,10 +290,8 @@ impl Api {
     pub fn init_pid(&self, id: &str) -> Result<u32> {
         let info = self
             .manager
-            .list()
-            .into_iter()
-            .find(|s| s.id == id)
-            .ok_or_else(|| Error::NotFound(format!("sandbox {id} was not found")))?;
+            .info(id)
+            .map_err(|_| Error::NotFound(format!("sandbox {id} was not found")))?;
         match (info.state, info.pid) {
             (sandbox_runtime::proto::SandboxState::Running, Some(pid)) => Ok(pid),
             _ => Err(Error::Conflict(format!("sandbox {id} is not running"))),

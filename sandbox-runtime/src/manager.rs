@@ -816,6 +816,11 @@ impl Manager {
         Ok(sb.info())
     }
 
+    /// One sandbox, as `ls` shows it (a map lookup).
+    pub fn info(&self, id: &str) -> Result<SandboxInfo> {
+        Ok(self.get(id)?.info())
+    }
+
     /// Every sandbox, by id.
     pub fn list(&self) -> Vec<SandboxInfo> {
         let all: Vec<Arc<Sandbox>> = self
