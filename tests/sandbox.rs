@@ -95,14 +95,51 @@ fn run_ok(mut c: Command) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
+/// The layers' directory: `/var/tmp/strata-sandbox-layers-<pid>-XXXXXX`.
+const LAYERS_PREFIX: &str = "strata-sandbox-layers-";
+static LAYERS_DIR: OnceLock<PathBuf> = OnceLock::new();
+
+extern "C" fn remove_layers() {
+    if let Some(d) = LAYERS_DIR.get() {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+/// Remove the layers' directories of test binaries that died without exiting (killed).
+fn sweep_stale_layers() {
+    let Ok(rd) = std::fs::read_dir("/var/tmp") else {
+        return;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(LAYERS_PREFIX))
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
 fn layers() -> Option<&'static Layers> {
     static L: OnceLock<Option<Layers>> = OnceLock::new();
     L.get_or_init(|| {
         let base = debian_root()?;
+        sweep_stale_layers();
         let dir = tempfile::Builder::new()
-            .prefix("strata-sandbox-layers")
+            .prefix(&format!("{LAYERS_PREFIX}{}-", std::process::id()))
             .tempdir_in("/var/tmp")
             .unwrap();
+        // A static is never dropped: the directory goes when the test binary exits.
+        let _ = LAYERS_DIR.set(dir.path().to_owned());
+        // SAFETY: `remove_layers` is an `extern "C" fn()` that only reads a static set
+        // before this call; atexit(3) runs it once at exit(3), on the exiting thread.
+        unsafe { libc::atexit(remove_layers) };
         let store = dir.path().join("store");
         // The workspace: a real source tree (this repository's storage core) and a task.
         let workspace = dir.path().join("workspace");

@@ -124,6 +124,9 @@ impl Descriptor {
     }
 }
 
+/// Retries of a busy device lock, 10 ms apart (see `DirLock::acquire`).
+const LOCK_RETRIES: u32 = 20;
+
 /// An exclusive hold on a device directory (released when dropped).
 #[derive(Debug)]
 pub struct DirLock {
@@ -142,17 +145,28 @@ impl DirLock {
             .truncate(false)
             .open(&path)
             .map_err(|e| Error::io("open", &path, e))?;
-        // SAFETY: flock on a valid, open descriptor; no memory is passed.
-        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-        if rc != 0 {
+        // A lock just released can still be held for a moment by a child that another thread
+        // of this process is spawning (the child holds copies of every descriptor until its
+        // exec closes them): a few short retries before calling the device busy.
+        let mut tries = 0;
+        loop {
+            // SAFETY: flock on a valid, open descriptor; no memory is passed.
+            let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+            if rc == 0 {
+                break;
+            }
             let e = std::io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+                return Err(Error::io("flock", &path, e));
+            }
+            tries += 1;
+            if tries > LOCK_RETRIES {
                 return Err(Error::Busy {
                     path: dir.to_owned(),
                     what: "another process has this device open (strata bd serve?)".into(),
                 });
             }
-            return Err(Error::io("flock", &path, e));
+            std::thread::sleep(std::time::Duration::from_millis(10));
         }
         Ok(Self {
             _file: file,
