@@ -9,7 +9,6 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 const BASE: &str = "base/debian:12";
@@ -19,26 +18,6 @@ const API_KEY: &str = "strata-test-key-0123456789";
 
 fn strata_bin() -> &'static str {
     env!("CARGO_BIN_EXE_strata")
-}
-
-fn debian_root() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("STRATA_TEST_DEBIAN_ROOT") {
-        return Some(p.into());
-    }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/debian-base.sh");
-    let out = Command::new(script)
-        .stderr(Stdio::inherit())
-        .output()
-        .ok()?;
-    out.status
-        .success()
-        .then(|| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
-}
-
-/// The Debian root, found once per test binary.
-fn base_root() -> Option<&'static PathBuf> {
-    static R: OnceLock<Option<PathBuf>> = OnceLock::new();
-    R.get_or_init(debian_root).as_ref()
 }
 
 fn sdk_version() -> Option<String> {
@@ -71,7 +50,7 @@ fn ready(test: &str) -> bool {
             "the e2b SDK 2.63.0 is not in {VENV_PYTHON}'s virtualenv (found {:?})",
             sdk_version()
         ))
-    } else if base_root().is_none() {
+    } else if common::debian_root().is_none() {
         Some("no Debian base root (scripts/debian-base.sh failed)".to_owned())
     } else {
         None
@@ -118,7 +97,7 @@ impl Node {
         node.ok(&[
             "layer",
             "build",
-            &base_root().unwrap().to_string_lossy(),
+            &common::debian_root().unwrap().to_string_lossy(),
             "--name",
             BASE,
         ]);

@@ -28,21 +28,6 @@ fn strata_bin() -> &'static str {
     env!("CARGO_BIN_EXE_strata")
 }
 
-/// The Debian root (built once by the script, then cached under /var/cache/strata).
-fn debian_root() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("STRATA_TEST_DEBIAN_ROOT") {
-        return Some(p.into());
-    }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/debian-base.sh");
-    let out = Command::new(script)
-        .stderr(Stdio::inherit())
-        .output()
-        .ok()?;
-    out.status
-        .success()
-        .then(|| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
-}
-
 /// Whether sandboxes can run here: root, runc, the Debian base. Otherwise a loud
 /// SKIPPED line (and a failure under CI, which installs all of them).
 fn ready(test: &str) -> bool {
@@ -129,7 +114,7 @@ fn sweep_stale_layers() {
 fn layers() -> Option<&'static Layers> {
     static L: OnceLock<Option<Layers>> = OnceLock::new();
     L.get_or_init(|| {
-        let base = debian_root()?;
+        let base = common::debian_root()?;
         sweep_stale_layers();
         let dir = tempfile::Builder::new()
             .prefix(&format!("{LAYERS_PREFIX}{}-", std::process::id()))
@@ -177,7 +162,11 @@ fn layers() -> Option<&'static Layers> {
             .arg(toolkit.join("opt/tool/bin/tool"))
             .status()
             .unwrap();
-        for (tree, name) in [(&base, BASE), (&workspace, WORKSPACE), (&toolkit, TOOLKIT)] {
+        for (tree, name) in [
+            (base, BASE),
+            (workspace.as_path(), WORKSPACE),
+            (toolkit.as_path(), TOOLKIT),
+        ] {
             let mut c = Command::new(strata_bin());
             c.env("STRATA_HOME", dir.path().join("home"))
                 .arg("--store")
@@ -894,7 +883,7 @@ fn a_hostile_root_inside_reaches_nothing_of_the_node() {
         "ioctls not all EPERM: {}",
         text(&o.stderr)
     );
-    let base = debian_root().unwrap();
+    let base = common::debian_root().unwrap();
     let host_bash = std::fs::read(base.join("usr/bin/bash")).unwrap();
     node.sh_ok(&a, "cp /bin/true /bin/bash && echo replaced");
     assert_eq!(

@@ -821,15 +821,19 @@ impl Manager {
         Ok(self.get(id)?.info())
     }
 
-    /// Every sandbox, by id.
-    pub fn list(&self) -> Vec<SandboxInfo> {
-        let all: Vec<Arc<Sandbox>> = self
-            .sandboxes
+    /// The sandboxes now (a snapshot: the table's lock is not held after).
+    fn all(&self) -> Vec<Arc<Sandbox>> {
+        self.sandboxes
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .values()
             .cloned()
-            .collect();
+            .collect()
+    }
+
+    /// Every sandbox, by id.
+    pub fn list(&self) -> Vec<SandboxInfo> {
+        let all = self.all();
         let mut v: Vec<SandboxInfo> = all.iter().map(|s| s.info()).collect();
         v.sort_by(|a, b| a.id.cmp(&b.id));
         v
@@ -1097,13 +1101,7 @@ impl Manager {
 
     /// Remove sandboxes idle past their timeout.
     async fn reap_idle(&self) {
-        let all: Vec<Arc<Sandbox>> = self
-            .sandboxes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .values()
-            .cloned()
-            .collect();
+        let all = self.all();
         for sb in all {
             let Some(t) = sb.record().idle_timeout_s else {
                 continue;
