@@ -60,6 +60,7 @@
 use std::path::PathBuf;
 
 pub mod layer;
+mod merge;
 pub mod ondisk;
 pub mod reader;
 mod source;
@@ -67,7 +68,7 @@ pub mod tar;
 mod writer;
 
 pub use layer::{build_layer, build_layer_from, LayerOptions, LayerStats};
-pub use reader::{DeviceInfo, DirEntry, FileType, Image, Inode};
+pub use reader::{DeviceInfo, DirEntry, Extent, FileType, Image, Inode, Location};
 pub use source::{Phase, Progress, ProgressSnapshot, Source, TarOptions};
 pub use writer::{build_image, build_image_from, BuildOptions, BuildStats};
 

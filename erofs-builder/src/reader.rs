@@ -156,6 +156,36 @@ pub struct Inode {
     xattr_icount: u16,
 }
 
+/// Where one piece of a regular file's data lives (see [`Image::data_map`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Location {
+    /// Not stored: reads as zeros (a hole chunk).
+    Hole,
+    /// In the image itself, at this byte offset.
+    Image(u64),
+    /// On extra device `device` (1 = the first entry of the device table: a layer's data
+    /// blob), at this byte offset of that device.
+    Device {
+        /// Device id (1-based index into the device table).
+        device: u16,
+        /// Byte offset in the device.
+        offset: u64,
+    },
+}
+
+/// A run of a regular file's bytes `[file_offset, file_offset + len)` and where they are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Extent {
+    /// Offset in the file.
+    pub file_offset: u64,
+    /// Bytes in the run.
+    pub len: u64,
+    /// Where the run starts.
+    pub location: Location,
+}
+
 /// A directory entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DirEntry {
@@ -517,6 +547,138 @@ impl Image {
             done = buf.len();
         }
         Ok(done)
+    }
+
+    /// Where `ino`'s data lives, in file order: runs in the image, on an extra device (a
+    /// layer's blob: chunk `i` of a chunk-based file is at `startblk * block size` of its
+    /// device), or holes. Adjacent chunks that are contiguous on one device are merged into
+    /// one run, so a reader can fetch a file in a few ranged reads. Every index read is
+    /// bounds-checked against the image; nothing is read from the devices.
+    pub fn data_map(&self, ino: &Inode) -> Result<Vec<Extent>> {
+        let mut out: Vec<Extent> = Vec::new();
+        if ino.size == 0 {
+            return Ok(out);
+        }
+        let bs = self.block_size();
+        let base = u64::from(ino.raw_blkaddr) << self.blkszbits;
+        match ino.datalayout {
+            DATALAYOUT_FLAT_PLAIN => out.push(Extent {
+                file_offset: 0,
+                len: ino.size,
+                location: Location::Image(base),
+            }),
+            DATALAYOUT_FLAT_INLINE => {
+                let blocks = ino.size - ino.size % bs;
+                if blocks > 0 {
+                    out.push(Extent {
+                        file_offset: 0,
+                        len: blocks,
+                        location: Location::Image(base),
+                    });
+                }
+                let tail = ino.size - blocks;
+                if tail > 0 {
+                    let pos = ino.pos + ino.isize + self.xattr_size(ino);
+                    if pos % bs + tail > bs {
+                        return Err(corrupt(format!(
+                            "nid {}: inline data crosses a block boundary",
+                            ino.nid
+                        )));
+                    }
+                    out.push(Extent {
+                        file_offset: blocks,
+                        len: tail,
+                        location: Location::Image(pos),
+                    });
+                }
+            }
+            DATALAYOUT_CHUNK_BASED => self.chunk_map(ino, &mut out)?,
+            other => {
+                return Err(Error::Unsupported(format!(
+                    "nid {}: data layout {other}",
+                    ino.nid
+                )))
+            }
+        }
+        Ok(out)
+    }
+
+    fn chunk_map(&self, ino: &Inode, out: &mut Vec<Extent>) -> Result<()> {
+        let format = (ino.raw_blkaddr & 0xffff) as u16;
+        if format & !(ondisk::CHUNK_FORMAT_BLKBITS_MASK | ondisk::CHUNK_FORMAT_INDEXES) != 0 {
+            return Err(Error::Unsupported(format!(
+                "nid {}: chunk format {format:#x}",
+                ino.nid
+            )));
+        }
+        let chunkbits = u32::from(self.blkszbits) + u32::from(format & 0x1f);
+        if chunkbits > 48 {
+            return Err(corrupt(format!("nid {}: chunk bits {chunkbits}", ino.nid)));
+        }
+        let indexes = format & ondisk::CHUNK_FORMAT_INDEXES != 0;
+        let unit: u64 = if indexes { 8 } else { 4 };
+        let start = (ino.pos + ino.isize + self.xattr_size(ino)).next_multiple_of(unit);
+        let chunk = 1u64 << chunkbits;
+        let n = ino.size.div_ceil(chunk);
+        // Bounded by the image length before allocating.
+        let table = self.read_vec(
+            start,
+            n.checked_mul(unit)
+                .ok_or_else(|| corrupt("chunk index overflow"))?,
+        )?;
+        for (i, raw) in table.chunks_exact(unit as usize).enumerate() {
+            let file_offset = i as u64 * chunk;
+            let len = (ino.size - file_offset).min(chunk);
+            let (dev, blk) = if indexes {
+                let e = ChunkIndex::read_from_bytes(raw).map_err(|_| corrupt("chunk index"))?;
+                (e.device_id.get() & self.device_id_mask, e.startblk_lo.get())
+            } else {
+                (0, u32::from_le_bytes([raw[0], raw[1], raw[2], raw[3]]))
+            };
+            let location = if blk == NULL_ADDR {
+                Location::Hole
+            } else if dev == 0 {
+                Location::Image(u64::from(blk) << self.blkszbits)
+            } else {
+                if usize::from(dev) > self.device_table.len() {
+                    return Err(corrupt(format!(
+                        "nid {}: device id {dev} not in the device table",
+                        ino.nid
+                    )));
+                }
+                Location::Device {
+                    device: dev,
+                    offset: u64::from(blk) << self.blkszbits,
+                }
+            };
+            if let Some(last) = out.last_mut() {
+                let follows = match (last.location, location) {
+                    (Location::Hole, Location::Hole) => true,
+                    (Location::Image(a), Location::Image(b)) => a + last.len == b,
+                    (
+                        Location::Device {
+                            device: d1,
+                            offset: a,
+                        },
+                        Location::Device {
+                            device: d2,
+                            offset: b,
+                        },
+                    ) => d1 == d2 && a + last.len == b,
+                    _ => false,
+                };
+                if follows && last.len % chunk == 0 {
+                    last.len += len;
+                    continue;
+                }
+            }
+            out.push(Extent {
+                file_offset,
+                len,
+                location,
+            });
+        }
+        Ok(())
     }
 
     /// Streams all of `ino`'s data into `w`; returns the byte count.

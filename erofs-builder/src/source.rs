@@ -15,6 +15,8 @@
 //!   directory, at a 4 KiB-aligned offset, zero blocks and sparse holes left unwritten. The
 //!   writer then copies from the spool. The spool has no name, so nothing is left behind,
 //!   whatever happens.
+//! * [`Source::TarStack`]: several layer tar streams, lowest first, each read as above into
+//!   one spool, their trees merged with overlay semantics before layout.
 
 use std::fs::File;
 use std::io::Read;
@@ -32,6 +34,10 @@ pub enum Source {
     OverlayUpper(PathBuf),
     /// A layer tar stream: plain, gzip or zstd (detected from the first bytes).
     Tar(Box<dyn Read + Send>),
+    /// A stack of layer tar streams, lowest first, merged into one tree as an overlayfs
+    /// mount of them would show it: whiteouts and opaque directories applied across layers,
+    /// none left in the result (see `crate::merge`). Each stream is read once, in order.
+    TarStack(Vec<Box<dyn Read + Send>>),
 }
 
 impl Source {
@@ -53,6 +59,7 @@ impl std::fmt::Debug for Source {
             Source::Dir(p) => f.debug_tuple("Dir").field(p).finish(),
             Source::OverlayUpper(p) => f.debug_tuple("OverlayUpper").field(p).finish(),
             Source::Tar(_) => f.write_str("Tar(..)"),
+            Source::TarStack(v) => write!(f, "TarStack({} layers)", v.len()),
         }
     }
 }

@@ -375,23 +375,44 @@ fn base64_decode(s: &[u8]) -> Option<Vec<u8>> {
 }
 
 /// The tree being assembled (an arena; index 0 is the root).
-struct TInode {
-    path: Vec<u8>,
-    kind: TKind,
+pub(crate) struct TInode {
+    pub(crate) path: Vec<u8>,
+    pub(crate) kind: TKind,
     /// Permission bits (incl. setuid/setgid/sticky).
-    perm: u16,
-    uid: u32,
-    gid: u32,
-    mtime: i64,
-    nsec: u32,
-    xattrs: Vec<Xattr>,
-    size: u64,
-    rdev: u32,
-    spool: Option<u64>,
-    opaque: bool,
+    pub(crate) perm: u16,
+    pub(crate) uid: u32,
+    pub(crate) gid: u32,
+    pub(crate) mtime: i64,
+    pub(crate) nsec: u32,
+    pub(crate) xattrs: Vec<Xattr>,
+    pub(crate) size: u64,
+    pub(crate) rdev: u32,
+    pub(crate) spool: Option<u64>,
+    pub(crate) opaque: bool,
+    /// A directory implied by a path, not an entry of the archive: when layers are merged
+    /// ([`crate::merge`]) it does not replace the attributes of the directory beneath.
+    pub(crate) implied: bool,
 }
 
-enum TKind {
+impl TInode {
+    /// Whether this is an overlay whiteout (a character device 0:0).
+    pub(crate) fn is_whiteout(&self) -> bool {
+        matches!(self.kind, TKind::Special(ft::CHR)) && self.rdev == 0
+    }
+
+    /// Takes the attributes (not the children, kind or opaque flag) of `other`.
+    pub(crate) fn take_attributes(&mut self, other: &mut TInode) {
+        self.perm = other.perm;
+        self.uid = other.uid;
+        self.gid = other.gid;
+        self.mtime = other.mtime;
+        self.nsec = other.nsec;
+        self.xattrs = std::mem::take(&mut other.xattrs);
+        self.implied = false;
+    }
+}
+
+pub(crate) enum TKind {
     Dir(BTreeMap<Vec<u8>, usize>),
     Reg,
     Symlink(Vec<u8>),
@@ -426,6 +447,7 @@ impl<'a> Builder<'a> {
             rdev: 0,
             spool: None,
             opaque: false,
+            implied: true,
         }
     }
 
@@ -540,13 +562,8 @@ impl<'a> Builder<'a> {
         if let (Some(i), TKind::Dir(_)) = (old, &inode.kind) {
             if matches!(self.inodes[i].kind, TKind::Dir(_)) {
                 // Directory over directory: attributes only.
-                let o = &mut self.inodes[i];
-                o.perm = inode.perm;
-                o.uid = inode.uid;
-                o.gid = inode.gid;
-                o.mtime = inode.mtime;
-                o.nsec = inode.nsec;
-                o.xattrs = inode.xattrs;
+                let mut inode = inode;
+                self.inodes[i].take_attributes(&mut inode);
                 return Ok(());
             }
         }
@@ -672,12 +689,26 @@ pub(crate) fn read_tar(
     opts: &BuildOptions,
     progress: &ProgressGuard<'_>,
 ) -> Result<Vec<Node>> {
+    let (inodes, end) = read_tree(input, spool, 0, opts, progress)?;
+    spool.set_len(end).map_err(io_err("size the tar spool"))?;
+    Ok(flatten(inodes))
+}
+
+/// Reads one tar stream into an arena tree (index 0: the root), file data into `spool` from
+/// `spool_start` on (4 KiB aligned); returns the arena and the end of the spool used.
+pub(crate) fn read_tree(
+    input: Box<dyn Read + Send>,
+    spool: &File,
+    spool_start: u64,
+    opts: &BuildOptions,
+    progress: &ProgressGuard<'_>,
+) -> Result<(Vec<TInode>, u64)> {
     let (r, compressed) = decompress(input)?;
     let mut s = Stream { r, pos: 0 };
     let mut b = Builder {
         inodes: Vec::new(),
         spool,
-        spool_end: 0,
+        spool_end: spool_start,
         opts,
         buf: vec![0u8; 1 << 20],
     };
@@ -831,10 +862,7 @@ pub(crate) fn read_tar(
         let stop = s.pos.saturating_add(16 << 20);
         while s.pos < stop && s.fill(&mut buf, b"")? > 0 {}
     }
-    spool
-        .set_len(b.spool_end)
-        .map_err(io_err("size the tar spool"))?;
-    Ok(flatten(b.inodes))
+    Ok((b.inodes, b.spool_end))
 }
 
 /// The xattr a `SCHILY.xattr.NAME` or `LIBARCHIVE.xattr.NAME` record sets, if it is one.
@@ -1053,6 +1081,7 @@ fn add_entry(b: &mut Builder<'_>, s: &mut Stream, mut e: Entry, off: u64) -> Res
         rdev: 0,
         spool: None,
         opaque: false,
+        implied: false,
     };
     match typeflag {
         _ if whiteout => {
@@ -1166,7 +1195,7 @@ fn add_entry(b: &mut Builder<'_>, s: &mut Stream, mut e: Entry, off: u64) -> Res
 
 /// Turns the arena into the writer's nodes: breadth first from the root, children in name
 /// order, each inode once (hard links counted in `nlink`), unreachable inodes dropped.
-fn flatten(mut inodes: Vec<TInode>) -> Vec<Node> {
+pub(crate) fn flatten(mut inodes: Vec<TInode>) -> Vec<Node> {
     let mut map = vec![usize::MAX; inodes.len()];
     let mut nodes = Vec::new();
     let make = |t: &mut TInode, parent: usize| -> Node {

@@ -256,6 +256,14 @@ pub(crate) fn build(
                 Some(spool),
             )
         }
+        Source::TarStack(layers) => {
+            let dir = opts.tar.temp_dir.clone().unwrap_or_else(|| dir_of(out));
+            let spool = create_spool(&dir)?;
+            (
+                crate::merge::read_tar_stack(layers, &spool, opts, &progress)?,
+                Some(spool),
+            )
+        }
     };
     let (epoch, epoch_nsec) = opts.epoch.unwrap_or((nodes[0].mtime, nodes[0].mtime_nsec));
     let total_blocks = layout(&mut nodes, epoch, epoch_nsec, blob.is_some())?;
