@@ -6,6 +6,7 @@
 mod bd_cmd;
 mod build_cmd;
 mod cache_cmd;
+mod image_cmd;
 mod node_cmd;
 mod sandbox_cmd;
 mod template_cmd;
@@ -58,6 +59,9 @@ enum Command {
     /// The node's chunk cache.
     #[command(subcommand)]
     Cache(CacheCmd),
+    /// OCI images: import an OCI image layout or a docker save archive as a layer stack.
+    #[command(subcommand)]
+    Image(image_cmd::ImageCmd),
     /// Build a full EROFS image (all data inside) from a directory, a layer tar (--tar) or an
     /// overlay upper (--upper); the argument order of `mkfs.erofs`. The kernel mounts it
     /// directly (file-backed).
@@ -191,6 +195,10 @@ enum LayerCmd {
         #[arg(long)]
         no_xattrs: bool,
     },
+    /// Export a stack of layers (REFs lowest first, each with its parents) as an OCI image
+    /// layout (--oci DIR or FILE.tar; one gzip/zstd layer tar per layer, whiteouts as OCI
+    /// whiteouts) or as one full EROFS image (--erofs FILE).
+    Export(image_cmd::ExportArgs),
 }
 
 fn strata_home() -> Result<PathBuf> {
@@ -774,6 +782,10 @@ async fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Bd(cmd) => bd_cmd::run(cmd, &store, &cli.cache, &home, cli.json).await?,
+        Command::Image(cmd) => image_cmd::run(cmd, &store, &home, cli.json).await?,
+        Command::Layer(LayerCmd::Export(args)) => {
+            image_cmd::export(args, &store, &home, cli.json).await?
+        }
         Command::Daemon(_)
         | Command::FuseHolder { .. }
         | Command::Mount(_)

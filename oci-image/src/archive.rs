@@ -51,6 +51,23 @@ pub fn normalize(name: &str, strict: bool) -> Result<String> {
     Ok(out.join("/"))
 }
 
+/// `target` resolved lexically from the directory `dir` of the archive; `None` if it climbs
+/// above the archive's root.
+fn resolve_link(dir: &str, target: &str) -> Option<String> {
+    let mut out: Vec<&str> = dir.split('/').filter(|c| !c.is_empty()).collect();
+    for c in target.split('/') {
+        match c {
+            "" | "." => {}
+            ".." => {
+                out.pop()?;
+            }
+            c if c.contains('\0') => return None,
+            c => out.push(c),
+        }
+    }
+    Some(out.join("/"))
+}
+
 #[derive(Debug, Clone)]
 enum Entry {
     File { offset: u64, size: u64 },
@@ -424,7 +441,9 @@ impl Layout {
                                 return Err(invalid(name, "an absolute symlink"));
                             }
                             let dir = cur.rsplit_once('/').map_or("", |(d, _)| d);
-                            cur = normalize(&format!("{dir}/{target}"), false)?;
+                            cur = resolve_link(dir, target).ok_or_else(|| {
+                                invalid(name, "a symlink that leaves the archive")
+                            })?;
                         }
                         Entry::Hardlink(target) => cur = target.clone(),
                     }
@@ -484,6 +503,8 @@ mod tests {
         assert!(normalize("/etc/passwd", true).is_err());
         assert_eq!(normalize("/etc/passwd", false).unwrap(), "etc/passwd");
         assert!(normalize("a\0b", false).is_err());
+        assert_eq!(resolve_link("c", "../a/layer.tar").unwrap(), "a/layer.tar");
+        assert!(resolve_link("c", "../../etc/passwd").is_none());
     }
 
     #[test]

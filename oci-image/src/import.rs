@@ -167,15 +167,35 @@ impl Checked {
     }
 
     /// Reads what the builder left, then checks size, digest and diff_id; returns
-    /// (compressed bytes, tar bytes).
-    fn verify(&self) -> Result<(u64, u64)> {
-        let mut s = self.stream.lock().unwrap_or_else(|e| e.into_inner());
-        std::io::copy(&mut *s, &mut std::io::sink()).map_err(|e| Error::Invalid {
-            what: self.what.clone(),
-            reason: format!("cannot read to its end: {e}"),
-        })?;
+    /// (compressed bytes, tar bytes). A stream that cannot be read to its end (a corrupt
+    /// gzip or zstd stream) is explained by its blob's digest when that is wrong.
+    fn verify(&self, plan: &ImagePlan) -> Result<(u64, u64)> {
+        let drained = {
+            let mut s = self.stream.lock().unwrap_or_else(|e| e.into_inner());
+            std::io::copy(&mut *s, &mut std::io::sink())
+        };
+        if let Err(e) = drained {
+            self.recheck(plan)?;
+            return Err(Error::Invalid {
+                what: self.what.clone(),
+                reason: format!("cannot read to its end: {e}"),
+            });
+        }
         let raw = self.raw.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let plain = self.plain.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        self.check_raw(&raw)?;
+        let actual = plain.finish();
+        if actual != self.plan.diff_id {
+            return Err(Error::DigestMismatch {
+                what: format!("{} uncompressed (the config's diff_id)", self.what),
+                expected: self.plan.diff_id.to_string(),
+                actual: actual.to_string(),
+            });
+        }
+        Ok((raw.bytes, plain.bytes))
+    }
+
+    fn check_raw(&self, raw: &Hashing) -> Result<()> {
         if let Some(size) = self.plan.size {
             if raw.bytes != size {
                 return Err(Error::SizeMismatch {
@@ -195,15 +215,28 @@ impl Checked {
                 });
             }
         }
-        let actual = plain.finish();
-        if actual != self.plan.diff_id {
-            return Err(Error::DigestMismatch {
-                what: format!("{} uncompressed (the config's diff_id)", self.what),
-                expected: self.plan.diff_id.to_string(),
-                actual: actual.to_string(),
-            });
+        Ok(())
+    }
+
+    /// On the error path: hashes the whole blob again, so that a damaged blob is reported
+    /// as the digest or size mismatch it is rather than as the tar or decompression error
+    /// it caused.
+    fn recheck(&self, plan: &ImagePlan) -> Result<()> {
+        let (mut r, _) = plan
+            .layout
+            .open_file(&self.plan.path, self.plan.follow_links)?;
+        let mut h = Hashing::default();
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = r
+                .read(&mut buf)
+                .map_err(io_err(format!("read {}", self.what)))?;
+            if n == 0 {
+                break;
+            }
+            h.update(&buf[..n]);
         }
-        Ok((raw.bytes, plain.bytes))
+        self.check_raw(&h)
     }
 }
 
@@ -231,10 +264,15 @@ pub fn build_layers(plan: &ImagePlan, opts: &ImportOptions) -> Result<Vec<BuiltL
             Source::TarStack(checked.iter().map(Checked::reader).collect())
         };
         let (meta, blob) = (work.join("flat.meta"), work.join("flat.blob"));
-        let stats = erofs_builder::build_layer_from(source, &meta, &blob, &lopts)?;
+        let stats = erofs_builder::build_layer_from(source, &meta, &blob, &lopts).map_err(|e| {
+            checked
+                .iter()
+                .find_map(|c| c.recheck(plan).err())
+                .unwrap_or(Error::Build(e))
+        })?;
         let (mut compressed, mut tar) = (0, 0);
         for c in &checked {
-            let (a, b) = c.verify()?;
+            let (a, b) = c.verify(plan)?;
             compressed += a;
             tar += b;
         }
@@ -255,15 +293,12 @@ pub fn build_layers(plan: &ImagePlan, opts: &ImportOptions) -> Result<Vec<BuiltL
             work.join(format!("layer-{i}.blob")),
         );
         let stats = erofs_builder::build_layer_from(Source::Tar(c.reader()), &meta, &blob, &lopts)
-            .map_err(|e| match e {
-                // A digest failure explains a broken stream better than the tar error.
-                e @ erofs_builder::Error::Io { .. } => Error::Build(e),
-                e => match c.verify() {
-                    Err(v) => v,
-                    Ok(_) => Error::Build(e),
-                },
+            .map_err(|e| match c.recheck(plan) {
+                // A damaged blob explains a broken stream better than the tar error.
+                Err(v) => v,
+                Ok(()) => Error::Build(e),
             })?;
-        let (compressed_bytes, tar_bytes) = c.verify()?;
+        let (compressed_bytes, tar_bytes) = c.verify(plan)?;
         out.push(BuiltLayer {
             meta,
             blob,
