@@ -16,6 +16,7 @@ debs=(
     runc                                           # sandboxes: the OCI runtime
     debootstrap                                    # the Debian base layer of the sandbox tests
     iproute2 nftables                              # sandbox networks (veth, egress allowlists)
+    skopeo umoci                                   # judges of OCI export/import (tests/oci.rs)
 )
 "$(dirname "$0")/apt-ensure.sh" install-test-deps "${debs[@]}"
 

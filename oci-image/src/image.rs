@@ -185,11 +185,17 @@ pub fn open_image(path: &Path, opts: &OpenOptions) -> Result<ImagePlan> {
     let temp = crate::temp_dir_or(opts.temp_dir.as_ref());
     let layout = Layout::open(path, &temp)?;
     let abs = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    plan_layout(layout, &abs, opts)
+}
+
+/// [`open_image`] for a layout already opened; `path` names it in messages and sources.
+pub fn plan_layout(layout: Layout, path: &Path, opts: &OpenOptions) -> Result<ImagePlan> {
+    let abs = path;
     if layout.exists("oci-layout") {
-        return open_oci(layout, &abs, opts);
+        return open_oci(layout, abs, opts);
     }
     if layout.exists("manifest.json") {
-        return open_docker(layout, &abs, opts);
+        return open_docker(layout, abs, opts);
     }
     Err(invalid(
         path.display().to_string(),

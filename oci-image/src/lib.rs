@@ -197,11 +197,26 @@ pub(crate) fn invalid(what: impl Into<String>, reason: impl Into<String>) -> Err
 }
 
 /// Parses `data` as each JSON document of a layout (oci-layout, index, manifest, config,
-/// docker manifest.json) and as an image archive, ignoring the results: it must return
-/// without a panic or an unbounded allocation. For the `oci_layout` fuzz target.
+/// docker manifest.json), and as an image archive (a plain tar, in an unnamed file in
+/// `scratch`) that is then planned as an import (index → manifest → config → layers, every
+/// document read checked), ignoring the results: it must return without a panic or an
+/// unbounded allocation. For the `oci_layout` fuzz target.
 pub fn fuzz_parse(data: &[u8], scratch: &std::path::Path) {
+    use std::io::Write;
     image::fuzz_documents(data);
-    let _ = archive::Archive::from_reader(std::io::Cursor::new(data.to_vec()), scratch);
+    let Ok(mut f) = tempfile::tempfile_in(scratch) else {
+        return;
+    };
+    if f.write_all(data).is_err() {
+        return;
+    }
+    if let Ok(a) = archive::Archive::from_plain_file(f) {
+        let _ = image::plan_layout(
+            archive::Layout::Archive(a),
+            std::path::Path::new("fuzz"),
+            &OpenOptions::default(),
+        );
+    }
 }
 
 /// Where temporary files go when the caller gives no directory.
