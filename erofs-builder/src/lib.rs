@@ -6,7 +6,8 @@
 //! files ([`build_layer_from`], see [`layer`]) from any [`Source`]: a directory tree, an
 //! overlayfs upper directory (whiteouts and opaque directories kept, overlay bookkeeping
 //! xattrs dropped, `redirect`/`metacopy` refused), or an OCI/Docker layer tar stream (plain,
-//! gzip or zstd; ustar, GNU and PAX; OCI whiteouts become overlayfs whiteouts; see [`tar`]).
+//! gzip or zstd; ustar, GNU and PAX; OCI whiteouts become overlayfs whiteouts; see [`tar`]),
+//! or a stack of layer tars merged with overlay semantics ([`Source::TarStack`]).
 //! [`build_image`] and [`build_layer`] are the directory-tree shorthands. It reads images
 //! back ([`Image`], [`Image::open_with_devices`] for layers), ours or `mkfs.erofs`'s. The
 //! byte layout we write, and the rules for each input, are specified in `docs/format.md`

@@ -701,3 +701,58 @@ fn whiteouts_become_overlay_whiteouts_that_hide_lower_files() {
     assert_eq!(fs::read(p("merged/stays")).unwrap(), b"lower");
     assert_eq!(fs::read(p("merged/plain")).unwrap(), b"p");
 }
+
+/// `Source::TarStack`: layers merged as overlayfs would stack them (see `docs/format.md`).
+#[test]
+fn tar_stack_merges_with_overlay_semantics() {
+    let mut dir_entry = header(b"etc/", b'5', 0, b"");
+    dir_entry[100..108].copy_from_slice(b"0000700\0");
+    fix_checksum(&mut dir_entry);
+    let lower = end([
+        dir_entry.to_vec(),
+        member(b"etc/passwd", b'0', b"root", b""),
+        member(b"etc/shadow", b'0', b"secret", b""),
+        member(b"etc/hosts", b'1', b"", b"etc/passwd"),
+        member(b"var/cache/a", b'0', b"a", b""),
+        member(b"var/cache/sub/b", b'0', b"b", b""),
+        member(b"file-then-dir", b'0', b"f", b""),
+        member(b"dir-then-file/x", b'0', b"x", b""),
+    ]
+    .concat());
+    let upper = end([
+        // etc/ only implied here: its 0700 mode from below stays.
+        member(b"etc/.wh.passwd", b'0', b"", b""),
+        member(b"etc/new", b'0', b"new", b""),
+        member(b"var/cache/.wh..wh..opq", b'0', b"", b""),
+        member(b"var/cache/c", b'0', b"c", b""),
+        member(b"file-then-dir/y", b'0', b"y", b""),
+        member(b"dir-then-file", b'0', b"now a file", b""),
+        member(b".wh.nothing-below", b'0', b"", b""),
+    ]
+    .concat());
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("img.erofs");
+    let src = Source::TarStack(vec![
+        Box::new(Cursor::new(lower)) as Box<dyn std::io::Read + Send>,
+        Box::new(Cursor::new(upper)),
+    ]);
+    build_image_from(src, &out, &BuildOptions::default()).unwrap();
+    let img = Image::open(&out).unwrap();
+    let etc = img.lookup("etc").unwrap();
+    assert_eq!(etc.mode & 0o7777, 0o700, "an implied directory keeps the lower's mode");
+    assert!(img.lookup("etc/passwd").is_err(), "whited out");
+    let hosts = img.lookup("etc/hosts").unwrap();
+    assert_eq!(hosts.nlink, 1, "the other name of the hard link stays, alone");
+    assert_eq!(img.read_data(&hosts).unwrap(), b"root");
+    assert_eq!(img.read_data(&img.lookup("etc/new").unwrap()).unwrap(), b"new");
+    assert!(img.lookup("var/cache/a").is_err() && img.lookup("var/cache/sub").is_err());
+    assert_eq!(img.read_data(&img.lookup("var/cache/c").unwrap()).unwrap(), b"c");
+    assert!(img.xattrs(&img.lookup("var/cache").unwrap()).unwrap().is_empty());
+    assert_eq!(
+        img.lookup("file-then-dir").unwrap().file_type,
+        erofs_builder::FileType::Directory
+    );
+    let f = img.lookup("dir-then-file").unwrap();
+    assert_eq!(img.read_data(&f).unwrap(), b"now a file");
+    assert!(img.lookup("nothing-below").is_err(), "no whiteout is left");
+}

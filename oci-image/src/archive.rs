@@ -481,7 +481,9 @@ fn open_beneath(dir: &rustix::fd::OwnedFd, name: &str) -> std::io::Result<File> 
     let fd = rustix::fs::openat2(
         dir,
         name,
-        OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NOCTTY,
+        // NONBLOCK: a fifo planted in the layout must not hang the open (the file is then
+        // refused as not regular).
+        OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NOCTTY | OFlags::NONBLOCK,
         Mode::empty(),
         ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
     )

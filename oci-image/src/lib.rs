@@ -223,3 +223,77 @@ pub fn fuzz_parse(data: &[u8], scratch: &std::path::Path) {
 pub(crate) fn temp_dir_or(dir: Option<&PathBuf>) -> PathBuf {
     dir.cloned().unwrap_or_else(std::env::temp_dir)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tarw::{EntryType, Header, TarWriter};
+
+    /// A small valid layout archive, then thousands of mutations of it through the fuzz
+    /// entry point: nothing panics, and the scratch directory stays empty.
+    #[test]
+    fn mutated_archives_never_panic() {
+        let layer = {
+            let mut t = TarWriter::new(Vec::new());
+            let mut h = Header::new("f", EntryType::File);
+            h.size = 1;
+            t.append(&h).unwrap();
+            t.data(b"x").unwrap();
+            t.finish().unwrap()
+        };
+        let ld = Sha256Digest::of(&layer);
+        let config = format!(
+            r#"{{"architecture":"amd64","os":"linux","rootfs":{{"type":"layers","diff_ids":["{ld}"]}}}}"#
+        );
+        let cd = Sha256Digest::of(config.as_bytes());
+        let manifest = format!(
+            r#"{{"schemaVersion":2,"config":{{"mediaType":"application/vnd.oci.image.config.v1+json","digest":"{cd}","size":{}}},"layers":[{{"mediaType":"application/vnd.oci.image.layer.v1.tar","digest":"{ld}","size":{}}}]}}"#,
+            config.len(),
+            layer.len()
+        );
+        let md = Sha256Digest::of(manifest.as_bytes());
+        let index = format!(
+            r#"{{"schemaVersion":2,"manifests":[{{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"{md}","size":{}}}]}}"#,
+            manifest.len()
+        );
+        let mut t = TarWriter::new(Vec::new());
+        for (name, data) in [
+            ("oci-layout".to_string(), br#"{"imageLayoutVersion":"1.0.0"}"#.to_vec()),
+            ("index.json".to_string(), index.into_bytes()),
+            (md.blob_path(), manifest.into_bytes()),
+            (cd.blob_path(), config.into_bytes()),
+            (ld.blob_path(), layer),
+        ] {
+            let mut h = Header::new(name.as_bytes(), EntryType::File);
+            h.size = data.len() as u64;
+            t.append(&h).unwrap();
+            t.data(&data).unwrap();
+        }
+        let archive = t.finish().unwrap();
+        let scratch = tempfile::tempdir().unwrap();
+        // The unmutated archive plans.
+        let f = tempfile::tempfile_in(scratch.path()).unwrap();
+        std::io::Write::write_all(&mut &f, &archive).unwrap();
+        let a = archive::Archive::from_plain_file(f).unwrap();
+        let plan = image::plan_layout(
+            archive::Layout::Archive(a),
+            std::path::Path::new("x"),
+            &OpenOptions::default(),
+        )
+        .unwrap();
+        assert_eq!(plan.layers.len(), 1);
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        for _ in 0..3000 {
+            let mut m = archive.clone();
+            for _ in 0..1 + (x % 4) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let i = (x as usize) % m.len();
+                m[i] = (x >> 32) as u8;
+            }
+            fuzz_parse(&m, scratch.path());
+        }
+        assert_eq!(std::fs::read_dir(scratch.path()).unwrap().count(), 0);
+    }
+}
