@@ -739,15 +739,31 @@ fn tar_stack_merges_with_overlay_semantics() {
     build_image_from(src, &out, &BuildOptions::default()).unwrap();
     let img = Image::open(&out).unwrap();
     let etc = img.lookup("etc").unwrap();
-    assert_eq!(etc.mode & 0o7777, 0o700, "an implied directory keeps the lower's mode");
+    assert_eq!(
+        etc.mode & 0o7777,
+        0o700,
+        "an implied directory keeps the lower's mode"
+    );
     assert!(img.lookup("etc/passwd").is_err(), "whited out");
     let hosts = img.lookup("etc/hosts").unwrap();
-    assert_eq!(hosts.nlink, 1, "the other name of the hard link stays, alone");
+    assert_eq!(
+        hosts.nlink, 1,
+        "the other name of the hard link stays, alone"
+    );
     assert_eq!(img.read_data(&hosts).unwrap(), b"root");
-    assert_eq!(img.read_data(&img.lookup("etc/new").unwrap()).unwrap(), b"new");
+    assert_eq!(
+        img.read_data(&img.lookup("etc/new").unwrap()).unwrap(),
+        b"new"
+    );
     assert!(img.lookup("var/cache/a").is_err() && img.lookup("var/cache/sub").is_err());
-    assert_eq!(img.read_data(&img.lookup("var/cache/c").unwrap()).unwrap(), b"c");
-    assert!(img.xattrs(&img.lookup("var/cache").unwrap()).unwrap().is_empty());
+    assert_eq!(
+        img.read_data(&img.lookup("var/cache/c").unwrap()).unwrap(),
+        b"c"
+    );
+    assert!(img
+        .xattrs(&img.lookup("var/cache").unwrap())
+        .unwrap()
+        .is_empty());
     assert_eq!(
         img.lookup("file-then-dir").unwrap().file_type,
         erofs_builder::FileType::Directory

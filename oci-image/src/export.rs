@@ -443,25 +443,7 @@ pub fn write_layout(
         let part = blobs.join(format!(".layer-{i}"));
         let f = File::create(&part).map_err(io_err(format!("create {}", part.display())))?;
         let outer = HashWriter::new(BufWriter::with_capacity(1 << 20, f));
-        let (outer, plain, stats) = match opts.compression {
-            LayerCompression::Gzip => {
-                let enc = flate2::GzBuilder::new()
-                    .mtime(0)
-                    .write(outer, flate2::Compression::new(6));
-                let (w, stats) = write_layer_tar(l, HashWriter::new(enc))?;
-                let plain = w.hash.clone();
-                let outer = w.into_inner().finish().map_err(io_err("finish gzip"))?;
-                (outer, plain, stats)
-            }
-            LayerCompression::Zstd => {
-                let enc =
-                    zstd::stream::write::Encoder::new(outer, 3).map_err(io_err("start zstd"))?;
-                let (w, stats) = write_layer_tar(l, HashWriter::new(enc))?;
-                let plain = w.hash.clone();
-                let outer = w.into_inner().finish().map_err(io_err("finish zstd"))?;
-                (outer, plain, stats)
-            }
-        };
+        let (outer, plain, stats) = compress_layer(l, outer, opts.compression)?;
         let digest = outer.hash.finish();
         let size = outer.hash.bytes;
         let mut f = outer.into_inner();
@@ -530,6 +512,92 @@ pub fn write_layout(
     Ok(LayoutStats {
         manifest: md.to_string(),
         layers: exported,
+    })
+}
+
+/// A writer that hands 1 MiB pieces to another thread (see [`compress_layer`]).
+struct ChanWriter {
+    tx: std::sync::mpsc::SyncSender<Vec<u8>>,
+    buf: Vec<u8>,
+}
+
+const PIECE: usize = 1 << 20;
+
+impl ChanWriter {
+    fn send(&mut self) -> std::io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let piece = std::mem::replace(&mut self.buf, Vec::with_capacity(PIECE));
+        self.tx
+            .send(piece)
+            .map_err(|_| std::io::Error::other("the compressor stopped"))
+    }
+}
+
+impl Write for ChanWriter {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        let n = b.len().min(PIECE - self.buf.len());
+        self.buf.extend_from_slice(&b[..n]);
+        if self.buf.len() == PIECE {
+            self.send()?;
+        }
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.send()
+    }
+}
+
+type Blob = HashWriter<BufWriter<File>>;
+
+/// Writes layer `l`'s tar compressed into `out`, in two threads: this one walks the layer,
+/// reads its data and hashes the tar (the diff_id); the other compresses and hashes the
+/// blob. Returns the blob writer, the tar's hash and the tar's stats.
+fn compress_layer(
+    l: &ExportLayer<'_>,
+    out: Blob,
+    c: LayerCompression,
+) -> Result<(Blob, crate::digest::Hashing, LayerTarStats)> {
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(4);
+    std::thread::scope(|s| {
+        let compressor = s.spawn(move || -> std::io::Result<Blob> {
+            match c {
+                LayerCompression::Gzip => {
+                    let mut enc = flate2::GzBuilder::new()
+                        .mtime(0)
+                        .write(out, flate2::Compression::new(6));
+                    for piece in rx {
+                        enc.write_all(&piece)?;
+                    }
+                    enc.finish()
+                }
+                LayerCompression::Zstd => {
+                    let mut enc = zstd::stream::write::Encoder::new(out, 3)?;
+                    for piece in rx {
+                        enc.write_all(&piece)?;
+                    }
+                    enc.finish()
+                }
+            }
+        });
+        let chan = ChanWriter {
+            tx,
+            buf: Vec::with_capacity(PIECE),
+        };
+        let produced = write_layer_tar(l, HashWriter::new(chan));
+        // Dropping the sender (with the writer) ends the compressor's loop.
+        let produced = produced.map(|(w, stats)| (w.hash.clone(), stats));
+        let compressed = compressor
+            .join()
+            .map_err(|_| Error::Unsupported("the compressor thread panicked".into()))?
+            .map_err(io_err(format!("compress the tar of {}", l.name)));
+        match (produced, compressed) {
+            (Ok((plain, stats)), Ok(blob)) => Ok((blob, plain, stats)),
+            // The compressor's own error explains a "compressor stopped" on this side.
+            (Err(_), Err(e)) | (Ok(_), Err(e)) => Err(e),
+            (Err(e), Ok(_)) => Err(e),
+        }
     })
 }
 

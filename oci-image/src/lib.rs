@@ -258,7 +258,10 @@ mod tests {
         );
         let mut t = TarWriter::new(Vec::new());
         for (name, data) in [
-            ("oci-layout".to_string(), br#"{"imageLayoutVersion":"1.0.0"}"#.to_vec()),
+            (
+                "oci-layout".to_string(),
+                br#"{"imageLayoutVersion":"1.0.0"}"#.to_vec(),
+            ),
             ("index.json".to_string(), index.into_bytes()),
             (md.blob_path(), manifest.into_bytes()),
             (cd.blob_path(), config.into_bytes()),
