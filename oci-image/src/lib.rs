@@ -81,7 +81,8 @@
 //! Entries are written depth first, each directory's children in name-byte order; the root
 //! first. The layout: `oci-layout`, `index.json` (one manifest, tagged
 //! `org.opencontainers.image.ref.name`), `blobs/sha256/` holding the layers (gzip level 6
-//! or zstd level 3, one thread, no timestamps in headers), the config (`rootfs.diff_ids` =
+//! or zstd level 3, one stream, compressed by a second thread while the first walks the
+//! layer; no timestamps in the gzip header), the config (`rootfs.diff_ids` =
 //! sha256 of each uncompressed tar, one `history` entry per layer naming it, `created` =
 //! the top layer's manifest time) and the manifest. The output is a pure function of the
 //! stored layers and the options: exporting twice gives the same bytes. It appears
