@@ -551,27 +551,73 @@ impl Write for ChanWriter {
 
 type Blob = HashWriter<BufWriter<File>>;
 
-/// Writes layer `l`'s tar compressed into `out`, in two threads: this one walks the layer,
-/// reads its data and hashes the tar (the diff_id); the other compresses and hashes the
-/// blob. Returns the blob writer, the tar's hash and the tar's stats.
+/// Uncompressed bytes per gzip member.
+const GZIP_MEMBER: usize = 8 << 20;
+
+/// One gzip member (level 6, mtime 0) of `data`.
+fn gzip_member(data: &[u8]) -> std::io::Result<Vec<u8>> {
+    let mut enc = flate2::GzBuilder::new().mtime(0).write(
+        Vec::with_capacity(data.len() / 3),
+        flate2::Compression::new(6),
+    );
+    enc.write_all(data)?;
+    enc.finish()
+}
+
+/// gzip as a sequence of members, one per [`GZIP_MEMBER`] bytes of input, two compressed at
+/// a time on two threads and written in order. The member boundaries depend only on the
+/// input, so the output is deterministic; every gzip reader (RFC 1952, Go's, `gzip -d`)
+/// reads concatenated members as one stream.
+fn gzip_members(rx: std::sync::mpsc::Receiver<Vec<u8>>, mut out: Blob) -> std::io::Result<Blob> {
+    let mut pieces = rx.into_iter().peekable();
+    let mut next_block = || -> Option<Vec<u8>> {
+        pieces.peek()?;
+        let mut block = Vec::with_capacity(GZIP_MEMBER);
+        while block.len() < GZIP_MEMBER {
+            match pieces.next() {
+                Some(p) => block.extend_from_slice(&p),
+                None => break,
+            }
+        }
+        Some(block)
+    };
+    let mut wrote = false;
+    while let Some(a) = next_block() {
+        let b = next_block();
+        let (ca, cb) = std::thread::scope(|s| {
+            let other = b.as_ref().map(|b| s.spawn(move || gzip_member(b)));
+            let ca = gzip_member(&a);
+            let cb = other.map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(std::io::Error::other("a gzip thread panicked")))
+            });
+            (ca, cb)
+        });
+        out.write_all(&ca?)?;
+        if let Some(cb) = cb {
+            out.write_all(&cb?)?;
+        }
+        wrote = true;
+    }
+    if !wrote {
+        out.write_all(&gzip_member(b"")?)?;
+    }
+    Ok(out)
+}
+
+/// Writes layer `l`'s tar compressed into `out`: this thread walks the layer, reads its
+/// data and hashes the tar (the diff_id); another compresses (gzip: two members at a time,
+/// see [`gzip_members`]) and hashes the blob. Returns the blob writer, the tar's hash and the tar's stats.
 fn compress_layer(
     l: &ExportLayer<'_>,
     out: Blob,
     c: LayerCompression,
 ) -> Result<(Blob, crate::digest::Hashing, LayerTarStats)> {
-    let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(4);
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(2 * GZIP_MEMBER / PIECE);
     std::thread::scope(|s| {
         let compressor = s.spawn(move || -> std::io::Result<Blob> {
             match c {
-                LayerCompression::Gzip => {
-                    let mut enc = flate2::GzBuilder::new()
-                        .mtime(0)
-                        .write(out, flate2::Compression::new(6));
-                    for piece in rx {
-                        enc.write_all(&piece)?;
-                    }
-                    enc.finish()
-                }
+                LayerCompression::Gzip => gzip_members(rx, out),
                 LayerCompression::Zstd => {
                     let mut enc = zstd::stream::write::Encoder::new(out, 3)?;
                     for piece in rx {

@@ -80,9 +80,9 @@
 //!
 //! Entries are written depth first, each directory's children in name-byte order; the root
 //! first. The layout: `oci-layout`, `index.json` (one manifest, tagged
-//! `org.opencontainers.image.ref.name`), `blobs/sha256/` holding the layers (gzip level 6
-//! or zstd level 3, one stream, compressed by a second thread while the first walks the
-//! layer; no timestamps in the gzip header), the config (`rootfs.diff_ids` =
+//! `org.opencontainers.image.ref.name`), `blobs/sha256/` holding the layers (zstd level 3 as one
+//! frame, or gzip level 6 as one member per 8 MiB of tar, two members compressed at a time;
+//! compression runs beside the thread that walks the layer; no timestamps in gzip headers), the config (`rootfs.diff_ids` =
 //! sha256 of each uncompressed tar, one `history` entry per layer naming it, `created` =
 //! the top layer's manifest time) and the manifest. The output is a pure function of the
 //! stored layers and the options: exporting twice gives the same bytes. It appears
