@@ -109,18 +109,42 @@ pub async fn push_stack(
 }
 
 /// The manifests of the stack `refs` name, lowest first: each REF preceded by its
-/// `parents` (the stack beneath it), each layer once (first place kept).
+/// `parents` (the stack beneath it, lowest first), each layer once (first place kept). A
+/// parent's own parents are brought along too (a layer that names only its immediate parent
+/// still exports whole); a cycle of parents is refused.
 pub async fn resolve_stack(store: &Store, refs: &[LayerRef]) -> Result<Vec<Manifest>> {
     let mut out: Vec<Manifest> = Vec::new();
     for r in refs {
-        let m = store.manifest(r).await?;
-        for p in &m.parents {
-            if !out.iter().any(|o| &o.layer == p) {
-                out.push(store.manifest(p).await?);
+        // Depth first, parents before the layer; `path` holds the layers being expanded.
+        let mut work: Vec<(LayerRef, bool)> = vec![(r.clone(), false)];
+        let mut path: Vec<LayerRef> = Vec::new();
+        let mut fetched: Vec<Manifest> = Vec::new();
+        while let Some((l, expanded)) = work.pop() {
+            if expanded {
+                path.pop();
+                if let Some(i) = fetched.iter().position(|m| m.layer == l) {
+                    let m = fetched.swap_remove(i);
+                    if !out.iter().any(|o| o.layer == m.layer) {
+                        out.push(m);
+                    }
+                }
+                continue;
             }
-        }
-        if !out.iter().any(|o| o.layer == m.layer) {
-            out.push(m);
+            if out.iter().any(|o| o.layer == l) {
+                continue;
+            }
+            if path.contains(&l) || path.len() > 4096 {
+                return Err(Error::Unsupported(format!(
+                    "the parents of {r} form a cycle through {l}"
+                )));
+            }
+            let m = store.manifest(&l).await?;
+            path.push(l.clone());
+            work.push((l, true));
+            for p in m.parents.iter().rev() {
+                work.push((p.clone(), false));
+            }
+            fetched.push(m);
         }
     }
     Ok(out)
@@ -231,4 +255,48 @@ pub async fn open_layers(
         out.push(StoredLayer::open(store, cache, m).await?);
     }
     Ok(Arc::new(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn stacks_resolve_lowest_first_with_every_ancestor() {
+        let store = Store::new(Arc::new(fs_cache::MemoryBackend::new()));
+        let push = |name: &str, parents: &[&str]| {
+            let mut m = Manifest::new(name.parse().unwrap(), None, vec![], "test".into());
+            m.parents = parents.iter().map(|p| p.parse().unwrap()).collect();
+            m
+        };
+        for m in [
+            push("base/a:1", &[]),
+            push("base/b:1", &["base/a:1"]),
+            push("base/c:1", &["base/b:1"]),
+            push("base/d:1", &["base/a:1", "base/b:1"]),
+            push("base/x:1", &["base/y:1"]),
+            push("base/y:1", &["base/x:1"]),
+        ] {
+            store.push_manifest(&m).await.unwrap();
+        }
+        let names = |v: Vec<Manifest>| -> Vec<String> {
+            v.into_iter().map(|m| m.layer.to_string()).collect()
+        };
+        let r = |s: &str| -> LayerRef { s.parse().unwrap() };
+        assert_eq!(
+            names(resolve_stack(&store, &[r("base/c:1")]).await.unwrap()),
+            ["base/a:1", "base/b:1", "base/c:1"]
+        );
+        assert_eq!(
+            names(
+                resolve_stack(&store, &[r("base/a:1"), r("base/d:1")])
+                    .await
+                    .unwrap()
+            ),
+            ["base/a:1", "base/b:1", "base/d:1"]
+        );
+        let e = resolve_stack(&store, &[r("base/x:1")]).await.unwrap_err();
+        assert!(e.to_string().contains("cycle"), "{e}");
+        assert!(resolve_stack(&store, &[r("base/nope:1")]).await.is_err());
+    }
 }
