@@ -93,6 +93,9 @@ enum Command {
     /// rm, warm pools.
     #[command(subcommand)]
     Sandbox(sandbox_cmd::SandboxCmd),
+    /// Pack a sandbox's changes (its upper, residue stripped, checked for its secrets) into a
+    /// new layer whose parents are the sandbox's stack.
+    PackDiff(sandbox_cmd::PackArgs),
     /// Templates of the E2B API (`templateID` → a layer stack), kept by the node daemon.
     #[command(subcommand)]
     Template(template_cmd::TemplateCmd),
@@ -457,6 +460,12 @@ async fn run(cli: Cli) -> Result<()> {
             .await
             .context("the sandbox command's thread")?;
         }
+        Command::PackDiff(args) => {
+            let json = cli.json;
+            return tokio::task::spawn_blocking(move || sandbox_cmd::pack(args, json))
+                .await
+                .context("the pack command's thread")?;
+        }
         Command::Template(cmd) => {
             let cache = cli.cache.clone();
             let json = cli.json;
@@ -781,6 +790,7 @@ async fn run(cli: Cli) -> Result<()> {
         | Command::Status(_)
         | Command::Warm(_)
         | Command::Sandbox(_)
+        | Command::PackDiff(_)
         | Command::Template(_) => {
             anyhow::bail!("internal: node commands are dispatched before the store is opened")
         }
