@@ -612,6 +612,19 @@ async fn run(cli: Cli) -> Result<()> {
                 for p in &m.parents {
                     println!("parent:   {p}");
                 }
+                if let Some(b) = &m.built_by {
+                    println!(
+                        "built by: sandbox {} on {} (machine id {}){}",
+                        b.sandbox,
+                        b.node,
+                        b.identity,
+                        if b.secret_names.is_empty() {
+                            String::new()
+                        } else {
+                            format!(", secrets {} (checked absent)", b.secret_names.join(" "))
+                        }
+                    );
+                }
                 println!("total:    {}", human(m.total_size()));
             }
         }
