@@ -584,6 +584,9 @@ impl Manager {
                     r.init_start = started;
                     r.create_ms = create_ms;
                 })?;
+                // The keys are made by an exec, which takes the lifecycle lock itself.
+                drop(_life);
+                self.new_host_keys(&sb).await;
                 Ok(sb.info())
             }
             Err(e) => {
@@ -858,6 +861,37 @@ impl Manager {
         let mut v: Vec<SandboxInfo> = all.iter().map(|s| s.info()).collect();
         v.sort_by(|a, b| a.id.cmp(&b.id));
         v
+    }
+
+    /// SSH host keys of its own for a sandbox whose stack has an SSH server but no host keys
+    /// (`pack-diff` strips them: each sandbox of a packed layer makes its own), with the
+    /// stack's `ssh-keygen -A`. Nothing for any other stack (three confined lookups). A
+    /// failure is logged: the sandbox runs, its SSH server would not start.
+    async fn new_host_keys(&self, sb: &Sandbox) {
+        let root = sb.rootfs();
+        let wants = crate::files::exists(&root, "/etc/ssh/sshd_config")
+            && crate::files::exists(&root, "/usr/bin/ssh-keygen")
+            && !["ed25519", "ecdsa", "rsa"]
+                .iter()
+                .any(|t| crate::files::exists(&root, &format!("/etc/ssh/ssh_host_{t}_key")));
+        if !wants {
+            return;
+        }
+        let req = ExecRequest {
+            id: sb.id.clone(),
+            args: vec!["/usr/bin/ssh-keygen".into(), "-A".into()],
+            timeout_ms: Some(60_000),
+            ..ExecRequest::default()
+        };
+        match self.exec(req).await {
+            Ok(e) => {
+                let r = e.wait().await;
+                if r.exit_code != Some(0) {
+                    tracing::warn!("sandbox {}: ssh-keygen -A: {r:?}", sb.id);
+                }
+            }
+            Err(e) => tracing::warn!("sandbox {}: ssh-keygen -A: {e}", sb.id),
+        }
     }
 
     /// Where sandbox `sb`'s upper directory is.

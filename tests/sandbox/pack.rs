@@ -171,7 +171,7 @@ fn clone(e: &Entry) -> Entry {
 /// A real Debian package: a tool, a conffile, docs, and a postinst that adds a system user.
 fn make_deb(dir: &Path) -> PathBuf {
     let root = dir.join("greet");
-    for d in ["DEBIAN", "usr/bin", "etc", "usr/share/doc/greet"] {
+    for d in ["DEBIAN", "usr/bin", "etc/ssh", "usr/share/doc/greet"] {
         std::fs::create_dir_all(root.join(d)).unwrap();
     }
     let write = |p: &str, text: &str, mode: u32| {
@@ -196,6 +196,14 @@ fn make_deb(dir: &Path) -> PathBuf {
         0o755,
     );
     write("etc/greet.conf", "GREETING='hello from greet'\n", 0o644);
+    // An SSH server's configuration and a stand-in for its key generator (the base has no
+    // OpenSSH): what the runtime must run for every sandbox of a stack without host keys.
+    write("etc/ssh/sshd_config", "Port 22\n", 0o644);
+    write(
+        "usr/bin/ssh-keygen",
+        "#!/bin/sh\n[ \"$1\" = -A ] || exit 2\nfor t in ed25519 rsa; do\n  od -An -N16 -tx1 /dev/urandom > /etc/ssh/ssh_host_${t}_key\ndone\n",
+        0o755,
+    );
     write("usr/share/doc/greet/README", "greet: says hello\n", 0o644);
     let deb = dir.join("greet_1.0_all.deb");
     let mut c = Command::new("dpkg-deb");
@@ -251,6 +259,9 @@ fn a_build_session_packs_into_a_layer_that_stacks_back_to_the_same_tree() {
          touch /srv/.wh.sneaky",
     );
     assert_eq!(node.sh_ok(&id, "greet"), "hello from greet\n");
+    // As an SSH server's installation would: host keys of the builder's own.
+    node.sh_ok(&id, "ssh-keygen -A");
+    let builder_key = node.sh_ok(&id, "cat /etc/ssh/ssh_host_ed25519_key");
     let inspect = node.json(&["sandbox", "inspect", &id]);
     let builder_root = PathBuf::from(inspect["rootfs"].as_str().unwrap());
     let builder_id = node.sh_ok(&id, "cat /etc/machine-id");
@@ -304,6 +315,8 @@ fn a_build_session_packs_into_a_layer_that_stacks_back_to_the_same_tree() {
         "/var/tmp/scratch",
         "/etc/machine-id",
         "/run/secrets",
+        "/etc/ssh/ssh_host_ed25519_key",
+        "/etc/ssh/ssh_host_rsa_key",
     ] {
         assert!(stripped.contains(&p), "{p} not stripped: {stripped:?}");
     }
@@ -361,6 +374,7 @@ fn a_build_session_packs_into_a_layer_that_stacks_back_to_the_same_tree() {
         "/var/lib/apt/lists/local_Packages",
         "/etc/machine-id",
         "/run/secrets",
+        "/etc/ssh/ssh_host_ed25519_key",
     ] {
         assert!(!got.contains_key(p), "{p} is in the packed stack");
         assert!(want.contains_key(p), "{p} was not in the builder's tree");
@@ -390,6 +404,12 @@ fn a_build_session_packs_into_a_layer_that_stacks_back_to_the_same_tree() {
             "test -e /run/secrets/answer || echo none; ls /srv/app"
         ),
         "none\nblob.bin\nfifo\nhardlink.o\nlib\nlink\n"
+    );
+    let user_key = node.sh_ok(&user, "cat /etc/ssh/ssh_host_ed25519_key");
+    assert_eq!(user_key.trim().len(), 47, "{user_key:?}");
+    assert_ne!(
+        user_key, builder_key,
+        "the builder's host key reached a sandbox of its layer"
     );
     let user_id = node.sh_ok(&user, "cat /etc/machine-id");
     assert_ne!(user_id, builder_id);
