@@ -25,8 +25,13 @@
 //!   itself, but all instances still agree on the same nodes).
 //! - `pow-k`: k distinct random nodes, the least loaded of them. Randomness spreads the
 //!   instances' choices; with k = 2 the gap above the mean is O(log log n).
-//! - `pow-k+overlay`: with the overlay, an instance's own burst is balanced exactly on top of
-//!   the snapshot; several instances add independent balanced allocations.
+//! - `pow-k+overlay`: with the overlay, an instance's own burst is balanced on top of the
+//!   snapshot. With m instances on one snapshot each sees the same holes in it; counting
+//!   its own placements once, each would fill them whole (m times too much, then all avoid
+//!   the overshoot together at the next snapshot: a feedback of gain −(m − 1)). So the
+//!   overlay counts [`PlacerConfig::overlay_weight`] times, m in a fleet of m instances:
+//!   together they fill each hole about once (measured in the simulator: at 4 instances and
+//!   a 1 s snapshot, weight 1 ends a 32K burst at max/mean 1.04–1.10, weight 4 at 1.02–1.03).
 //! - `pow-k+overlay+locality` ([`Locality`]): the k random candidates plus the top layer's
 //!   rendezvous-hashed home nodes, scored load × (1 − bonus × cached fraction). The bonus is
 //!   bounded (a cached node wins only while its load is within 1 / (1 − bonus) of the

@@ -7,7 +7,7 @@ use std::time::Duration;
 use crate::admission::Refusal;
 use crate::model::{NodeId, Request, Snapshot, Time};
 use crate::overlay::Overlay;
-use crate::policy::{Policy, View};
+use crate::policy::{Policy, Prepared, View};
 use crate::Error;
 
 /// How a placer uses what it knows.
@@ -71,6 +71,8 @@ pub struct Placer {
     blocked: Vec<(usize, Time)>,
     /// Scratch, aligned with the snapshot: positions not to choose for this request.
     skip: Vec<bool>,
+    /// Aligned with the snapshot: each node's limits, derived once.
+    prep: Vec<Prepared>,
     rng: fastrand::Rng,
 }
 
@@ -96,7 +98,9 @@ impl Placer {
         }
         let overlay = Overlay::new(cfg.overlay_ttl, cfg.settle, &snapshot);
         let skip = vec![false; snapshot.nodes().len()];
+        let prep = snapshot.nodes().iter().map(Prepared::of).collect();
         Ok(Placer {
+            prep,
             policy,
             cfg,
             snapshot,
@@ -138,6 +142,8 @@ impl Placer {
         self.overlay.rebase(&snapshot);
         self.skip.clear();
         self.skip.resize(snapshot.nodes().len(), false);
+        self.prep.clear();
+        self.prep.extend(snapshot.nodes().iter().map(Prepared::of));
         self.snapshot = snapshot;
     }
 
@@ -169,6 +175,7 @@ impl Placer {
             weight: self.cfg.overlay_weight,
             recent: self.cfg.overlay.then_some(self.overlay.recent.as_slice()),
             skip: &self.skip,
+            prep: &self.prep,
         };
         let pick = self.policy.pick(&view, req, &mut self.rng);
         for &(p, _) in &self.blocked {

@@ -21,6 +21,33 @@ pub struct View<'a> {
     pub(crate) weight: f64,
     pub(crate) recent: Option<&'a [Vec<crate::LayerId>]>,
     pub(crate) skip: &'a [bool],
+    pub(crate) prep: &'a [Prepared],
+}
+
+/// What a placer derives from each node of a snapshot once, when it arrives: its limits in
+/// absolute units (memory, CPU, disk, count), their inverses, and its rendezvous hash.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Prepared {
+    limit: [u64; 4],
+    inverse: [f64; 4],
+    hash: u64,
+}
+
+impl Prepared {
+    pub(crate) fn of(n: &NodeState) -> Prepared {
+        let l = &n.limits;
+        let limit = [
+            allowed(n.capacity.mem_bytes, l.mem_overcommit),
+            allowed(n.capacity.cpu_millis, l.cpu_overcommit),
+            allowed(n.capacity.disk_bytes, l.disk_overcommit),
+            u64::from(l.max_sandboxes),
+        ];
+        Prepared {
+            limit,
+            inverse: limit.map(|x| 1.0 / x.max(1) as f64),
+            hash: mix(u64::from(n.id.0)),
+        }
+    }
 }
 
 impl View<'_> {
@@ -70,41 +97,25 @@ impl View<'_> {
 
     /// The node's load once it took `req`: its dominant share (the largest of reserved
     /// memory, CPU, disk and sandbox count over what its limits allow), or `None` when it is
-    /// unavailable or its limits would refuse `req` by this view.
+    /// unavailable or its limits would refuse `req` by this view (the rule of
+    /// [`crate::Limits::check`]).
     pub fn load_after(&self, pos: usize, req: &Request<'_>) -> Option<f64> {
         if self.skip[pos] {
             return None;
         }
-        let n = &self.nodes[pos];
+        let p = &self.prep[pos];
         let (r, count) = self.reserved(pos);
-        n.limits
-            .check(&n.capacity, &r, count, &req.resources)
-            .ok()?;
-        let share = |used: u64, want: u64, cap: u64, ratio: f64| {
-            (used.saturating_add(want)) as f64 / allowed(cap, ratio).max(1) as f64
-        };
-        let l = &n.limits;
         let q = &req.resources;
-        let mem = share(
-            r.mem_bytes,
-            q.mem_bytes,
-            n.capacity.mem_bytes,
-            l.mem_overcommit,
-        );
-        let cpu = share(
-            r.cpu_millis,
-            q.cpu_millis,
-            n.capacity.cpu_millis,
-            l.cpu_overcommit,
-        );
-        let disk = share(
-            r.disk_bytes,
-            q.disk_bytes,
-            n.capacity.disk_bytes,
-            l.disk_overcommit,
-        );
-        let cnt = f64::from(count.saturating_add(1)) / f64::from(l.max_sandboxes.max(1));
-        Some(mem.max(cpu).max(disk).max(cnt))
+        let have = [r.mem_bytes, r.cpu_millis, r.disk_bytes, u64::from(count)];
+        let need = [q.mem_bytes, q.cpu_millis, q.disk_bytes, 1];
+        let mut share = 0f64;
+        for j in 0..4 {
+            if need[j] > p.limit[j].saturating_sub(have[j]) {
+                return None;
+            }
+            share = share.max(have[j].saturating_add(need[j]) as f64 * p.inverse[j]);
+        }
+        Some(share)
     }
 
     /// The fraction of `req`'s layer bytes the node at `pos` has cached (by the snapshot), or
@@ -339,7 +350,7 @@ impl Policy for Locality {
                 if !view.available(i) {
                     continue;
                 }
-                let w = mix(key.id.0 ^ mix(u64::from(view.node(i).id.0)));
+                let w = mix(key.id.0 ^ view.prep[i].hash);
                 if self.top.len() < self.homes {
                     self.top.push((w, i));
                 } else if let Some(min) = self.top.iter_mut().min_by_key(|(w, _)| *w) {
