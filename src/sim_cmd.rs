@@ -16,7 +16,7 @@ pub enum SimCmd {
     /// refusals, retries, the placer's speed, layer-cache hits, per policy. With ranges for
     /// --instances and --snapshot-age it varies one at a time around (4 instances, 1 s)
     /// (or the first value of each when those are not in the ranges).
-    Placement(PlacementArgs),
+    Placement(Box<PlacementArgs>),
     /// The literature's reference points with the same policies: n balls into n bins
     /// (n = 1,000) and Mitzenmacher's supermarket model with a board refreshed every 10
     /// service times at 90% load.
@@ -92,7 +92,7 @@ pub struct AnchorArgs {
 
 pub fn run(cmd: SimCmd, json: bool) -> Result<()> {
     match cmd {
-        SimCmd::Placement(a) => placement_cmd(a, json),
+        SimCmd::Placement(a) => placement_cmd(*a, json),
         SimCmd::Anchors(a) => anchors_cmd(a, json),
     }
 }

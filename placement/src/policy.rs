@@ -234,19 +234,27 @@ pub struct PowerOfK {
 }
 
 impl PowerOfK {
-    /// `k` ≥ 1 choices.
+    /// `k` in 1..=[`MAX_K`] choices.
     pub fn new(k: usize) -> Result<PowerOfK, Error> {
-        if k == 0 {
-            return Err(Error::Invalid {
-                what: "k",
-                why: "power-of-k needs k ≥ 1".into(),
-            });
-        }
+        check_k(k)?;
         Ok(PowerOfK {
             k,
             seen: Vec::with_capacity(k),
         })
     }
+}
+
+/// The most choices a power-of-k policy samples (a larger k is a scan, and costs memory).
+pub const MAX_K: usize = 1024;
+
+fn check_k(k: usize) -> Result<(), Error> {
+    if k == 0 || k > MAX_K {
+        return Err(Error::Invalid {
+            what: "k",
+            why: format!("power-of-k needs 1 ≤ k ≤ {MAX_K}, not {k}"),
+        });
+    }
+    Ok(())
 }
 
 /// Sample up to `k` distinct available positions into `seen` (bounded tries).
@@ -304,12 +312,14 @@ pub struct Locality {
 }
 
 impl Locality {
-    /// `k` ≥ 1 random choices, `homes` hashed ones, a bonus in [0, 1).
+    /// `k` in 1..=[`MAX_K`] random choices, up to [`MAX_K`] hashed ones, a bonus in
+    /// [0, 1).
     pub fn new(k: usize, homes: usize, bonus: f64) -> Result<Locality, Error> {
-        if k == 0 {
+        check_k(k)?;
+        if homes > MAX_K {
             return Err(Error::Invalid {
-                what: "k",
-                why: "power-of-k needs k ≥ 1".into(),
+                what: "homes",
+                why: format!("{homes} is more than {MAX_K}"),
             });
         }
         if !(0.0..1.0).contains(&bonus) {

@@ -141,8 +141,8 @@ impl SimConfig {
         if self.instances == 0 || self.instances > 1024 {
             return bad("instances", "must be in 1..=1024");
         }
-        if self.burst > 10_000_000 {
-            return bad("burst", "at most 10,000,000");
+        if self.burst > 1_000_000 {
+            return bad("burst", "at most 1,000,000");
         }
         if !(self.burst_rate >= 0.0 && self.burst_rate.is_finite()) {
             return bad("burst rate", "must be finite and ≥ 0");
@@ -164,6 +164,32 @@ impl SimConfig {
             return bad(
                 "durations",
                 "warm-up, snapshot age and after-burst exceed 30 days",
+            );
+        }
+        // The burst lasts at least as long as its arrivals and as its decisions take.
+        let arrivals = if self.burst_rate > 0.0 {
+            self.burst as f64 / self.burst_rate
+        } else {
+            0.0
+        };
+        let decisions = self.burst as f64 * self.place_cost.as_secs_f64() / self.instances as f64;
+        let span = self.warmup.as_secs_f64()
+            + arrivals.max(decisions)
+            + self.after_burst.as_secs_f64()
+            + 1.0;
+        if arrivals.max(decisions) > 30.0 * 24.0 * 3600.0 {
+            return bad(
+                "burst",
+                "its arrivals or decisions would last more than 30 days",
+            );
+        }
+        if (span - self.warmup.as_secs_f64()) / self.sample_every.as_secs_f64() > 10_000_000.0 {
+            return bad("sample period", "more than 10 million samples");
+        }
+        if !self.snapshot_age.is_zero() && span / self.snapshot_age.as_secs_f64() > 10_000_000.0 {
+            return bad(
+                "snapshot age",
+                "more than 10 million snapshots in the simulation",
             );
         }
         if self.warmup.as_secs_f64() * self.background_job_rate() > 50_000_000.0 {

@@ -145,6 +145,15 @@ fn bad_configurations_are_errors() {
         Box::new(|c| c.overlay_weight = Some(0.5)),
         Box::new(|c| c.workload.sizes.clear()),
         Box::new(|c| c.warmup = Duration::from_secs(365 * 24 * 3600)),
+        Box::new(|c| c.burst_rate = 1e-9),
+        Box::new(|c| c.place_cost = Duration::from_secs(3600)),
+        Box::new(|c| c.snapshot_age = Duration::from_nanos(1)),
+        Box::new(|c| c.params.k = usize::MAX),
+        Box::new(|c| {
+            c.policy = PolicyKind::PowerOfKOverlayLocality;
+            c.params.homes = 1 << 40;
+        }),
+        Box::new(|c| c.burst = 2_000_000),
     ];
     for (i, f) in cases.iter().enumerate() {
         let mut c = base.clone();
