@@ -8,6 +8,7 @@ mod build_cmd;
 mod cache_cmd;
 mod node_cmd;
 mod sandbox_cmd;
+mod sim_cmd;
 mod template_cmd;
 
 use std::io::Write;
@@ -113,6 +114,10 @@ enum Command {
     /// or ublk), commit.
     #[command(subcommand)]
     Bd(bd_cmd::BdCommand),
+    /// Simulations: placement of a burst by several instances from a stale snapshot, and
+    /// the literature's anchors.
+    #[command(subcommand)]
+    Sim(sim_cmd::SimCmd),
     /// Remove blobs that no layer references (never blobs younger than --grace).
     Gc {
         /// Keep unreferenced blobs uploaded or leased within this period (e.g. 1h, 30m).
@@ -475,6 +480,12 @@ async fn run(cli: Cli) -> Result<()> {
             .await
             .context("the template command's thread")?;
         }
+        Command::Sim(cmd) => {
+            let json = cli.json;
+            return tokio::task::spawn_blocking(move || sim_cmd::run(cmd, json))
+                .await
+                .context("the simulation's thread")?;
+        }
         other => other,
     };
     let backend = open_backend(&url).await?;
@@ -804,6 +815,7 @@ async fn run(cli: Cli) -> Result<()> {
         | Command::Warm(_)
         | Command::Sandbox(_)
         | Command::PackDiff(_)
+        | Command::Sim(_)
         | Command::Template(_) => {
             anyhow::bail!("internal: node commands are dispatched before the store is opened")
         }
