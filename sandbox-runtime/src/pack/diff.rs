@@ -474,3 +474,215 @@ fn du(p: &Path) -> (u64, u64) {
     }
     (entries, bytes)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    struct T {
+        _d: tempfile::TempDir,
+        upper: PathBuf,
+        lower: PathBuf,
+    }
+
+    fn setup() -> T {
+        let d = tempfile::tempdir().unwrap();
+        let (upper, lower) = (d.path().join("upper"), d.path().join("lower"));
+        for p in [&upper, &lower] {
+            std::fs::create_dir_all(p.join("etc")).unwrap();
+        }
+        T {
+            _d: d,
+            upper,
+            lower,
+        }
+    }
+
+    /// The same file in both, with the same mtime.
+    fn twin(t: &T, rel: &str, body: &str) {
+        for root in [&t.lower, &t.upper] {
+            std::fs::write(root.join(rel), body).unwrap();
+        }
+        let m = std::fs::metadata(t.lower.join(rel)).unwrap();
+        let f = std::fs::File::options()
+            .write(true)
+            .open(t.upper.join(rel))
+            .unwrap();
+        f.set_modified(m.modified().unwrap()).unwrap();
+    }
+
+    fn run(t: &T, secrets: &[(String, Vec<u8>)]) -> Result<Plan> {
+        let rules = Rules::new(true, None).unwrap();
+        plan(&t.upper, &t.lower, &rules, &Scanner::new(secrets).unwrap())
+    }
+
+    fn has(p: &Plan, rel: &str) -> bool {
+        !p.exclude.contains(Path::new(rel))
+    }
+
+    #[test]
+    fn unchanged_copy_ups_go_and_real_changes_stay() {
+        let t = setup();
+        twin(&t, "etc/same", "x");
+        twin(&t, "etc/touched", "x");
+        std::fs::File::options()
+            .write(true)
+            .open(t.upper.join("etc/touched"))
+            .unwrap()
+            .set_modified(std::time::SystemTime::UNIX_EPOCH)
+            .unwrap();
+        twin(&t, "etc/edited", "x");
+        {
+            // Same size and mtime, other bytes: only the contents tell.
+            let m = std::fs::metadata(t.upper.join("etc/edited")).unwrap();
+            std::fs::write(t.upper.join("etc/edited"), "y").unwrap();
+            let f = std::fs::File::options()
+                .write(true)
+                .open(t.upper.join("etc/edited"))
+                .unwrap();
+            f.set_modified(m.modified().unwrap()).unwrap();
+        }
+        twin(&t, "etc/chmodded", "x");
+        std::fs::set_permissions(
+            t.upper.join("etc/chmodded"),
+            std::fs::Permissions::from_mode(0o600),
+        )
+        .unwrap();
+        twin(&t, "etc/linked", "x");
+        std::fs::hard_link(t.upper.join("etc/linked"), t.upper.join("etc/linked2")).unwrap();
+        std::fs::write(t.upper.join("etc/new"), "n").unwrap();
+        std::fs::create_dir(t.upper.join("only")).unwrap();
+        std::fs::create_dir(t.lower.join("only")).unwrap();
+        twin(&t, "only/same", "s");
+        let p = run(&t, &[]).unwrap();
+        for gone in ["etc/same", "only/same"] {
+            assert!(!has(&p, gone), "{gone} is packed");
+        }
+        for kept in [
+            "etc/touched",
+            "etc/edited",
+            "etc/chmodded",
+            "etc/linked",
+            "etc/linked2",
+            "etc/new",
+            "etc",
+        ] {
+            assert!(has(&p, kept), "{kept} was dropped");
+        }
+        // A directory with nothing left under it and the stack's attributes goes too.
+        assert!(!has(&p, "only"), "{:?}", p.unchanged);
+        assert_eq!(p.unchanged_count, 3, "{:?}", p.unchanged);
+    }
+
+    #[test]
+    fn whiteouts_stay_only_where_the_stack_has_the_name() {
+        if !rustix::process::geteuid().is_root() {
+            println!("\n*** SKIPPED whiteouts_stay_only_where_the_stack_has_the_name: needs root (mknod) ***\n");
+            assert!(
+                std::env::var("CI").as_deref() != Ok("true"),
+                "needs root under CI"
+            );
+            return;
+        }
+        let t = setup();
+        std::fs::write(t.lower.join("etc/old"), "o").unwrap();
+        for name in ["etc/old", "etc/never"] {
+            rustix::fs::mknodat(
+                rustix::fs::CWD,
+                &t.upper.join(name),
+                rustix::fs::FileType::CharacterDevice,
+                rustix::fs::Mode::from_raw_mode(0o000),
+                0,
+            )
+            .unwrap();
+        }
+        let p = run(&t, &[]).unwrap();
+        assert!(has(&p, "etc/old"));
+        assert!(!has(&p, "etc/never"));
+        assert_eq!((p.whiteouts, p.noop_whiteouts), (2, 1));
+    }
+
+    #[test]
+    fn redirects_and_metacopies_are_refused_with_the_path() {
+        if !rustix::process::geteuid().is_root() {
+            println!("\n*** SKIPPED redirects_and_metacopies_are_refused_with_the_path: needs root (trusted xattrs) ***\n");
+            assert!(
+                std::env::var("CI").as_deref() != Ok("true"),
+                "needs root under CI"
+            );
+            return;
+        }
+        for x in ["trusted.overlay.redirect", "trusted.overlay.metacopy"] {
+            let t = setup();
+            std::fs::create_dir(t.upper.join("etc/moved")).unwrap();
+            rustix::fs::setxattr(
+                t.upper.join("etc/moved"),
+                x,
+                b"/x",
+                rustix::fs::XattrFlags::empty(),
+            )
+            .unwrap();
+            let e = run(&t, &[]).unwrap_err();
+            assert!(e.to_string().contains("/etc/moved"), "{e}");
+            assert!(e.to_string().contains(x), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_symlink_of_the_stack_is_never_followed_to_the_host() {
+        let t = setup();
+        // The stack's /host points at the host's root; the upper has a file under it that
+        // equals the host's file byte for byte. Following the link would drop it.
+        std::os::unix::fs::symlink("/", t.lower.join("host")).unwrap();
+        std::fs::create_dir_all(t.upper.join("host/etc")).unwrap();
+        let host = std::fs::read("/etc/hostname").unwrap_or_else(|_| b"h\n".to_vec());
+        std::fs::write(t.upper.join("host/etc/hostname"), &host).unwrap();
+        let p = run(&t, &[]).unwrap();
+        assert!(has(&p, "host/etc/hostname"));
+        assert!(has(&p, "host"));
+    }
+
+    #[test]
+    fn secrets_are_found_in_contents_names_targets_and_xattrs() {
+        let t = setup();
+        let secret = b"hunter2-hunter2".to_vec();
+        std::fs::write(t.upper.join("etc/conf"), b"pw=hunter2-hunter2\n").unwrap();
+        std::fs::write(t.upper.join("etc/aHVudGVyMi1odW50ZXIy"), b"").unwrap();
+        std::os::unix::fs::symlink("/x/hunter2-hunter2", t.upper.join("etc/l")).unwrap();
+        std::fs::write(t.upper.join("etc/clean"), b"nothing").unwrap();
+        rustix::fs::setxattr(
+            t.upper.join("etc/clean"),
+            "user.note",
+            hex::encode(&secret).as_bytes(),
+            rustix::fs::XattrFlags::empty(),
+        )
+        .ok();
+        // Stripped residue is not scanned: it does not enter the layer.
+        std::fs::create_dir_all(t.upper.join("tmp")).unwrap();
+        std::fs::write(t.upper.join("tmp/leak"), &secret).unwrap();
+        let p = run(&t, &[("pw".into(), secret)]).unwrap();
+        let hits: Vec<(&str, &str)> = p
+            .secrets
+            .iter()
+            .map(|h| (h.path.as_str(), h.how.as_str()))
+            .collect();
+        assert!(hits.contains(&("/etc/conf", "raw")), "{hits:?}");
+        assert!(
+            hits.contains(&("/etc/aHVudGVyMi1odW50ZXIy", "base64 in name")),
+            "{hits:?}"
+        );
+        assert!(
+            hits.contains(&("/etc/l", "raw in symlink target")),
+            "{hits:?}"
+        );
+        assert!(!hits.iter().any(|(p, _)| p.starts_with("/tmp")), "{hits:?}");
+        // tmpfs and most disks take user xattrs; where they do, the hex value is found.
+        if rustix::fs::getxattr(t.upper.join("etc/clean"), "user.note", &mut [0u8; 64]).is_ok() {
+            assert!(
+                hits.contains(&("/etc/clean", "hex in xattr user.note")),
+                "{hits:?}"
+            );
+        }
+    }
+}

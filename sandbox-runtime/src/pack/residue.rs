@@ -1,7 +1,8 @@
 //! Residue rules: what `pack-diff` leaves out of a packed layer, in gitignore syntax.
 //!
 //! Paths are matched as the sandbox sees them, rooted at its `/` (`/tmp/*` is the sandbox's
-//! `/tmp`, `__pycache__/` is any directory of that name). The defaults ([`DEFAULT_RULES`])
+//! `/tmp`, `__pycache__/` is any directory of that name; as in git, a pattern with a `/`
+//! before its end is anchored at the root, so `**/.npm/_cacache/` for any depth). The defaults ([`DEFAULT_RULES`])
 //! come first, a user's rule file (`--strip FILE`) after them, so that its lines win as in
 //! git: `!/var/lib/apt/lists/*` keeps the apt lists after all. As in git, an entry under a
 //! stripped directory cannot be brought back: the walk does not enter a stripped directory.
@@ -24,11 +25,11 @@ pub const DEFAULT_RULES: &str = r"# Temporary directories
 /var/cache/debconf/*-old
 /root/.cache/
 /home/*/.cache/
-.npm/_cacache/
-.npm/_logs/
-.cargo/registry/
-.cargo/git/
-go/pkg/mod/cache/
+**/.npm/_cacache/
+**/.npm/_logs/
+**/.cargo/registry/
+**/.cargo/git/
+**/go/pkg/mod/cache/
 .ccache/
 __pycache__/
 # Shell and REPL histories
