@@ -590,7 +590,7 @@ mod tests {
         for name in ["etc/old", "etc/never"] {
             rustix::fs::mknodat(
                 rustix::fs::CWD,
-                &t.upper.join(name),
+                t.upper.join(name),
                 rustix::fs::FileType::CharacterDevice,
                 rustix::fs::Mode::from_raw_mode(0o000),
                 0,
