@@ -183,6 +183,19 @@ impl Manager {
         Ok(out)
     }
 
+    /// Remove layer `layer` from the store (a tombstone stays; its blobs go at a gc).
+    pub async fn remove_layer(&self, layer: &str) -> Result<()> {
+        let r: LayerRef = layer
+            .parse()
+            .map_err(|e: fs_cache::Error| Error::InvalidSpec(e.to_string()))?;
+        self.node
+            .store()
+            .remove_layer(&r)
+            .await
+            .map(|_| ())
+            .map_err(|e| store_err(&format!("remove {layer}"), &e))
+    }
+
     /// Pack sandbox `req.id`'s upper into layer `req.name` (see the module docs).
     pub async fn pack_diff(&self, req: PackRequest) -> Result<PackResult> {
         let t0 = Instant::now();
