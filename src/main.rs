@@ -9,6 +9,7 @@ mod cache_cmd;
 mod image_cmd;
 mod node_cmd;
 mod sandbox_cmd;
+mod sim_cmd;
 mod template_cmd;
 
 use std::io::Write;
@@ -97,6 +98,9 @@ enum Command {
     /// rm, warm pools.
     #[command(subcommand)]
     Sandbox(sandbox_cmd::SandboxCmd),
+    /// Pack a sandbox's changes (its upper, residue stripped, checked for its secrets) into a
+    /// new layer whose parents are the sandbox's stack.
+    PackDiff(sandbox_cmd::PackArgs),
     /// Templates of the E2B API (`templateID` → a layer stack), kept by the node daemon.
     #[command(subcommand)]
     Template(template_cmd::TemplateCmd),
@@ -114,6 +118,10 @@ enum Command {
     /// or ublk), commit.
     #[command(subcommand)]
     Bd(bd_cmd::BdCommand),
+    /// Simulations: placement of a burst by several instances from a stale snapshot, and
+    /// the literature's anchors.
+    #[command(subcommand)]
+    Sim(sim_cmd::SimCmd),
     /// Remove blobs that no layer references (never blobs younger than --grace).
     Gc {
         /// Keep unreferenced blobs uploaded or leased within this period (e.g. 1h, 30m).
@@ -465,6 +473,12 @@ async fn run(cli: Cli) -> Result<()> {
             .await
             .context("the sandbox command's thread")?;
         }
+        Command::PackDiff(args) => {
+            let json = cli.json;
+            return tokio::task::spawn_blocking(move || sandbox_cmd::pack(args, json))
+                .await
+                .context("the pack command's thread")?;
+        }
         Command::Template(cmd) => {
             let cache = cli.cache.clone();
             let json = cli.json;
@@ -473,6 +487,12 @@ async fn run(cli: Cli) -> Result<()> {
             })
             .await
             .context("the template command's thread")?;
+        }
+        Command::Sim(cmd) => {
+            let json = cli.json;
+            return tokio::task::spawn_blocking(move || sim_cmd::run(cmd, json))
+                .await
+                .context("the simulation's thread")?;
         }
         other => other,
     };
@@ -610,6 +630,19 @@ async fn run(cli: Cli) -> Result<()> {
                 }
                 for p in &m.parents {
                     println!("parent:   {p}");
+                }
+                if let Some(b) = &m.built_by {
+                    println!(
+                        "built by: sandbox {} on {} (machine id {}){}",
+                        b.sandbox,
+                        b.node,
+                        b.identity,
+                        if b.secret_names.is_empty() {
+                            String::new()
+                        } else {
+                            format!(", secrets {} (checked absent)", b.secret_names.join(" "))
+                        }
+                    );
                 }
                 println!("total:    {}", human(m.total_size()));
             }
@@ -793,6 +826,8 @@ async fn run(cli: Cli) -> Result<()> {
         | Command::Status(_)
         | Command::Warm(_)
         | Command::Sandbox(_)
+        | Command::PackDiff(_)
+        | Command::Sim(_)
         | Command::Template(_) => {
             anyhow::bail!("internal: node commands are dispatched before the store is opened")
         }

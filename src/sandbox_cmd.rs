@@ -89,6 +89,15 @@ pub enum SandboxCmd {
         #[command(flatten)]
         node: NodeOpts,
     },
+    /// Pack the sandbox (to a snapshot layer) and create COUNT sandboxes from it, each with
+    /// its own fresh upper and identity; prints their ids.
+    Fork {
+        id: String,
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+        #[command(flatten)]
+        node: NodeOpts,
+    },
     /// Warm pools of ready sandboxes.
     #[command(subcommand)]
     Pool(PoolCmd),
@@ -440,6 +449,24 @@ pub fn run(cmd: SandboxCmd, store: &StoreArg, cache: &CacheOpts, json: bool) -> 
                 Ok(())
             }
         }
+        SandboxCmd::Fork { id, count, node } => {
+            let mut c = running(&node)?;
+            let f: sandbox_runtime::ForkResult = call(&mut c, &Request::SandboxFork { id, count })?;
+            if json {
+                return crate::print_json(&f);
+            }
+            eprintln!(
+                "packed {} ({} files, {}; frozen {} ms)",
+                f.pack.layer,
+                f.pack.packed_files,
+                crate::human(f.pack.packed_bytes),
+                f.pack.frozen_ms.unwrap_or(0)
+            );
+            for s in f.sandboxes {
+                println!("{}", s.id);
+            }
+            Ok(())
+        }
         SandboxCmd::Pool(PoolCmd::Ls { node }) => {
             let mut c = running(&node)?;
             let v: Vec<PoolInfo> = call(&mut c, &Request::SandboxPoolLs {})?;
@@ -603,5 +630,78 @@ fn follow(c: &mut Client, req: &Request, json: bool) -> Result<()> {
     if code != 0 {
         std::process::exit(code);
     }
+    Ok(())
+}
+
+/// `strata pack-diff`.
+#[derive(clap::Args, Debug)]
+pub struct PackArgs {
+    /// The sandbox.
+    id: String,
+    /// The new layer, KIND/NAME:VERSION; its parents are the sandbox's stack.
+    #[arg(long)]
+    name: String,
+    /// More residue rules (gitignore syntax), applied after the defaults.
+    #[arg(long)]
+    strip: Option<PathBuf>,
+    /// Leave out the default residue rules (temporary files, package caches, histories,
+    /// the runtime's files, machine id and SSH host keys).
+    #[arg(long)]
+    no_default_strip: bool,
+    #[command(flatten)]
+    node: NodeOpts,
+}
+
+/// Pack a sandbox's upper into a new layer.
+pub fn pack(a: PackArgs, json: bool) -> Result<()> {
+    let strip = match &a.strip {
+        Some(p) => {
+            Some(std::fs::read_to_string(p).with_context(|| format!("read {}", p.display()))?)
+        }
+        None => None,
+    };
+    let mut c = running(&a.node)?;
+    // A pack reads the whole upper: no read timeout.
+    c.set_read_timeout(None).context("the daemon's socket")?;
+    let r: sandbox_runtime::PackResult = call(
+        &mut c,
+        &Request::SandboxPack(sandbox_runtime::PackRequest {
+            id: a.id,
+            name: a.name,
+            strip,
+            no_default_strip: a.no_default_strip,
+        }),
+    )?;
+    if json {
+        return crate::print_json(&r);
+    }
+    for s in &r.stripped {
+        println!(
+            "stripped  {} ({}; {} entries, {})",
+            s.path,
+            s.rule,
+            s.entries,
+            crate::human(s.bytes)
+        );
+    }
+    for d in &r.disguised_whiteouts {
+        println!("warning   {d}: named like an OCI whiteout (packed as a plain file; an OCI export refuses it)");
+    }
+    println!(
+        "{}: {}; {} files ({}) of {} upper entries packed, {} unchanged dropped, {} stripped; \
+         meta {} + blob {}; frozen {}, {} ms in all",
+        r.layer,
+        r.outcome,
+        r.packed_files,
+        crate::human(r.packed_bytes),
+        r.upper_entries,
+        r.unchanged_count,
+        r.stripped_count,
+        crate::human(r.meta_bytes),
+        crate::human(r.blob_bytes),
+        r.frozen_ms
+            .map_or("never".to_owned(), |ms| format!("{ms} ms")),
+        r.total_ms
+    );
     Ok(())
 }

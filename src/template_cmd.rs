@@ -100,6 +100,7 @@ pub fn run(cmd: TemplateCmd, store: &StoreArg, cache: &CacheOpts, json: bool) ->
                 memory,
                 default,
                 pool,
+                ..Template::default()
             };
             let mut req = serde_json::to_value(&t)?;
             req["op"] = "template_set".into();

@@ -303,6 +303,16 @@ fn the_sdk_drives_sandboxes_sync() {
 }
 
 #[test]
+fn snapshots_and_forks_go_through_pack_diff() {
+    if !ready("snapshots_and_forks_go_through_pack_diff") {
+        return;
+    }
+    let node = Node::start("snapshot");
+    node.python("snapshot.py");
+    assert!(node.ids().is_empty(), "the flow leaves no sandbox behind");
+}
+
+#[test]
 fn the_async_sdk_drives_sandboxes() {
     if !ready("the_async_sdk_drives_sandboxes") {
         return;

@@ -6,6 +6,8 @@
 mod common;
 #[path = "sandbox/io.rs"]
 mod io;
+#[path = "sandbox/pack.rs"]
+mod pack;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};

@@ -19,60 +19,23 @@
 //! (SIGTERM) and its fd holder, mounts left under its directory, its directory.
 //! `cargo bench -p bench --bench e2b_tti`.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use bench::node::{debian_tree, LocalNode};
 use std::time::{Duration, Instant};
 
 const VENV_PYTHON: &str = "/usr/local/lib/strata/e2b/bin/python";
 const KEY: &str = "bench-key";
 
-fn strata_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("STRATA_BIN") {
-        return p.into();
-    }
-    let exe = std::env::current_exe().expect("the bench's path");
-    // target/release/deps/e2b_tti-… → target/release/strata
-    exe.parent()
-        .and_then(Path::parent)
-        .map(|d| d.join("strata"))
-        .filter(|p| p.is_file())
-        .expect(
-            "no strata binary beside the bench: cargo build --release --bin strata, or STRATA_BIN",
-        )
-}
-
-struct Node {
-    dir: tempfile::TempDir,
-    bin: PathBuf,
-    daemon: Option<Child>,
-}
-
-impl Node {
-    fn cmd(&self) -> Command {
-        let mut c = Command::new(&self.bin);
-        c.env("STRATA_HOME", self.dir.path().join("home"))
-            .env("STRATA_RUN_DIR", self.dir.path().join("run"))
-            .env_remove("STRATA_STORE")
-            .arg("--store")
-            .arg(self.dir.path().join("store"));
-        c
-    }
-
-    fn ok(&self, args: &[&str]) -> String {
-        let out = self.cmd().args(args).output().expect("run strata");
-        assert!(
-            out.status.success(),
-            "strata {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-}
+/// The bench's node; its template's pool is emptied first when it goes (a warm pool would
+/// refill what the node's drop removes).
+struct Node(LocalNode);
 
 impl Drop for Node {
     fn drop(&mut self) {
-        // A warm pool would refill what is removed: emptied first.
         let _ = self
+            .0
             .cmd()
             .args([
                 "template",
@@ -86,83 +49,6 @@ impl Drop for Node {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .status();
-        let ids: Vec<String> = serde_json::from_str::<serde_json::Value>(&String::from_utf8_lossy(
-            &self
-                .cmd()
-                .args(["--json", "sandbox", "ls"])
-                .stderr(Stdio::null())
-                .output()
-                .map(|o| o.stdout)
-                .unwrap_or_default(),
-        ))
-        .ok()
-        .and_then(|v| {
-            v.as_array().map(|a| {
-                a.iter()
-                    .filter_map(|s| s["id"].as_str().map(str::to_owned))
-                    .collect()
-            })
-        })
-        .unwrap_or_default();
-        for id in ids {
-            let _ = self
-                .cmd()
-                .args(["sandbox", "rm", &id])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status();
-        }
-        if let Some(mut d) = self.daemon.take() {
-            if let Some(pid) = rustix::process::Pid::from_raw(d.id() as i32) {
-                let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-            }
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while d.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = d.kill();
-            let _ = d.wait();
-        }
-        // Containers left behind (a daemon stopped while sandboxes ran keeps them).
-        let runc_root = self.dir.path().join("run/runc");
-        for e in std::fs::read_dir(&runc_root)
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            let _ = Command::new("runc")
-                .arg("--root")
-                .arg(&runc_root)
-                .args(["delete", "--force"])
-                .arg(e.file_name())
-                .stderr(Stdio::null())
-                .status();
-        }
-        let run = self.dir.path().join("run").to_string_lossy().into_owned();
-        for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
-                continue;
-            };
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-            if args.contains(&&b"fuse-holder"[..]) && args.contains(&run.as_bytes()) {
-                if let Some(p) = rustix::process::Pid::from_raw(pid) {
-                    let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
-                }
-            }
-        }
-        if let Ok(mi) = std::fs::read_to_string("/proc/self/mountinfo") {
-            let root = self.dir.path().to_string_lossy().into_owned();
-            let mut mps: Vec<&str> = mi
-                .lines()
-                .filter_map(|l| l.split(' ').nth(4))
-                .filter(|m| m.starts_with(&root))
-                .collect();
-            mps.sort_by_key(|m| std::cmp::Reverse(m.len()));
-            for m in mps {
-                let _ = rustix::mount::unmount(m, rustix::mount::UnmountFlags::DETACH);
-            }
-        }
     }
 }
 
@@ -178,22 +64,12 @@ fn main() {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("the repository");
-    let out = Command::new(repo.join("scripts/debian-base.sh"))
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("scripts/debian-base.sh");
-    assert!(out.status.success(), "scripts/debian-base.sh failed");
-    let base = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-    let dir = bench::bench_tempdir(
+    let base = debian_tree();
+    let mut node = Node(LocalNode::new(
         Path::new(env!("CARGO_TARGET_TMPDIR")),
         "strata-bench-e2b",
-        "the bench directory",
-    );
-    let mut node = Node {
-        dir,
-        bin: strata_bin(),
-        daemon: None,
-    };
+    ));
+    let node = &mut node.0;
     node.ok(&[
         "layer",
         "build",
@@ -203,15 +79,12 @@ fn main() {
     ]);
     let keys = node.dir.path().join("keys");
     std::fs::write(&keys, format!("{KEY}\n")).expect("write the keys");
-    let log = std::fs::File::create(node.dir.path().join("daemon.log")).expect("the log");
-    let mut c = node.cmd();
-    c.args(["daemon", "--api", "127.0.0.1:0", "--api-keys"])
-        .arg(&keys)
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().expect("the log"))
-        .stderr(log);
-    std::os::unix::process::CommandExt::process_group(&mut c, 0);
-    node.daemon = Some(c.spawn().expect("start the daemon"));
+    node.start_daemon(&[
+        "--api".as_ref(),
+        "127.0.0.1:0".as_ref(),
+        "--api-keys".as_ref(),
+        keys.as_os_str(),
+    ]);
     let addr_file = node.dir.path().join("run/api.addr");
     let deadline = Instant::now() + Duration::from_secs(60);
     while !addr_file.exists() {

@@ -49,6 +49,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use bench::node::{debian_tree, strata_bin};
 use sandbox_runtime::proto::{
     CreateRequest, ExecRequest, PoolInfo, PoolRequest, Request as SbRequest, RunRequest,
     SandboxInfo,
@@ -427,55 +428,6 @@ fn run(cmd: &mut Command, what: &str) {
             String::from_utf8_lossy(&out.stderr)
         );
     }
-}
-
-fn strata_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("STRATA_BIN") {
-        return p.into();
-    }
-    let exe = std::env::current_exe().expect("the bench's own path");
-    // target/release/deps/sandbox_burst-HASH → target/release/strata
-    let candidates: Vec<PathBuf> = exe
-        .ancestors()
-        .skip(1)
-        .take(3)
-        .map(|d| d.join("strata"))
-        .collect();
-    candidates
-        .iter()
-        .find(|p| p.is_file())
-        .cloned()
-        .unwrap_or_else(|| {
-            panic!(
-                "no strata binary beside the bench ({}): build it first with \
-                 `cargo build --release --bin strata` (same CARGO_TARGET_DIR), or set STRATA_BIN",
-                candidates
-                    .iter()
-                    .map(|p| p.display().to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )
-        })
-}
-
-fn debian_tree() -> PathBuf {
-    if let Some(p) = std::env::var_os("STRATA_BENCH_DEBIAN") {
-        return p.into();
-    }
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/debian-base.sh");
-    let out = Command::new("bash")
-        .arg(&script)
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("run scripts/debian-base.sh");
-    assert!(out.status.success(), "scripts/debian-base.sh failed");
-    PathBuf::from(
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .last()
-            .unwrap_or("")
-            .trim(),
-    )
 }
 
 /// Files (regular) under `dir`, relative, sorted.

@@ -16,8 +16,12 @@
 //!   the same bytes.
 //! - [`median`]: the middle of a few repeated measurements.
 //! - [`size_label`]: `4096` → `"4KiB"`, used in benchmark ids.
+//! - [`node::LocalNode`]: a node (store, caches, daemon) driven through the `strata` command
+//!   line for scenario benches, removed with everything it made when dropped.
 //!
 //! Nothing here is timed; it only sets the stage.
+
+pub mod node;
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};

@@ -21,23 +21,23 @@ pub const MAX_TIMEOUT_S: u64 = 24 * 3600;
 const DEFAULT_TIMEOUT_V2_S: u64 = 300;
 const DEFAULT_TIMEOUT_V1_S: u64 = 15;
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct NewSandbox {
+pub(crate) struct NewSandbox {
     #[serde(rename = "templateID")]
-    template_id: String,
+    pub template_id: String,
     #[serde(default)]
-    timeout: Option<u64>,
+    pub timeout: Option<u64>,
     #[serde(default)]
-    auto_pause: Option<bool>,
+    pub auto_pause: Option<bool>,
     #[serde(default)]
-    metadata: Option<BTreeMap<String, String>>,
+    pub metadata: Option<BTreeMap<String, String>>,
     #[serde(default)]
-    env_vars: Option<BTreeMap<String, String>>,
+    pub env_vars: Option<BTreeMap<String, String>>,
     #[serde(default, rename = "allow_internet_access")]
-    allow_internet_access: Option<bool>,
+    pub allow_internet_access: Option<bool>,
     #[serde(default)]
-    secure: Option<bool>,
+    pub secure: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -48,7 +48,7 @@ struct TimeoutBody {
 /// A created or connected sandbox (`Sandbox` in the spec).
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
-struct Created {
+pub(crate) struct Created {
     #[serde(rename = "templateID")]
     template_id: String,
     #[serde(rename = "sandboxID")]
@@ -127,7 +127,7 @@ fn detail(id: &str, m: &SandboxMeta, with_token: bool, disk_mb: u64) -> Detail {
     }
 }
 
-fn created(id: &str, m: &SandboxMeta) -> Created {
+pub(crate) fn created(id: &str, m: &SandboxMeta) -> Created {
     Created {
         template_id: m.template_id.clone(),
         sandbox_id: id.to_owned(),
@@ -162,6 +162,12 @@ pub async fn handle(
         (&Method::POST, ["sandboxes", id, "resume"] | ["sandboxes", id, "connect"])
         | (&Method::POST, ["v2", "sandboxes", id, "connect"]) => connect(api, id, body).await,
         (&Method::GET, ["sandboxes", id, "metrics"]) => metrics(api, id).await,
+        (&Method::POST, ["sandboxes", id, "snapshots"]) => {
+            crate::snapshot::create(api, id, body).await
+        }
+        (&Method::POST, ["sandboxes", id, "fork"]) => crate::snapshot::fork(api, id, body).await,
+        (&Method::GET, ["snapshots"]) => crate::snapshot::list(api, query),
+        (&Method::DELETE, ["templates", id]) => crate::snapshot::delete_template(api, id).await,
         (_, ["sandboxes", ..] | ["v2", "sandboxes", ..]) => Err(Error::Unsupported(format!(
             "{method} {path} is not served by this node"
         ))),
@@ -177,6 +183,17 @@ fn sandbox_meta(api: &Api, id: &str) -> Result<SandboxMeta> {
 
 async fn create(api: &Arc<Api>, body: Incoming, default_timeout: u64) -> Result<Response> {
     let req: NewSandbox = crate::http::read_json(body).await?;
+    let (id, meta) = start(api, req, default_timeout).await?;
+    Ok(json(201, &created(&id, &meta)))
+}
+
+/// Create (or take from the template's pool) the sandbox `req` asks for; its id and the
+/// API's record of it.
+pub(crate) async fn start(
+    api: &Arc<Api>,
+    req: NewSandbox,
+    default_timeout: u64,
+) -> Result<(String, SandboxMeta)> {
     let timeout = req.timeout.unwrap_or(default_timeout);
     if timeout == 0 || timeout > MAX_TIMEOUT_S {
         return Err(Error::BadRequest(format!(
@@ -266,7 +283,7 @@ async fn create(api: &Arc<Api>, body: Incoming, default_timeout: u64) -> Result<
         id
     };
     let meta = api.update_meta(&id, |m| m.started_ms = now_ms())?;
-    Ok(json(201, &created(&id, &meta)))
+    Ok((id, meta))
 }
 
 /// The size of the filesystem a sandbox's writes land on (its root's: the overlay reports

@@ -10,7 +10,9 @@
 //!   `state` and `metadata` filters), `DELETE /sandboxes/{id}` (204; 404),
 //!   `POST /sandboxes/{id}/timeout` (204), `POST /sandboxes/{id}/pause` (204; 409),
 //!   `POST [/v2]/sandboxes/{id}/connect` (200, 201 when it resumed one),
-//!   `GET /sandboxes/{id}/metrics`. Every request needs an `X-API-KEY` of the keys file;
+//!   `GET /sandboxes/{id}/metrics`; filesystem snapshots and forks on the runtime's
+//!   `pack-diff` (`snapshot.rs`: `POST /sandboxes/{id}/snapshots`, `GET /snapshots`,
+//!   `DELETE /templates/{id}`, `POST /sandboxes/{id}/fork`). Every request needs an `X-API-KEY` of the keys file;
 //!   every error is JSON `{"code": <http status>, "message": "…"}` (the SDK parses nothing
 //!   else).
 //! - **envd, on the node** (no agent inside the sandbox): a request with an
@@ -60,6 +62,7 @@ mod http;
 mod ports;
 mod process;
 mod server;
+mod snapshot;
 mod state;
 mod time;
 
@@ -195,7 +198,7 @@ impl From<sandbox_runtime::Error> for Error {
         match e {
             R::NotFound(m) => Error::NotFound(m),
             R::InvalidSpec(m) => Error::BadRequest(m),
-            R::Conflict(m) => Error::Conflict(m),
+            R::Conflict(m) | R::Refused(m) => Error::Conflict(m),
             R::Limit(m) => Error::Limit(m),
             R::Io { context, source } => Error::Io { context, source },
             other => Error::Runtime(other.to_string()),

@@ -34,6 +34,12 @@ pub struct Template {
     /// takes one when the template sets no limits and the create asks for no network.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub pool: u32,
+    /// The sandbox this template is a snapshot of (`crate::snapshot`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_of: Option<String>,
+    /// A fork's snapshot: not listed by `GET /snapshots`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub hidden: bool,
 }
 
 fn is_zero(n: &u32) -> bool {

@@ -46,6 +46,10 @@ pub struct BuildOptions {
     pub tar: TarOptions,
     /// Counters updated while building (see [`Progress`]); `None`: no reporting.
     pub progress: Option<Progress>,
+    /// Entries of a [`Source::Dir`] or [`Source::OverlayUpper`] tree left out, with everything
+    /// under them: paths relative to the source root (`etc/hostname`, no leading `/`). The
+    /// root itself cannot be left out. Ignored for tar input.
+    pub exclude: Option<std::sync::Arc<std::collections::HashSet<PathBuf>>>,
 }
 
 impl Default for BuildOptions {
@@ -59,6 +63,7 @@ impl Default for BuildOptions {
             fsync: true,
             tar: TarOptions::default(),
             progress: None,
+            exclude: None,
         }
     }
 }
@@ -336,6 +341,11 @@ fn scan(
         let mut subdirs = 0u32;
         for name in names {
             let path = dir_path.join(&name);
+            if let (Some(ex), Ok(rel)) = (&opts.exclude, path.strip_prefix(root)) {
+                if ex.contains(rel) {
+                    continue;
+                }
+            }
             if name.len() > NAME_LEN {
                 return Err(Error::UnsupportedInput {
                     path,

@@ -299,3 +299,36 @@ fn bad_input_is_an_error_not_a_panic() {
     assert!(Image::from_bytes(vec![0; 10]).is_err());
     assert!(Image::from_bytes(vec![0; 8192]).is_err());
 }
+
+#[test]
+fn excluded_entries_and_their_subtrees_are_left_out() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    for d in ["a/b/c", "keep/sub"] {
+        std::fs::create_dir_all(src.join(d)).unwrap();
+    }
+    for f in ["a/b/c/f", "a/x", "keep/sub/f", "keep/y", "top"] {
+        std::fs::write(src.join(f), f.as_bytes()).unwrap();
+    }
+    let out = t.path().join("img");
+    let mut opts = BuildOptions::default();
+    opts.exclude = Some(std::sync::Arc::new(
+        ["a/b", "keep/y", "nonexistent"]
+            .iter()
+            .map(PathBuf::from)
+            .collect(),
+    ));
+    erofs_builder::build_image_from(erofs_builder::Source::Dir(src), &out, &opts).unwrap();
+    let img = Image::open(&out).unwrap();
+    for kept in ["a", "a/x", "keep/sub/f", "top"] {
+        img.lookup(kept).unwrap_or_else(|e| panic!("{kept}: {e}"));
+    }
+    for gone in ["a/b", "a/b/c/f", "keep/y"] {
+        assert!(
+            matches!(img.lookup(gone), Err(erofs_builder::Error::NotFound(_))),
+            "{gone} is in the image"
+        );
+    }
+    // The directory that lost a subdirectory counts its links without it.
+    assert_eq!(img.lookup("a").unwrap().nlink, 2);
+}

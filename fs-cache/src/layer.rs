@@ -16,9 +16,13 @@
 //!   "parents": [ "base/debian:12.6" ],
 //!   "created": "2026-11-30T22:00:00Z",
 //!   "source": "dir:/srv/rootfs",
-//!   "builder": "strata 0.1.0"
+//!   "builder": "strata 0.1.0",
+//!   "built_by": { "sandbox": "sb-1", "node": "n1", "identity": "<machine id>",
+//!                 "stack": [ "base/debian:12.6" ], "secret_names": [ "token" ] }
 //! }
 //! ```
+//! `parents` is the stack the layer goes on, lowest first: a sandbox or mount of the layer
+//! brings them along. `built_by` is present only on layers packed from a sandbox.
 //! `meta` (the EROFS meta image) is absent for layers that have none (block layers). Unknown
 //! fields are ignored; a `schema_version` newer than this code understands is refused.
 //!
@@ -198,6 +202,31 @@ pub struct Manifest {
     pub source: String,
     #[serde(default)]
     pub builder: String,
+    /// The sandbox a layer was packed from (`strata pack-diff`); informational, like
+    /// `source`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub built_by: Option<BuiltBy>,
+}
+
+/// Provenance of a layer packed from a sandbox's upper: who built it, on what. A sandbox
+/// started from the layer gets none of this (no secret of the builder; names only here).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BuiltBy {
+    /// The builder sandbox's id.
+    pub sandbox: String,
+    /// The node (host name) it ran on.
+    #[serde(default)]
+    pub node: String,
+    /// The builder's identity: its machine id (`/etc/machine-id` inside it).
+    #[serde(default)]
+    pub identity: String,
+    /// The stack it ran on, lowest first (also the layer's `parents`).
+    #[serde(default)]
+    pub stack: Vec<LayerRef>,
+    /// Names of the secrets it was given (never their values); the packed files were
+    /// checked not to contain them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secret_names: Vec<String>,
 }
 
 impl Manifest {
@@ -217,6 +246,7 @@ impl Manifest {
             created: humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string(),
             source,
             builder: concat!("strata ", env!("CARGO_PKG_VERSION")).to_owned(),
+            built_by: None,
         }
     }
 
@@ -295,11 +325,14 @@ impl Store {
     }
 
     async fn check_blobs(&self, m: &Manifest) -> Result<()> {
-        let missing = futures::stream::iter(m.all_blobs())
-            .map(|b| async move {
-                match self.stat_blob(&b.digest).await? {
-                    Some(meta) if meta.size == b.size => Ok(None),
-                    _ => Ok::<_, Error>(Some(b.digest)),
+        // Owned items: a closure over borrowed ones makes the future Send for one lifetime
+        // only, and callers spawn it.
+        let blobs: Vec<(Digest, u64)> = m.all_blobs().map(|b| (b.digest, b.size)).collect();
+        let missing = futures::stream::iter(blobs)
+            .map(|(digest, size)| async move {
+                match self.stat_blob(&digest).await? {
+                    Some(meta) if meta.size == size => Ok(None),
+                    _ => Ok::<_, Error>(Some(digest)),
                 }
             })
             .buffer_unordered(16)

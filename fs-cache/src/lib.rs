@@ -38,6 +38,6 @@ pub use backend::{
 };
 pub use error::{BoxError, Error, ErrorKind, Result};
 pub use fsutil::{write_atomic, AtomicFile};
-pub use layer::{BlobRef, LayerKind, LayerRef, Manifest, Pushed};
+pub use layer::{BlobRef, BuiltBy, LayerKind, LayerRef, Manifest, Pushed};
 pub use store::{Digest, PutBlob, Store};
 pub mod chunk;

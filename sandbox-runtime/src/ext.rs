@@ -95,6 +95,8 @@ impl Extension for SandboxExtension {
                 Request::SandboxPause { id } => one(value(m.pause(&id).await)),
                 Request::SandboxResume { id } => one(value(m.resume(&id).await)),
                 Request::SandboxInput(r) => one(value(input(&m, r).await)),
+                Request::SandboxPack(r) => one(value(m.pack_diff(r).await)),
+                Request::SandboxFork { id, count } => one(value(m.clone().fork(id, count).await)),
             };
             while let Some(l) = lines.recv().await {
                 if tx.send(l).await.is_err() {

@@ -391,6 +391,22 @@ fn get_dir(fd: OwnedFd, target: &Path, mode: u32, budget: &mut Budget) -> Result
     Ok(())
 }
 
+/// Whether sandbox path `path` names something (confined like `cp`: a symlink inside never
+/// leads out of `root`).
+pub fn exists(root: &Path, path: &str) -> bool {
+    let (Ok(root_fd), Ok(rel)) = (open_root(root), relative(path)) else {
+        return false;
+    };
+    rustix::fs::openat2(
+        &root_fd,
+        rel,
+        OFlags::PATH | OFlags::CLOEXEC,
+        Mode::empty(),
+        RESOLVE,
+    )
+    .is_ok()
+}
+
 /// Read a small file of the sandbox (confined like `cp`), at most `max` bytes.
 pub fn read_small(root: &Path, path: &str, max: u64) -> Result<Vec<u8>> {
     let root_fd = open_root(root)?;

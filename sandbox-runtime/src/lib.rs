@@ -13,7 +13,9 @@
 //!                            atomically before any change is acknowledged
 //! <dir>/<id>/bundle/         config.json (spec.rs) + rootfs/ (the node's overlay mount)
 //! <dir>/<id>/upper, work     the overlay's upper and work directories
-//! <dir>/<id>/etc/            hostname, hosts, resolv.conf (bound read-only over /etc's)
+//! <dir>/<id>/etc/            hostname, hosts, resolv.conf, machine-id (bound read-only over
+//!                            /etc's)
+//! <dir>/<id>/pack/           a pack in progress (`pack`): the stack's lower view, the build
 //! <dir>/<id>/secrets/        a 1 MiB tmpfs, one file per secret, bound at /run/secrets
 //! <run-dir>/runc/            runc's state (--root)
 //! ```
@@ -34,6 +36,7 @@ mod ext;
 pub mod files;
 mod manager;
 pub mod net;
+pub mod pack;
 mod pool;
 pub mod proto;
 pub mod pty;
@@ -47,6 +50,7 @@ use ublk_daemon::node::proto::{ApiError, ErrorKind};
 pub use exec::{Exec, ExecUpdate};
 pub use ext::SandboxExtension;
 pub use manager::{valid_id, Manager, ManagerConfig, Record};
+pub use pack::{ForkResult, PackRequest, PackResult};
 pub use proto::Limits;
 
 /// What can go wrong with a sandbox.
@@ -74,6 +78,10 @@ pub enum Error {
     /// The node daemon refused to mount or unmount the stack.
     #[error("{0}")]
     Node(ApiError),
+    /// The content refused the operation: a secret in what a pack would publish, an entry
+    /// the upper cannot hold (redirect, metacopy), a tree too deep.
+    #[error("{0}")]
+    Refused(String),
     /// A local file operation failed.
     #[error("{context}: {source}")]
     Io {
@@ -98,7 +106,7 @@ impl From<Error> for ApiError {
         let kind = match &e {
             Error::NotFound(_) => ErrorKind::UnknownSandbox,
             Error::InvalidSpec(_) => ErrorKind::BadRequest,
-            Error::Conflict(_) => ErrorKind::Conflict,
+            Error::Conflict(_) | Error::Refused(_) => ErrorKind::Conflict,
             Error::Limit(_) => ErrorKind::LimitExceeded,
             Error::Runtime(_) => ErrorKind::Runtime,
             Error::Node(a) => return a.clone(),

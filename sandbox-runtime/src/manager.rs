@@ -107,7 +107,7 @@ pub(crate) struct Sandbox {
     execs: Mutex<VecDeque<Arc<Exec>>>,
     last_active: Mutex<Instant>,
     pub(crate) running_execs: AtomicUsize,
-    lifecycle: tokio::sync::Mutex<()>,
+    pub(crate) lifecycle: tokio::sync::Mutex<()>,
 }
 
 impl Sandbox {
@@ -209,7 +209,7 @@ fn save_record(dir: &Path, r: &Record) -> Result<()> {
         .map_err(|e| Error::io(format!("write {}", path.display()), e))
 }
 
-fn now_ms() -> u64 {
+pub(crate) fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
@@ -227,22 +227,37 @@ pub fn valid_id(id: &str) -> bool {
 }
 
 fn fresh_id() -> String {
-    let mut b = [0u8; 6];
-    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
-        let _ = std::io::Read::read_exact(&mut f, &mut b);
+    format!("sb-{}", random_hex(6))
+}
+
+/// `n` random bytes from the kernel, as hex.
+fn random_hex(n: usize) -> String {
+    let mut b = vec![0u8; n];
+    let mut filled = 0;
+    while filled < n {
+        match rustix::rand::getrandom(&mut b[filled..], rustix::rand::GetRandomFlags::empty()) {
+            Ok(k) => filled += k,
+            Err(rustix::io::Errno::INTR) => {}
+            // No entropy source: the time and pid still make the id unlikely to repeat.
+            Err(_) => {
+                let seed = now_ms() ^ (u64::from(std::process::id()) << 32);
+                for (i, x) in b.iter_mut().enumerate() {
+                    *x = (seed >> ((i % 8) * 8)) as u8 ^ (i as u8).wrapping_mul(151);
+                }
+                break;
+            }
+        }
     }
-    let mut s = String::from("sb-");
-    for x in b {
-        s.push_str(&format!("{x:02x}"));
-    }
-    s
+    hex::encode(b)
 }
 
 /// The node's sandboxes (see the module docs).
 pub struct Manager {
     config: ManagerConfig,
-    node: Arc<Node>,
-    runtime: Runtime,
+    pub(crate) node: Arc<Node>,
+    pub(crate) runtime: Runtime,
+    /// Expanded stacks (`pack::expand_stack`): a layer → the layers under it.
+    pub(crate) stacks: Mutex<HashMap<String, Vec<String>>>,
     sandboxes: Mutex<HashMap<String, Arc<Sandbox>>>,
     next_exec: AtomicU64,
     pub(crate) pools: crate::pool::Pools,
@@ -297,6 +312,7 @@ impl Manager {
             config,
             node,
             runtime,
+            stacks: Mutex::new(HashMap::new()),
             sandboxes: Mutex::new(HashMap::new()),
             next_exec: AtomicU64::new(1),
             uppers,
@@ -494,6 +510,8 @@ impl Manager {
                 "--disk needs the node's uppers filesystem: start the daemon with --uppers-size SIZE".into(),
             ));
         }
+        // A layer's parents come along: `--layer snapshot/x:1` alone is its whole stack.
+        let layers = self.expand_stack(&req.layers).await?;
         let dir = self.config.dir.join(&id);
         let (net_slot, addr) = match &req.net {
             Network::None => (None, None),
@@ -508,7 +526,7 @@ impl Manager {
         };
         let record = Record {
             id: id.clone(),
-            layers: req.layers.clone(),
+            layers,
             limits: req.limits.clone(),
             env: req.env.clone(),
             secret_names: secrets.iter().map(|(n, _)| n.clone()).collect(),
@@ -566,6 +584,9 @@ impl Manager {
                     r.init_start = started;
                     r.create_ms = create_ms;
                 })?;
+                // The keys are made by an exec, which takes the lifecycle lock itself.
+                drop(_life);
+                self.new_host_keys(&sb).await;
                 Ok(sb.info())
             }
             Err(e) => {
@@ -637,6 +658,8 @@ impl Manager {
             ),
         )?;
         write("resolv.conf", String::new())?;
+        // Its own identity: a fresh machine id (systemd's format: 32 lowercase hex digits).
+        write("machine-id", format!("{}\n", random_hex(16)))?;
         let secrets_dir = if secrets.is_empty() {
             None
         } else {
@@ -748,6 +771,7 @@ impl Manager {
             Err(e) if e.kind == ErrorKind::NotMounted => {}
             Err(e) => return Err(Error::Node(e)),
         }
+        self.drop_pack_view(dir).await?;
         let secrets = dir.join("secrets");
         if secrets.exists() {
             let _ = rustix::mount::unmount(&secrets, rustix::mount::UnmountFlags::DETACH);
@@ -839,24 +863,59 @@ impl Manager {
         v
     }
 
+    /// SSH host keys of its own for a sandbox whose stack has an SSH server but no host keys
+    /// (`pack-diff` strips them: each sandbox of a packed layer makes its own), with the
+    /// stack's `ssh-keygen -A`. Nothing for any other stack (three confined lookups). A
+    /// failure is logged: the sandbox runs, its SSH server would not start.
+    async fn new_host_keys(&self, sb: &Sandbox) {
+        let root = sb.rootfs();
+        let wants = crate::files::exists(&root, "/etc/ssh/sshd_config")
+            && crate::files::exists(&root, "/usr/bin/ssh-keygen")
+            && !["ed25519", "ecdsa", "rsa"]
+                .iter()
+                .any(|t| crate::files::exists(&root, &format!("/etc/ssh/ssh_host_{t}_key")));
+        if !wants {
+            return;
+        }
+        let req = ExecRequest {
+            id: sb.id.clone(),
+            args: vec!["/usr/bin/ssh-keygen".into(), "-A".into()],
+            timeout_ms: Some(60_000),
+            ..ExecRequest::default()
+        };
+        match self.exec(req).await {
+            Ok(e) => {
+                let r = e.wait().await;
+                if r.exit_code != Some(0) {
+                    tracing::warn!("sandbox {}: ssh-keygen -A: {r:?}", sb.id);
+                }
+            }
+            Err(e) => tracing::warn!("sandbox {}: ssh-keygen -A: {e}", sb.id),
+        }
+    }
+
+    /// Where sandbox `sb`'s upper directory is.
+    pub(crate) fn upper_of(&self, sb: &Sandbox) -> PathBuf {
+        match &self.uppers {
+            Some(u) => u.root().join(&sb.id).join("upper"),
+            None => sb.dir.join("upper"),
+        }
+    }
+
     /// One sandbox in detail.
     pub async fn inspect(&self, id: &str) -> Result<SandboxDetail> {
         let sb = self.get(id)?;
         let info = sb.info();
         let cgroups = info.pid.map(cgroup::of_pid).unwrap_or_default();
         let mem = cgroup::memory(&cgroups);
-        let (upper, upper_bytes) = match &self.uppers {
-            Some(u) => (
-                u.root().join(&sb.id).join("upper"),
-                u.usage(&sb.id).unwrap_or(0),
-            ),
+        let upper = self.upper_of(&sb);
+        let upper_bytes = match &self.uppers {
+            Some(u) => u.usage(&sb.id).unwrap_or(0),
             None => {
-                let upper = sb.dir.join("upper");
                 let u = upper.clone();
-                let bytes = tokio::task::spawn_blocking(move || du(&u))
+                tokio::task::spawn_blocking(move || du(&u))
                     .await
-                    .unwrap_or(0);
-                (upper, bytes)
+                    .unwrap_or(0)
             }
         };
         let execs = sb

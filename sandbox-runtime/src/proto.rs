@@ -16,6 +16,8 @@
 //! | `sandbox_net` | `id`, `allow` (rules as text) | [`SandboxInfo`]; the sandbox's egress rules replaced at once |
 //! | `sandbox_pause` | `id` | [`SandboxInfo`]; every process frozen (the runtime's freezer), memory kept |
 //! | `sandbox_resume` | `id` | [`SandboxInfo`]; thawed |
+//! | `sandbox_pack` | `id`, `name`, `strip`?, `no_default_strip`? | [`crate::PackResult`]: the upper packed into layer `name` (parents: the stack) |
+//! | `sandbox_fork` | `id`, `count` | [`crate::ForkResult`]: a pack to `snapshot/fork-<id>:<ms>`, then `count` sandboxes from it |
 //! | `sandbox_input` | `id`, `exec`, `data` (base64)?, `close`?, `signal`?, `pty`? | `{}`: bytes to an exec's open stdin (or its terminal), its stdin closed, a signal to its process group, its terminal resized |
 //!
 //! Output bytes travel base64-encoded in events (`{"stream": "stdout", "offset": N,
@@ -399,6 +401,13 @@ pub enum Request {
         id: String,
     },
     SandboxInput(InputRequest),
+    /// Pack a sandbox's upper into a new layer (`crate::pack`).
+    SandboxPack(crate::pack::PackRequest),
+    /// Pack to a snapshot layer and create `count` sandboxes from it.
+    SandboxFork {
+        id: String,
+        count: u32,
+    },
 }
 
 impl Request {

@@ -191,8 +191,12 @@ pub fn build(input: &SpecInput<'_>) -> Result<Spec> {
             .map_err(oci)?,
     );
     mounts.push(bind(input.init, INIT_PATH, true)?);
-    for f in ["hostname", "hosts", "resolv.conf"] {
-        mounts.push(bind(&input.etc_dir.join(f), &format!("/etc/{f}"), true)?);
+    for f in ["hostname", "hosts", "resolv.conf", "machine-id"] {
+        let src = input.etc_dir.join(f);
+        // Bundles of sandboxes created before machine ids were given have none.
+        if f != "machine-id" || src.exists() {
+            mounts.push(bind(&src, &format!("/etc/{f}"), true)?);
+        }
     }
     if let Some(s) = input.secrets_dir {
         mounts.push(bind(s, SECRETS_PATH, true)?);

@@ -197,6 +197,11 @@ impl Node {
         &self.config
     }
 
+    /// The store this node serves (manifests, blobs).
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
     /// Whether this node can read blobs in FUSE passthrough mode at all (configured, the
     /// kernel agreed, fusectl mounted).
     pub async fn passthrough_available(&self) -> bool {
