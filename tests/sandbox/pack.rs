@@ -380,6 +380,24 @@ fn a_build_session_packs_into_a_layer_that_stacks_back_to_the_same_tree() {
         assert!(want.contains_key(p), "{p} was not in the builder's tree");
     }
 
+    // The `.wh.` name pack-diff reported makes an OCI export of the layer refuse, naming it.
+    let oci = node.tmp.path().join("oci");
+    let out = node
+        .cmd()
+        .args(["layer", "export", "toolkit/greet:1", "--oci"])
+        .arg(&oci)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "the export of a disguised whiteout succeeded"
+    );
+    assert!(
+        err.contains("/srv/.wh.sneaky") || err.contains("srv/.wh.sneaky"),
+        "{err}"
+    );
+
     // A sandbox from the new layer alone has its whole stack, its own identity, no secret.
     let user = node
         .ok(&[
