@@ -155,6 +155,10 @@ pub struct CreateArgs {
     /// NAME=VALUE: the file /run/secrets/NAME, on a tmpfs outside the upper; repeat.
     #[arg(long = "secret")]
     secrets: Vec<String>,
+    /// NAME of a --secret that every command also gets as the environment variable NAME
+    /// (read from the secret's tmpfs at each exec; never stored in the record); repeat.
+    #[arg(long = "secret-env")]
+    secret_env: Vec<String>,
     /// `none`: loopback only; `allow=CIDR[:PORT[/tcp|udp]],…`: a veth with NAT whose egress
     /// reaches exactly those (private, link-local and the host's own ranges only if listed).
     #[arg(long, default_value = "none")]
@@ -538,6 +542,7 @@ fn create(a: CreateArgs, store: &StoreArg, cache: &CacheOpts, json: bool) -> Res
         },
         env: a.env,
         secrets: a.secrets,
+        secret_env: a.secret_env,
         net,
         idle_timeout_s: a.idle_timeout.map(|d| d.as_secs().max(1)),
         pooled: a.pooled,

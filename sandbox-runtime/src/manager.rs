@@ -79,6 +79,9 @@ pub struct Record {
     pub env: Vec<String>,
     #[serde(default)]
     pub secret_names: Vec<String>,
+    /// Secrets (by name) every exec also gets as environment variables.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secret_env: Vec<String>,
     #[serde(default)]
     pub net: Network,
     pub idle_timeout_s: Option<u64>,
@@ -496,6 +499,17 @@ impl Manager {
             }
             secrets.push((name.to_owned(), value.to_owned()));
         }
+        for n in &req.secret_env {
+            let env_name = !n.is_empty()
+                && !n.starts_with(|c: char| c.is_ascii_digit())
+                && n.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'_');
+            if !env_name || !secrets.iter().any(|(s, _)| s == n) {
+                return Err(Error::InvalidSpec(format!(
+                    "--secret-env {n:?}: not the name of a --secret that is a valid \
+                     environment variable name"
+                )));
+            }
+        }
         let id = match req.id.clone() {
             Some(id) if valid_id(&id) => id,
             Some(id) => {
@@ -530,6 +544,7 @@ impl Manager {
             limits: req.limits.clone(),
             env: req.env.clone(),
             secret_names: secrets.iter().map(|(n, _)| n.clone()).collect(),
+            secret_env: req.secret_env.clone(),
             net: req.net.clone(),
             idle_timeout_s: req.idle_timeout_s,
             created_ms: now_ms(),
@@ -1069,7 +1084,14 @@ impl Manager {
     ) -> Option<crate::run::Started> {
         let init_pid = sb.record().pid?;
         let mut env: Vec<String> = spec::BASE_ENV.iter().map(|s| s.to_string()).collect();
-        env.extend(sb.record().env);
+        let record = sb.record();
+        env.extend(record.env.iter().cloned());
+        for n in &record.secret_env {
+            match std::fs::read(sb.dir.join("secrets").join(n)) {
+                Ok(v) => env.push(format!("{n}={}", String::from_utf8_lossy(&v))),
+                Err(e) => tracing::warn!("sandbox {}: secret {n} for the env: {e}", sb.id),
+            }
+        }
         env.extend(req.env.iter().cloned());
         if req.pty.is_some() && !env.iter().any(|e| e.starts_with("TERM=")) {
             env.push("TERM=xterm-256color".to_owned());

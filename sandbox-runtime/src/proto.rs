@@ -82,6 +82,10 @@ pub struct CreateRequest {
     /// `NAME=VALUE`: a file `/run/secrets/NAME` on a tmpfs, never in the upper.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub secrets: Vec<String>,
+    /// Names of `secrets` also given to every exec as environment variables (`NAME=VALUE`;
+    /// the value read from the secret's tmpfs file at each exec, never stored in the record).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secret_env: Vec<String>,
     #[serde(default)]
     pub net: Network,
     /// Remove the sandbox after this many seconds without an operation on it and without a

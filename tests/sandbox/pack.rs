@@ -225,7 +225,16 @@ fn a_build_session_packs_into_a_layer_that_stacks_back_to_the_same_tree() {
     }
     let node = Node::new("pack");
     let secret = "s3cr3t-REFERENCE-answer-42";
-    let id = node.create("builder", &["--secret", &format!("answer={secret}")]);
+    let id = node.create(
+        "builder",
+        &[
+            "--secret",
+            &format!("answer={secret}"),
+            "--secret-env",
+            "answer",
+        ],
+    );
+    assert_eq!(node.sh_ok(&id, "echo \"$answer\""), format!("{secret}\n"));
     let deb = make_deb(node.tmp.path());
     node.ok(&[
         "sandbox",
@@ -270,7 +279,10 @@ fn a_build_session_packs_into_a_layer_that_stacks_back_to_the_same_tree() {
     let b64 = base64::engine::general_purpose::STANDARD.encode(format!("key={secret};"));
     node.sh_ok(
         &id,
-        &format!("echo {b64} > /srv/app/config.b64; cp /run/secrets/answer /srv/app/raw"),
+        &format!(
+            "echo {b64} > /srv/app/config.b64; cp /run/secrets/answer /srv/app/raw; \
+             echo \"token=$answer\" > /srv/app/from-env"
+        ),
     );
     let out = node
         .cmd()
@@ -282,12 +294,12 @@ fn a_build_session_packs_into_a_layer_that_stacks_back_to_the_same_tree() {
         !out.status.success(),
         "a pack with the secret inside succeeded"
     );
-    for f in ["/srv/app/config.b64", "/srv/app/raw"] {
+    for f in ["/srv/app/config.b64", "/srv/app/raw", "/srv/app/from-env"] {
         assert!(err.contains(f), "the refusal does not name {f}: {err}");
     }
     let layers = node.ok(&["layer", "ls"]);
     assert!(!layers.contains("toolkit/greet"), "{layers}");
-    node.sh_ok(&id, "rm /srv/app/config.b64 /srv/app/raw");
+    node.sh_ok(&id, "rm /srv/app/config.b64 /srv/app/raw /srv/app/from-env");
 
     // Packed while running: frozen for the pack, thawed after.
     let want = tree(&builder_root);
@@ -416,6 +428,11 @@ fn a_build_session_packs_into_a_layer_that_stacks_back_to_the_same_tree() {
         "yes\n"
     );
     assert_eq!(node.sh_ok(&user, "cat /work/TASK"), "make the tests pass\n");
+    assert_eq!(
+        node.sh_ok(&user, "echo \"[$answer]\""),
+        "[]\n",
+        "the builder's env secret"
+    );
     assert_eq!(
         node.sh_ok(
             &user,
