@@ -193,7 +193,11 @@ impl Node {
             .join(script);
         let url = format!("http://{}", self.addr);
         let t0 = Instant::now();
+        // faulthandler: a crash of the client (a signal in a C extension, seen once at the
+        // interpreter's exit under load, after every check had passed) prints every
+        // thread's Python stack to stderr, which the failure message shows.
         let out = Command::new(VENV_PYTHON)
+            .args(["-X", "faulthandler"])
             .arg(&path)
             .args(args)
             .env("STRATA_TEST_DIR", self.tmp.path())
