@@ -313,8 +313,20 @@ pub async fn concurrent_puts(b: Arc<dyn Backend>) {
     let reader = {
         let b = b.clone();
         async move {
+            // The property is wholeness: an error the backend marks transient (moto once
+            // answered a GET racing multipart completions with an HTTP 500) is what the
+            // store's retry layer absorbs, not a torn read; a few are tolerated, and said.
+            let mut transient = 0;
             for _ in 0..10 {
-                let got = b.get("same").await.unwrap();
+                let got = match b.get("same").await {
+                    Ok(g) => g,
+                    Err(e) if e.is_transient() && transient < 3 => {
+                        transient += 1;
+                        println!("concurrent_puts: transient error from the backend: {e}");
+                        continue;
+                    }
+                    Err(e) => panic!("get during concurrent puts: {e}"),
+                };
                 assert_eq!(got.len() as u64, SIZE, "a reader saw a torn object");
                 assert!(uniform(&got), "a reader saw a mix of writers");
                 tokio::time::sleep(Duration::from_millis(5)).await;
