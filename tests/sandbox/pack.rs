@@ -15,7 +15,7 @@ use base64::Engine as _;
 use super::{ready, run_ok, Node, BASE, TOOLKIT, WORKSPACE};
 
 /// One entry of a tree, every attribute a reader can see.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 struct Entry {
     kind: &'static str,
     mode: u32,
@@ -129,7 +129,7 @@ fn compare(
         match got.get(p) {
             None => diffs.push(format!("{p}: missing from the stack")),
             Some(g) => {
-                let mut w = clone(w);
+                let mut w = w.clone();
                 if w.kind == "dir" && unchanged.contains(p) {
                     w.mtime = g.mtime;
                 }
@@ -151,21 +151,6 @@ fn compare(
         diffs.join("\n")
     );
     compared
-}
-
-fn clone(e: &Entry) -> Entry {
-    Entry {
-        kind: e.kind,
-        mode: e.mode,
-        uid: e.uid,
-        gid: e.gid,
-        mtime: e.mtime,
-        size: e.size,
-        nlink: e.nlink,
-        target: e.target.clone(),
-        digest: e.digest.clone(),
-        xattrs: e.xattrs.clone(),
-    }
 }
 
 /// A real Debian package: a tool, a conffile, docs, and a postinst that adds a system user.

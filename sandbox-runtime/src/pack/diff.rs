@@ -190,15 +190,15 @@ impl Walk<'_> {
             ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS | ResolveFlags::BENEATH,
         );
         match how {
-            Ok(_fd) => {
-                // The path crosses no symlink and the lower is a read-only mount: its plain
-                // path names the same entry.
-                let p = self.lower_root.join(rel);
-                match std::fs::symlink_metadata(&p) {
-                    Ok(m) => Ok(Lower::Present(m)),
-                    Err(e) => Err(Error::io(format!("lstat {}", p.display()), e)),
-                }
-            }
+            // The descriptor names the entry the symlink-free lookup reached: its metadata,
+            // with no second lookup by path.
+            Ok(fd) => match File::from(fd).metadata() {
+                Ok(m) => Ok(Lower::Present(m)),
+                Err(e) => Err(Error::io(
+                    format!("stat /{} in the lower stack", rel.display()),
+                    e,
+                )),
+            },
             Err(rustix::io::Errno::NOENT | rustix::io::Errno::NOTDIR) => Ok(Lower::Absent),
             Err(rustix::io::Errno::LOOP | rustix::io::Errno::XDEV) => Ok(Lower::Unknown),
             Err(e) => Err(Error::io(
