@@ -20,6 +20,14 @@ pub struct CacheOpts {
     /// Level-2 (local disk) capacity, e.g. 10GiB.
     #[arg(long, global = true, env = "STRATA_CACHE_DISK", default_value = "10GiB", value_parser = parse_size)]
     pub cache_disk: u64,
+    /// A backend request of the chunk cache that takes longer than this (a stalled
+    /// connection or body) is abandoned and retried.
+    #[arg(long, global = true, env = "STRATA_BACKEND_ATTEMPT_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub backend_attempt_timeout: std::time::Duration,
+    /// No retry of a chunk cache's backend request starts after this long: the read fails
+    /// (EIO through a mount). See `ublk-daemon/docs/daemon.md`, "Failed reads".
+    #[arg(long, global = true, env = "STRATA_BACKEND_DEADLINE", default_value = "60s", value_parser = humantime::parse_duration)]
+    pub backend_deadline: std::time::Duration,
 }
 
 /// Parse `123`, `4KiB`, `256MiB`, `10GiB`, `1TiB` (also KB/MB/GB as powers of 1000).
@@ -60,6 +68,11 @@ impl CacheOpts {
                 capacity: self.cache_disk,
             }),
             stats_file: Some(dir.join("stats.json")),
+            retry: fs_cache::RetryPolicy {
+                attempt_timeout: self.backend_attempt_timeout,
+                deadline: self.backend_deadline,
+                ..fs_cache::RetryPolicy::default()
+            },
             ..CacheConfig::default()
         }
     }
@@ -122,6 +135,20 @@ pub fn print_stats(s: &CacheStats) {
     );
     println!("evictions       {:>12}", s.evictions);
     println!("verify failures {:>12}", s.verify_failures);
+    let list = |m: &std::collections::BTreeMap<String, u64>| {
+        let v: Vec<String> = m
+            .iter()
+            .filter(|(_, n)| **n > 0)
+            .map(|(k, n)| format!("{k} {n}"))
+            .collect();
+        if v.is_empty() {
+            "none".to_owned()
+        } else {
+            v.join(", ")
+        }
+    };
+    println!("retries         {}", list(&s.retries));
+    println!("backend errors  {}", list(&s.backend_errors_by_kind));
     println!(
         "memory          {:>12} of {}",
         s.memory_bytes, s.memory_capacity

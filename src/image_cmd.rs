@@ -40,6 +40,10 @@ pub struct ImportArgs {
     /// The platform to take from a manifest list, OS/ARCH[/VARIANT] [default: linux/amd64].
     #[arg(long)]
     pub platform: Option<String>,
+    /// How the layers' blobs are stored: `zstd` (default), `zstd:LEVEL` or `none` (as
+    /// `strata layer build --compress`).
+    #[arg(long, default_value = "zstd")]
+    pub compress: fs_cache::Compression,
 }
 
 /// Arguments of `strata layer export`.
@@ -90,7 +94,7 @@ pub async fn run(cmd: ImageCmd, store: &Store, home: &Path, json: bool) -> Resul
     .await
     .context("the import thread")?
     .with_context(|| format!("import {}", args.path.display()))?;
-    let pushed = oci_image::store::push_stack(store, &built, &name, &source).await?;
+    let pushed = oci_image::store::push_stack(store, &built, &name, &source, args.compress).await?;
     let seconds = started.elapsed().as_secs_f64();
     let tar_bytes: u64 = built.iter().map(|b| b.tar_bytes).sum();
     if json {

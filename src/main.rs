@@ -3,10 +3,12 @@
 //! Every command takes `--store URL` (default: `$STRATA_HOME/store`, with `STRATA_HOME`
 //! defaulting to `~/.local/share/strata`) and `--json` for machine-readable output.
 
+mod api_cmd;
 mod bd_cmd;
 mod build_cmd;
 mod cache_cmd;
 mod image_cmd;
+mod metrics_cmd;
 mod node_cmd;
 mod sandbox_cmd;
 mod sim_cmd;
@@ -118,6 +120,9 @@ enum Command {
     /// or ublk), commit.
     #[command(subcommand)]
     Bd(bd_cmd::BdCommand),
+    /// The cluster front: the E2B API in front of several nodes (`strata daemon --api
+    /// --node-name`), placing creates and routing every other request by the sandbox id.
+    Api(api_cmd::ApiArgs),
     /// Simulations: placement of a burst by several instances from a stale snapshot, and
     /// the literature's anchors.
     #[command(subcommand)]
@@ -202,6 +207,11 @@ enum LayerCmd {
         /// Do not copy extended attributes.
         #[arg(long)]
         no_xattrs: bool,
+        /// How the layer's blobs are stored: `zstd` (the default: each 256 KiB chunk a zstd
+        /// frame, level 1; chunks that do not shrink stay plain), `zstd:LEVEL` (1-19) or `none`.
+        /// Nodes read either the same way; their caches hold plain chunks.
+        #[arg(long, default_value = "zstd")]
+        compress: fs_cache::Compression,
     },
     /// Export a stack of layers (REFs lowest first, each with its parents) as an OCI image
     /// layout (--oci DIR or FILE.tar; one gzip/zstd layer tar per layer, whiteouts as OCI
@@ -459,6 +469,7 @@ async fn run(cli: Cli) -> Result<()> {
     // Commands served by the node daemon do not open the store here.
     let command = match cli.command {
         Command::Daemon(args) => return node_cmd::daemon(args, &url, &cli.cache, &home).await,
+        Command::Api(args) => return api_cmd::run(args).await,
         Command::Mount(args) => return node_cmd::mount(args, &node_store, &cli.cache, cli.json),
         Command::Umount(args) => return node_cmd::umount(args, &node_store, cli.json),
         Command::Status(args) => return node_cmd::status(args, &node_store, cli.json),
@@ -622,11 +633,20 @@ async fn run(cli: Cli) -> Result<()> {
                 println!("layer:    {}", m.layer);
                 println!("created:  {} by {}", m.created, m.builder);
                 println!("source:   {}", m.source);
+                let stored = |b: &fs_cache::BlobRef| match (&b.compression, b.stored_size) {
+                    (Some(c), Some(n)) => format!(" ({} stored, {c})", human(n)),
+                    _ => String::new(),
+                };
                 if let Some(meta) = &m.meta {
-                    println!("meta:     {} {}", meta.digest, human(meta.size));
+                    println!(
+                        "meta:     {} {}{}",
+                        meta.digest,
+                        human(meta.size),
+                        stored(meta)
+                    );
                 }
                 for b in &m.blobs {
-                    println!("blob:     {} {}", b.digest, human(b.size));
+                    println!("blob:     {} {}{}", b.digest, human(b.size), stored(b));
                 }
                 for p in &m.parents {
                     println!("parent:   {p}");
@@ -666,6 +686,7 @@ async fn run(cli: Cli) -> Result<()> {
             parents,
             timestamp,
             no_xattrs,
+            compress,
         }) => {
             let layer: LayerRef = name.parse()?;
             let parents = parents
@@ -684,11 +705,11 @@ async fn run(cli: Cli) -> Result<()> {
             .await?;
             let built = started.elapsed().as_secs_f64();
             let meta = store
-                .put_blob_file(&meta_path)
+                .put_blob_file_with(&meta_path, compress)
                 .await
                 .context("store the meta image")?;
             let blob = store
-                .put_blob_file(&blob_path)
+                .put_blob_file_with(&blob_path, compress)
                 .await
                 .context("store the data blob")?;
             if blob.digest.0 != stats.blob_blake3 {
@@ -696,14 +717,8 @@ async fn run(cli: Cli) -> Result<()> {
             }
             let mut manifest = Manifest::new(
                 layer.clone(),
-                Some(fs_cache::BlobRef {
-                    digest: meta.digest,
-                    size: meta.size,
-                }),
-                vec![fs_cache::BlobRef {
-                    digest: blob.digest,
-                    size: blob.size,
-                }],
+                Some(meta.blob_ref()),
+                vec![blob.blob_ref()],
                 input.describe(&source),
             );
             manifest.parents = parents;
@@ -714,14 +729,26 @@ async fn run(cli: Cli) -> Result<()> {
                 v["layer"] = serde_json::json!(layer.to_string());
                 v["outcome"] = serde_json::json!(format!("{outcome:?}").to_lowercase());
                 v["meta_digest"] = serde_json::json!(meta.digest.to_hex());
+                v["meta_stored_bytes"] = serde_json::json!(meta.stored_size);
+                v["blob_stored_bytes"] = serde_json::json!(blob.stored_size);
+                v["compression"] = serde_json::json!(compress.to_string());
                 v["build_seconds"] = serde_json::json!(built);
                 v["seconds"] = serde_json::json!(seconds);
                 print_json(&v)?;
             } else {
+                let stored = |p: &fs_cache::PutBlob| {
+                    if p.is_compressed() {
+                        format!(" ({} stored, zstd)", human(p.stored_size))
+                    } else {
+                        String::new()
+                    }
+                };
                 println!(
-                    "{layer}: {outcome:?}; meta image {} + blob {} ({} of {} chunks stored) from {} files, in {:.2} s",
+                    "{layer}: {outcome:?}; meta image {}{} + blob {}{} ({} of {} chunks stored) from {} files, in {:.2} s",
                     human(meta.size),
+                    stored(&meta),
                     human(blob.size),
+                    stored(&blob),
                     stats.unique_chunks,
                     stats.chunks,
                     stats.meta.files,
@@ -828,6 +855,7 @@ async fn run(cli: Cli) -> Result<()> {
         | Command::Sandbox(_)
         | Command::PackDiff(_)
         | Command::Sim(_)
+        | Command::Api(_)
         | Command::Template(_) => {
             anyhow::bail!("internal: node commands are dispatched before the store is opened")
         }

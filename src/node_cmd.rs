@@ -59,6 +59,22 @@ pub struct DaemonArgs {
     /// needs. Without it, uppers are plain directories and `--disk` is refused.
     #[arg(long, env = "STRATA_UPPERS_SIZE", value_parser = crate::cache_cmd::parse_size)]
     pub uppers_size: Option<u64>,
+    /// The node's name in a cluster behind `strata api` ([a-z0-9]{1,16}): every sandbox id
+    /// it makes starts with `NAME-` (a front routes by it), its sandboxes' cgroups live
+    /// under `/strata-NAME`.
+    #[arg(long, env = "STRATA_NODE_NAME")]
+    pub node_name: Option<String>,
+    /// Admission: the memory limits of the node's sandboxes may reach this multiple of its
+    /// memory (sandboxes without `--memory` reserve none).
+    #[arg(long, env = "STRATA_MEM_OVERCOMMIT", default_value_t = 2.0)]
+    pub mem_overcommit: f64,
+    /// Admission: their `--cpus` may reach this multiple of its CPUs.
+    #[arg(long, env = "STRATA_CPU_OVERCOMMIT", default_value_t = 16.0)]
+    pub cpu_overcommit: f64,
+    /// Admission: refuse creates while the node has less memory available than this
+    /// [default: 5% of its memory, at least 512 MiB].
+    #[arg(long, env = "STRATA_MIN_AVAILABLE", value_parser = crate::cache_cmd::parse_size)]
+    pub min_available: Option<u64>,
     /// Serve the E2B-compatible HTTP API (control plane and envd) on this address
     /// (`127.0.0.1:3000`; port 0: a free one, written to <run-dir>/api.addr).
     #[arg(long, requires = "api_keys")]
@@ -66,6 +82,11 @@ pub struct DaemonArgs {
     /// The API's keys, one a line (`X-API-KEY`); needed with --api.
     #[arg(long)]
     pub api_keys: Option<PathBuf>,
+    /// Serve the node's metrics in Prometheus text format at `GET /metrics` on this address
+    /// (`127.0.0.1:9100`; port 0: a free one, written to <run-dir>/metrics.addr). The same
+    /// numbers as `strata status --json`.
+    #[arg(long, env = "STRATA_METRICS")]
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -180,6 +201,12 @@ pub async fn daemon(args: DaemonArgs, url: &str, cache: &CacheOpts, home: &Path)
         .unwrap_or_else(|| home.join("sandboxes"));
     let mut sandbox_config = sandbox_runtime::ManagerConfig::new(sandbox_dir, &args.node.run_dir);
     sandbox_config.uppers_size = args.uppers_size;
+    sandbox_config.node_name = args.node_name.clone();
+    sandbox_config.admission = sandbox_runtime::admission::Admission {
+        mem_overcommit: args.mem_overcommit,
+        cpu_overcommit: args.cpu_overcommit,
+        min_available: args.min_available,
+    };
     let manager = match sandbox_runtime::Manager::start(sandbox_config, node.clone()).await {
         Ok(m) => m,
         Err(e) => {
@@ -219,6 +246,24 @@ pub async fn daemon(args: DaemonArgs, url: &str, cache: &CacheOpts, home: &Path)
         if let Err(e) = started.await {
             let _ = node.shutdown().await;
             bail!("--api: {e:#}");
+        }
+    }
+    if let Some(addr) = args.metrics {
+        let started = async {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("listen on {addr}"))?;
+            let local = listener.local_addr()?;
+            let addr_file = args.node.run_dir.join("metrics.addr");
+            fs_cache::write_atomic(&addr_file, local.to_string().as_bytes())
+                .with_context(|| format!("write {}", addr_file.display()))?;
+            eprintln!("strata daemon: metrics on http://{local}/metrics");
+            tokio::spawn(crate::metrics_cmd::serve(node.clone(), listener));
+            anyhow::Ok(())
+        };
+        if let Err(e) = started.await {
+            let _ = node.shutdown().await;
+            bail!("--metrics: {e:#}");
         }
     }
     let listener = match server::bind(&node.socket_path()) {
@@ -760,6 +805,13 @@ pub fn umount(args: UmountArgs, store: &StoreArg, json: bool) -> Result<()> {
     }
 }
 
+/// The first 16 characters of a layer id, for display. An id comes from the daemon, which
+/// read it from its state file: a damaged file can hold any string, so this cuts at a
+/// character boundary, never inside one.
+fn short_id(id: &str) -> &str {
+    id.char_indices().nth(16).map_or(id, |(at, _)| &id[..at])
+}
+
 /// `strata status`.
 pub fn status(args: StatusArgs, store: &StoreArg, json: bool) -> Result<()> {
     let Some((mut client, _)) = connect_running(&args.node, store)? else {
@@ -786,7 +838,7 @@ pub fn status(args: StatusArgs, store: &StoreArg, json: bool) -> Result<()> {
         let data: u64 = l.blobs.iter().map(|b| b.1).sum();
         println!(
             "  {}  {}  meta {}  data {}  pins {}  mounts {}{}",
-            &l.id[..l.id.len().min(16)],
+            short_id(&l.id),
             l.refs.join(","),
             crate::human(l.meta_bytes),
             crate::human(data),
@@ -814,6 +866,17 @@ pub fn status(args: StatusArgs, store: &StoreArg, json: bool) -> Result<()> {
     }
     println!("cache:");
     crate::cache_cmd::print_stats(&s.cache);
+    let n = &s.node;
+    println!(
+        "daemon          rss {}, up {:.0} s, FUSE reads {} ({} failed, {} in flight), restarts {} (takeovers {})",
+        crate::human(n.rss_bytes),
+        n.uptime_seconds,
+        n.fuse_reads,
+        n.fuse_read_errors,
+        n.fuse_requests_in_flight,
+        n.restarts,
+        n.takeovers
+    );
     Ok(())
 }
 
@@ -879,6 +942,20 @@ pub fn running_daemon_cache_stats() -> Option<fs_cache::chunk::CacheStats> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn short_ids_cut_at_characters() {
+        let hex = "0123456789abcdef0123456789abcdef";
+        assert_eq!(short_id(hex), "0123456789abcdef");
+        assert_eq!(short_id("abc"), "abc");
+        assert_eq!(short_id(""), "");
+        // A multi-byte character across byte 16 (a corrupt state file): no panic.
+        let odd = "0123456789abcdeé0123";
+        assert!(!odd.is_char_boundary(16));
+        assert_eq!(short_id(odd), "0123456789abcdeé");
+        assert_eq!(short_id("ééééééééééééééééé"), "éééééééééééééééé");
+        assert_eq!(short_id("ééé"), "ééé");
+    }
 
     #[test]
     fn one_spelling_per_store() {

@@ -8,9 +8,9 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context, Result};
 use base64::Engine as _;
 use sandbox_runtime::proto::{
-    parse_stack, CopyRequest, CreateRequest, Direction, ExecEvent, ExecRequest, ExecResult,
-    ExitReason, InputRequest, Limits, Network, PoolInfo, PoolRequest, Request, RunRequest,
-    SandboxDetail, SandboxInfo, Stream,
+    parse_stack, CopyRequest, CpuClass, CreateRequest, Direction, ExecEvent, ExecRequest,
+    ExecResult, ExitReason, InputRequest, Limits, Network, PoolInfo, PoolRequest, Request,
+    RunRequest, SandboxDetail, SandboxInfo, Stream,
 };
 use ublk_daemon::node::client::Client;
 use ublk_daemon::node::proto::ApiError;
@@ -59,7 +59,14 @@ pub enum SandboxCmd {
         #[command(flatten)]
         node: NodeOpts,
     },
-    /// Thaw a paused sandbox.
+    /// Freeze a sandbox, record what it has resident and reclaim its memory (page cache
+    /// that is its own; anonymous memory where the node has swap) until `resume`.
+    Suspend {
+        id: String,
+        #[command(flatten)]
+        node: NodeOpts,
+    },
+    /// Thaw a paused sandbox; a suspended one gets what it had resident back first.
     Resume {
         id: String,
         #[command(flatten)]
@@ -140,6 +147,10 @@ pub struct CreateArgs {
     /// CPUs (fractions allowed: 0.5).
     #[arg(long)]
     cpus: Option<f64>,
+    /// CPU class: `ls` (latency-sensitive, the default) or `be` (best-effort: SCHED_IDLE and
+    /// the lowest CPU weight, so it never delays an `ls` sandbox).
+    #[arg(long, value_parser = parse_class, default_value = "ls")]
+    class: CpuClass,
     /// Memory limit (e.g. 512MiB).
     #[arg(long, value_parser = parse_size)]
     memory: Option<u64>,
@@ -369,6 +380,9 @@ pub fn run(cmd: SandboxCmd, store: &StoreArg, cache: &CacheOpts, json: bool) -> 
             println!("upper:     {} ({} bytes)", d.upper.display(), d.upper_bytes);
             println!("memory:    {} anon, {} file", d.memory_anon, d.memory_file);
             println!("pids:      {}", d.pids);
+            if let Some(p) = &d.sched_policy {
+                println!("sched:     {p}");
+            }
             for (c, p) in &d.cgroups {
                 println!("cgroup:    {c} {}", p.display());
             }
@@ -382,11 +396,76 @@ pub fn run(cmd: SandboxCmd, store: &StoreArg, cache: &CacheOpts, json: bool) -> 
             }
             Ok(())
         }
-        SandboxCmd::Pause { id, node } => {
-            pause_or_resume(&node, Request::SandboxPause { id }, json)
+        SandboxCmd::Pause { id, node } => pause(&node, Request::SandboxPause { id }, json),
+        SandboxCmd::Suspend { id, node } => {
+            let mut c = running(&node)?;
+            let r: sandbox_runtime::SuspendReport = call(&mut c, &Request::SandboxSuspend { id })?;
+            if json {
+                return crate::print_json(&r);
+            }
+            let h = crate::human;
+            println!(
+                "{} suspended in {} ms (record {} ms, reclaim {} ms)",
+                r.info.id, r.suspend_ms, r.record_ms, r.reclaim_ms
+            );
+            println!(
+                "memory:   {} → {} (anon {} → {}, file {} → {}, swap {} → {}; swap on node: {})",
+                h(r.before.usage),
+                h(r.after.usage),
+                h(r.before.anon),
+                h(r.after.anon),
+                h(r.before.file),
+                h(r.after.file),
+                h(r.before.swap),
+                h(r.after.swap),
+                if r.swap { "yes" } else { "no" }
+            );
+            println!(
+                "recorded: {} files, {} resident{}; anon {}",
+                r.files,
+                h(r.file_bytes),
+                if r.truncated { " (truncated)" } else { "" },
+                h(r.anon_bytes)
+            );
+            println!(
+                "reclaim:  {} files dropped, {} kept for running neighbours{}; paged out {}; {}",
+                r.files_dropped,
+                r.files_kept_shared,
+                if r.shared_layers.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({})", r.shared_layers.join(", "))
+                },
+                h(r.pageout_bytes),
+                r.cgroup_reclaim
+            );
+            Ok(())
         }
         SandboxCmd::Resume { id, node } => {
-            pause_or_resume(&node, Request::SandboxResume { id }, json)
+            let mut c = running(&node)?;
+            let r: sandbox_runtime::ResumeResult = call(&mut c, &Request::SandboxResume { id })?;
+            if json {
+                return crate::print_json(&r);
+            }
+            println!("{} {}", r.info.id, state_name(&r.info));
+            if let Some(p) = r.prefetch {
+                let h = crate::human;
+                println!(
+                    "resumed in {} ms: chunks {} in {} ms ({} failed), pages {} of {} files \
+                     in {} ms ({} skipped), swap-in {}, thaw {} ms",
+                    p.resume_ms,
+                    h(p.chunk_bytes),
+                    p.chunks_ms,
+                    p.chunk_errors,
+                    h(p.page_bytes),
+                    p.files,
+                    p.pages_ms,
+                    p.files_skipped,
+                    h(p.swapin_bytes),
+                    p.thaw_ms
+                );
+            }
+            Ok(())
         }
         SandboxCmd::Signal {
             id,
@@ -497,7 +576,7 @@ fn parse_net(s: &str) -> Result<Network> {
     }
 }
 
-fn pause_or_resume(node: &NodeOpts, r: Request, json: bool) -> Result<()> {
+fn pause(node: &NodeOpts, r: Request, json: bool) -> Result<()> {
     let mut c = running(node)?;
     let info: SandboxInfo = call(&mut c, &r)?;
     if json {
@@ -513,6 +592,14 @@ fn state_name(s: &SandboxInfo) -> String {
         .ok()
         .and_then(|v| v.as_str().map(str::to_owned))
         .unwrap_or_default()
+}
+
+fn parse_class(s: &str) -> std::result::Result<CpuClass, String> {
+    match s {
+        "ls" => Ok(CpuClass::Ls),
+        "be" => Ok(CpuClass::Be),
+        _ => Err(format!("{s:?}: want ls or be")),
+    }
 }
 
 fn split_remote(s: &str) -> Option<(String, String)> {
@@ -539,6 +626,7 @@ fn create(a: CreateArgs, store: &StoreArg, cache: &CacheOpts, json: bool) -> Res
             memory: a.memory,
             pids: a.pids,
             disk: a.disk,
+            class: a.class,
         },
         env: a.env,
         secrets: a.secrets,

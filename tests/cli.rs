@@ -312,22 +312,96 @@ fn layer_build_pushes_a_lazy_layer_that_reads_back() {
     let blob = m["blobs"][0]["digest"].as_str().unwrap().to_owned();
     assert_eq!(blob, built["blob_digest"].as_str().unwrap());
     let path = |d: &str| store.join("blobs").join(&d[..2]).join(d);
-    // The blob is larger than one chunk, so its chunk table sits beside it.
+    // Stored compressed by default (zstd per chunk): the manifest says so, the stored object
+    // is smaller than the blob, and its chunk table sits beside it.
+    assert_eq!(m["blobs"][0]["compression"], "zstd", "{m}");
+    let stored = m["blobs"][0]["stored_size"].as_u64().unwrap();
+    assert_eq!(std::fs::metadata(path(&blob)).unwrap().len(), stored);
+    assert!(stored < m["blobs"][0]["size"].as_u64().unwrap());
+    assert_eq!(built["blob_stored_bytes"].as_u64(), Some(stored));
     assert!(store
         .join("blobs")
         .join(&blob[..2])
         .join(format!("{blob}.chunks"))
         .exists());
-    let img =
-        erofs_builder::Image::open_with_devices(&path(&meta), &[path(&blob).as_path()]).unwrap();
+    // `blob get` writes the plain bytes (decoded and verified): the image reads from them.
+    let (meta_file, blob_file) = (tmp.path().join("meta.out"), tmp.path().join("blob.out"));
+    ok(run(&[
+        "blob",
+        "get",
+        &meta,
+        "-o",
+        meta_file.to_str().unwrap(),
+    ]));
+    ok(run(&[
+        "blob",
+        "get",
+        &blob,
+        "-o",
+        blob_file.to_str().unwrap(),
+    ]));
+    assert_eq!(
+        std::fs::metadata(&blob_file).unwrap().len(),
+        m["blobs"][0]["size"].as_u64().unwrap()
+    );
+    let img = erofs_builder::Image::open_with_devices(&meta_file, &[blob_file.as_path()]).unwrap();
     let f = img.lookup("/d/big").unwrap();
     assert_eq!(img.read_data(&f).unwrap(), big);
     let s = img.lookup("/small").unwrap();
     assert_eq!(img.read_data(&s).unwrap(), b"small file");
+    // `blob get` to stdout too.
+    let whole = run(&["blob", "get", &blob]);
+    assert!(whole.status.success());
+    assert_eq!(whole.stdout, std::fs::read(&blob_file).unwrap());
     // A byte range of the blob reads through the node cache.
     let part = run(&["blob", "cat", &blob, "--offset", "0", "--length", "4096"]);
     assert!(part.status.success());
-    assert_eq!(part.stdout.len(), 4096);
+    assert_eq!(part.stdout, std::fs::read(&blob_file).unwrap()[..4096]);
+
+    // `--compress none`: the stored objects are the plain meta image and blob (the tree with
+    // one more file, so that the blob is new).
+    std::fs::write(src.join("d/more"), vec![b'm'; 300_000]).unwrap();
+    let plain = json(run(&[
+        "--json",
+        "layer",
+        "build",
+        src.to_str().unwrap(),
+        "--name",
+        "workspace/w:2",
+        "--timestamp",
+        "1700000001",
+        "--compress",
+        "none",
+    ]));
+    assert_eq!(plain["compression"], "none", "{plain}");
+    let m2 = json(run(&["--json", "layer", "inspect", "workspace/w:2"]));
+    assert!(m2["blobs"][0].get("compression").is_none(), "{m2}");
+    let (meta2, blob2) = (
+        m2["meta"]["digest"].as_str().unwrap().to_owned(),
+        m2["blobs"][0]["digest"].as_str().unwrap().to_owned(),
+    );
+    assert_eq!(
+        std::fs::metadata(path(&blob2)).unwrap().len(),
+        m2["blobs"][0]["size"].as_u64().unwrap()
+    );
+    let img =
+        erofs_builder::Image::open_with_devices(&path(&meta2), &[path(&blob2).as_path()]).unwrap();
+    assert_eq!(img.read_data(&img.lookup("/d/big").unwrap()).unwrap(), big);
+    let bad = run(&[
+        "layer",
+        "build",
+        src.to_str().unwrap(),
+        "--name",
+        "workspace/w:3",
+        "--compress",
+        "lz4",
+    ]);
+    assert!(!bad.status.success());
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("zstd"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
 }
 
 /// Root only (mount(2), FUSE); prints a loud SKIPPED line otherwise (a failure under CI).
@@ -446,8 +520,12 @@ fn mount_umount_status_crash_and_sigterm() {
     assert_eq!(status["running"], true, "{status}");
     assert_eq!(status["layers"][0]["refs"][0], "base/cli:1", "{status}");
     assert_eq!(status["mounts"][0]["mountpoint"], mp.to_str().unwrap());
+    // Every byte of the file went through the cache; what came from the store is its stored
+    // (zstd, per chunk) size, which for this file's repeated pattern is much smaller.
+    let read = status["cache"]["bytes_read"].as_u64().unwrap();
+    assert!(read >= big.len() as u64, "{status}");
     let fetched = status["cache"]["bytes_fetched"].as_u64().unwrap();
-    assert!(fetched >= big.len() as u64, "{status}");
+    assert!(fetched > 0 && fetched < read, "{status}");
     let human = ok(run(&["status"]));
     assert!(
         human.contains("base/cli:1") && human.contains("bytes fetched"),

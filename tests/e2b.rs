@@ -12,58 +12,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const BASE: &str = "base/debian:12";
-/// The virtualenv with the pinned SDK (`scripts/install-test-deps.sh`).
-const VENV_PYTHON: &str = "/usr/local/lib/strata/e2b/bin/python";
 const API_KEY: &str = "strata-test-key-0123456789";
 
 fn strata_bin() -> &'static str {
     env!("CARGO_BIN_EXE_strata")
-}
-
-fn sdk_version() -> Option<String> {
-    let out = Command::new(VENV_PYTHON)
-        .args([
-            "-c",
-            "import importlib.metadata as m; print(m.version('e2b'))",
-        ])
-        .output()
-        .ok()?;
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
-}
-
-/// Whether the SDK can drive a node here; otherwise a loud SKIPPED (a failure under CI).
-fn ready(test: &str) -> bool {
-    if !common::require_root(test) {
-        return false;
-    }
-    let runc = Command::new("sh")
-        .args(["-c", "command -v runc"])
-        .stdout(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    let why = if !runc {
-        Some("runc not installed".to_owned())
-    } else if sdk_version().as_deref() != Some("2.63.0") {
-        Some(format!(
-            "the e2b SDK 2.63.0 is not in {VENV_PYTHON}'s virtualenv (found {:?})",
-            sdk_version()
-        ))
-    } else if common::debian_root().is_none() {
-        Some("no Debian base root (scripts/debian-base.sh failed)".to_owned())
-    } else {
-        None
-    };
-    if let Some(why) = why {
-        println!("\n*** SKIPPED {test}: {why} ***\n");
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "{test}: {why} (scripts/install-test-deps.sh installs it under CI)"
-        );
-        return false;
-    }
-    true
 }
 
 /// One node with the API on a free port; removes every sandbox, stops the daemon and
@@ -196,7 +148,7 @@ impl Node {
         // faulthandler: a crash of the client (a signal in a C extension, seen once at the
         // interpreter's exit under load, after every check had passed) prints every
         // thread's Python stack to stderr, which the failure message shows.
-        let out = Command::new(VENV_PYTHON)
+        let out = Command::new(common::E2B_PYTHON)
             .args(["-X", "faulthandler"])
             .arg(&path)
             .args(args)
@@ -298,7 +250,7 @@ impl Drop for Node {
 
 #[test]
 fn the_sdk_drives_sandboxes_sync() {
-    if !ready("the_sdk_drives_sandboxes_sync") {
+    if !common::e2b_ready("the_sdk_drives_sandboxes_sync") {
         return;
     }
     let node = Node::start("sync");
@@ -308,7 +260,7 @@ fn the_sdk_drives_sandboxes_sync() {
 
 #[test]
 fn snapshots_and_forks_go_through_pack_diff() {
-    if !ready("snapshots_and_forks_go_through_pack_diff") {
+    if !common::e2b_ready("snapshots_and_forks_go_through_pack_diff") {
         return;
     }
     let node = Node::start("snapshot");
@@ -318,7 +270,7 @@ fn snapshots_and_forks_go_through_pack_diff() {
 
 #[test]
 fn the_async_sdk_drives_sandboxes() {
-    if !ready("the_async_sdk_drives_sandboxes") {
+    if !common::e2b_ready("the_async_sdk_drives_sandboxes") {
         return;
     }
     let node = Node::start("async");
@@ -328,7 +280,7 @@ fn the_async_sdk_drives_sandboxes() {
 
 #[test]
 fn the_error_paths_raise_the_sdks_exceptions() {
-    if !ready("the_error_paths_raise_the_sdks_exceptions") {
+    if !common::e2b_ready("the_error_paths_raise_the_sdks_exceptions") {
         return;
     }
     let node = Node::start("errors");
@@ -340,7 +292,7 @@ fn the_error_paths_raise_the_sdks_exceptions() {
         ("DELETE", "/sandboxes/x"),
         ("GET", "/anything"),
     ] {
-        let out = Command::new(VENV_PYTHON)
+        let out = Command::new(common::E2B_PYTHON)
             .args([
                 "-c",
                 "import sys, urllib.request, urllib.error\n\
@@ -362,7 +314,7 @@ fn the_error_paths_raise_the_sdks_exceptions() {
 
 #[test]
 fn templates_and_sandboxes_outlive_a_daemon_restart() {
-    if !ready("templates_and_sandboxes_outlive_a_daemon_restart") {
+    if !common::e2b_ready("templates_and_sandboxes_outlive_a_daemon_restart") {
         return;
     }
     let mut node = Node::start("templates");
@@ -382,7 +334,7 @@ fn templates_and_sandboxes_outlive_a_daemon_restart() {
 
 #[test]
 fn the_wire_is_connect_over_http1_and_h2c() {
-    if !ready("the_wire_is_connect_over_http1_and_h2c") {
+    if !common::e2b_ready("the_wire_is_connect_over_http1_and_h2c") {
         return;
     }
     let node = Node::start("wire");
@@ -391,7 +343,7 @@ fn the_wire_is_connect_over_http1_and_h2c() {
 
 #[test]
 fn a_template_with_a_pool_hands_out_ready_sandboxes() {
-    if !ready("a_template_with_a_pool_hands_out_ready_sandboxes") {
+    if !common::e2b_ready("a_template_with_a_pool_hands_out_ready_sandboxes") {
         return;
     }
     let node = Node::start("pool");

@@ -90,8 +90,23 @@ impl Strata {
             .collect()
     }
 
+    /// The blob's plain bytes in a file: `strata blob get` decodes (and verifies) a blob the
+    /// store keeps compressed, chunk by chunk, which is how layers are stored by default; the
+    /// kernel mounts plain images only.
     fn blob(&self, digest: &str) -> PathBuf {
-        self.store.join(format!("blobs/{}/{digest}", &digest[..2]))
+        let dir = self.home.join("plain-blobs");
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(digest);
+        if !path.exists() {
+            self.ok(&[
+                OsStr::new("blob"),
+                OsStr::new("get"),
+                OsStr::new(digest),
+                OsStr::new("-o"),
+                path.as_os_str(),
+            ]);
+        }
+        path
     }
 
     /// Mounts the stack `layers` (lowest first) with the kernel: each layer's meta image

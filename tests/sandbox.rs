@@ -8,6 +8,10 @@ mod common;
 mod io;
 #[path = "sandbox/pack.rs"]
 mod pack;
+#[path = "sandbox/qos.rs"]
+mod qos;
+#[path = "sandbox/suspend.rs"]
+mod suspend;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};

@@ -17,7 +17,8 @@
 //! `cargo build --release --bin strata`) or `STRATA_BIN`; `runc` on `PATH`. Needs root.
 //! Everything it started is removed when it ends (also on a panic): the sandboxes, the daemon
 //! (SIGTERM) and its fd holder, mounts left under its directory, its directory.
-//! `cargo bench -p bench --bench e2b_tti`.
+//! Smoke run without `--bench` (as `cargo test --benches` runs it in CI): 5 sandboxes in
+//! sequence, 8 by 4 concurrent clients. `cargo bench -p bench --bench e2b_tti`.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -123,8 +124,21 @@ fn main() {
         node.bin.display(),
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
-    let status = Command::new(VENV_PYTHON)
-        .arg(repo.join("bench/e2b/tti.py"))
+    let mut tti = Command::new(VENV_PYTHON);
+    tti.arg(repo.join("bench/e2b/tti.py"));
+    if !bench::full_run() {
+        // The smoke run: a few sandboxes each way, unless the environment sets the sizes.
+        for (k, v) in [
+            ("STRATA_BENCH_TTI_N", "5"),
+            ("STRATA_BENCH_TTI_CONCURRENCY", "4"),
+            ("STRATA_BENCH_TTI_CONCURRENT_N", "8"),
+        ] {
+            if std::env::var_os(k).is_none() {
+                tti.env(k, v);
+            }
+        }
+    }
+    let status = tti
         .env("E2B_API_URL", &url)
         .env("E2B_SANDBOX_URL", &url)
         .env("E2B_API_KEY", KEY)

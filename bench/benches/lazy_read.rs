@@ -28,8 +28,10 @@
 //!     what the node does for a layer whose blob is wholly in level 2 when it is mounted.
 //!     Reads never reach the daemon.
 //! - `warm random 4 KiB`: 4 KiB `pread`s at random 4 KiB-aligned offsets, lazy vs local.
-//! - page-cache growth per byte read, from this process's memory cgroup (`cache` in cgroup v1
-//!   `memory.stat`; `/proc/meminfo` `Cached` where there is none): cold, warm, warm with
+//! - page-cache growth per byte read (signed: reclaim during a read shows as negative), from
+//!   this process's memory cgroup (`cache` in cgroup v1 `memory.stat`; the system's
+//!   `/proc/meminfo` `Cached` where there is none — one source per run, named in the output,
+//!   never mixed): cold, warm, warm with
 //!   `direct_io` off on the blob files (a second `BlobFs` over the same cache), and
 //!   passthrough. A breakdown by `mincore` shows which files hold the pages (the EROFS file,
 //!   level-2 chunk files, the backend's blob file).
@@ -84,32 +86,62 @@ fn drop_caches() {
     std::fs::write("/proc/sys/vm/drop_caches", "3\n").expect("drop caches (needs root)");
 }
 
-/// Page-cache bytes charged to this process's memory cgroup (v1), else the system's `Cached`.
-fn page_cache_bytes() -> (u64, &'static str) {
-    let cgroup = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
-    if let Some(path) = cgroup.lines().find_map(|l| {
-        let mut parts = l.splitn(3, ':');
-        let (_, ctrl, path) = (parts.next()?, parts.next()?, parts.next()?);
-        (ctrl == "memory").then(|| path.to_owned())
-    }) {
-        let stat = format!("/sys/fs/cgroup/memory{path}/memory.stat");
-        if let Ok(s) = std::fs::read_to_string(stat) {
-            if let Some(v) = s
-                .lines()
-                .find_map(|l| l.strip_prefix("cache "))
-                .and_then(|v| v.trim().parse().ok())
-            {
-                return (v, "memory cgroup v1 `cache`");
-            }
+/// Where page-cache figures come from, chosen once per run so that every figure of a run
+/// comes from the same source: this process's memory cgroup (v1 `memory.stat`, `cache`), or,
+/// where it has none, the system's `/proc/meminfo` `Cached` (which also counts every other
+/// process's reads: the table says which one was used).
+enum PageCacheSource {
+    CgroupV1(PathBuf),
+    Meminfo,
+}
+
+impl PageCacheSource {
+    fn pick() -> Self {
+        let cgroup = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+        let stat = cgroup.lines().find_map(|l| {
+            let mut parts = l.splitn(3, ':');
+            let (_, ctrl, path) = (parts.next()?, parts.next()?, parts.next()?);
+            (ctrl == "memory")
+                .then(|| PathBuf::from(format!("/sys/fs/cgroup/memory{path}/memory.stat")))
+        });
+        match stat {
+            Some(p) if Self::cgroup_cache(&p).is_some() => Self::CgroupV1(p),
+            _ => Self::Meminfo,
         }
     }
-    let info = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    let kb: u64 = info
-        .lines()
-        .find_map(|l| l.strip_prefix("Cached:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0);
-    (kb * 1024, "/proc/meminfo `Cached`")
+
+    fn cgroup_cache(stat: &Path) -> Option<u64> {
+        std::fs::read_to_string(stat)
+            .ok()?
+            .lines()
+            .find_map(|l| l.strip_prefix("cache "))
+            .and_then(|v| v.trim().parse().ok())
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Self::CgroupV1(_) => "this process's memory cgroup (v1 `cache`)",
+            Self::Meminfo => "the whole system's `/proc/meminfo` `Cached` (no memory cgroup here)",
+        }
+    }
+
+    /// Page-cache bytes now; a source that cannot be read stops the run (no figure from a
+    /// different source is mixed in).
+    fn bytes(&self) -> u64 {
+        match self {
+            Self::CgroupV1(stat) => Self::cgroup_cache(stat)
+                .unwrap_or_else(|| panic!("{} is no longer readable", stat.display())),
+            Self::Meminfo => std::fs::read_to_string("/proc/meminfo")
+                .ok()
+                .and_then(|info| {
+                    info.lines()
+                        .find_map(|l| l.strip_prefix("Cached:"))
+                        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+                })
+                .map(|kb| kb * 1024)
+                .expect("/proc/meminfo has no Cached line"),
+        }
+    }
 }
 
 /// Bytes of `path` (a file, or every file under a directory) resident in the page cache.
@@ -353,15 +385,17 @@ fn main() {
     let lazy = erofs_mnt.join("big");
 
     let level2_w = root.join("cache-w");
+    let cache_source = PageCacheSource::pick();
     let growth = |path: &Path, cache: &ChunkCache, read_bytes: &mut f64| -> Growth {
         drop_caches();
-        let (before, _) = page_cache_bytes();
+        let before = cache_source.bytes();
         let (n, secs) = read_sequential(path);
         rt.block_on(cache.flush()).expect("flush the cache");
-        let (after, _) = page_cache_bytes();
+        let after = cache_source.bytes();
         *read_bytes = mbps(n, secs);
         Growth {
-            per_byte: after.saturating_sub(before) as f64 / n as f64,
+            // Signed: a shrinking page cache (reclaim during the read) shows as negative.
+            per_byte: (after as f64 - before as f64) / n as f64,
             erofs: resident(path),
             level2: resident(&level2) + resident(&level2_w),
             backend: resident(&backend_blob),
@@ -549,13 +583,22 @@ fn main() {
     drop(erofs2);
     drop(fs2);
 
-    let (_, source) = page_cache_bytes();
+    let source = cache_source.name();
     let m = |v: &[Vec<f64>; 4]| v.clone().map(|x| median(&x));
     let (sq, rn) = (m(&seq), m(&rnd));
-    // This virtual disk has slow spells that hit any run (a third of the usual speed): the
-    // best run of each, next to the median, shows what each path does when the disk is not
-    // in one.
-    let best = seq.clone().map(|x| x.iter().copied().fold(0.0, f64::max));
+    // This virtual disk has slow spells that hit any run (a third of the usual speed). The
+    // paths are read in rounds (local, lazy, passthrough, EROFS over a local file, then the
+    // next round), so a ratio is taken within one round, where both reads met the same disk;
+    // the table gives the median and the best of those per-round ratios, never a ratio of
+    // figures from different rounds.
+    let round_ratios = |i: usize| -> Vec<f64> {
+        seq[i]
+            .iter()
+            .zip(&seq[0])
+            .map(|(x, local)| x / local)
+            .collect()
+    };
+    let best_ratio = |i: usize| round_ratios(i).into_iter().fold(f64::NAN, f64::max);
     println!();
     println!("warm sequential runs, MB/s (local, lazy, passthrough, EROFS over a local file):");
     for (name, v) in ["local", "lazy", "passthrough", "EROFS/local file"]
@@ -580,7 +623,6 @@ fn main() {
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     for (name, unit, v) in [
         ("warm sequential, 1 MiB reads (median)", "MB/s", sq),
-        ("warm sequential, 1 MiB reads (best run)", "MB/s", best),
         ("warm random 4 KiB preads (median)", "/s", rn),
     ] {
         println!(
@@ -594,6 +636,16 @@ fn main() {
             v[3] / v[0]
         );
     }
+    println!(
+        "| warm sequential, ratio to local within one round: median (best) of {} rounds | | | {:.2} ({:.2}) | | {:.2} ({:.2}) | | {:.2} ({:.2}) |",
+        seq[0].len(),
+        median(&round_ratios(1)),
+        best_ratio(1),
+        median(&round_ratios(2)),
+        best_ratio(2),
+        median(&round_ratios(3)),
+        best_ratio(3)
+    );
     println!("| cold sequential (POSIX backend) | | {cold_mbps:.0} MB/s | | | | | |");
     println!(
         "| warm, the chunk cache alone (in process, 8 readers) | | {in_process:.0} MB/s | | | | | |"

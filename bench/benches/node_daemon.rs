@@ -58,9 +58,7 @@ use std::time::{Duration, Instant};
 use bench::{bench_tempdir, fill_pseudo_random, fs_type};
 use fs_cache::chunk::disk::DiskCacheConfig;
 use fs_cache::chunk::CacheConfig;
-use fs_cache::{
-    Backend, BlobRef, FaultConfig, FaultyBackend, LayerRef, Manifest, PosixBackend, Store,
-};
+use fs_cache::{Backend, FaultConfig, FaultyBackend, LayerRef, Manifest, PosixBackend, Store};
 use tokio::runtime::Runtime;
 use ublk_daemon::node::client::Client;
 use ublk_daemon::node::proto::{MountInfo, Pong, Request, Status};
@@ -376,14 +374,8 @@ fn push_layer(rt: &Runtime, store: &Store, src: &Path, name: &str, work: &Path) 
         let r: LayerRef = name.parse().expect("a layer reference");
         let m = Manifest::new(
             r,
-            Some(BlobRef {
-                digest: meta_put.digest,
-                size: meta_put.size,
-            }),
-            vec![BlobRef {
-                digest: data_put.digest,
-                size: data_put.size,
-            }],
+            Some(meta_put.blob_ref()),
+            vec![data_put.blob_ref()],
             format!("dir:{}", src.display()),
         );
         store.push_manifest(&m).await.expect("push the manifest");

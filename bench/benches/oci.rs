@@ -9,8 +9,9 @@
 //!
 //! - **export, ours**: `strata layer export --oci DIR` as a library call: the meta image
 //!   fetched from the store and verified, every file read through a fresh memory-only chunk
-//!   cache (every chunk verified), the layer tar written and gzip'd (level 6, one thread) or
-//!   zstd'd (level 3), hashed twice (diff_id and blob digest), config, manifest, index.
+//!   cache (every chunk verified), the layer tar written and gzip'd (level 6, as 8 MiB
+//!   members compressed two at a time) or zstd'd (level 3), hashed twice (diff_id and blob
+//!   digest), config, manifest, index.
 //! - **export, umoci**: `umoci repack` of a bundle whose rootfs holds the same tree
 //!   (prepared untimed by `umoci unpack` of an empty image and `cp -a`): umoci walks the
 //!   rootfs against its mtree, writes the layer tar, gzips it (Go, parallel) and writes the
@@ -35,7 +36,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bench::median;
-use fs_cache::{BlobRef, LayerRef, Manifest, PosixBackend, Store};
+use fs_cache::{LayerRef, Manifest, PosixBackend, Store};
 use oci_image::export::{LayerCompression, LayoutOptions};
 
 /// The tree to export and import.
@@ -59,14 +60,8 @@ async fn build_layer(store: &Store, tree: &Path, work: &Path) -> LayerRef {
     let r: LayerRef = "base/bench:1".parse().unwrap();
     let man = Manifest::new(
         r.clone(),
-        Some(BlobRef {
-            digest: m.digest,
-            size: m.size,
-        }),
-        vec![BlobRef {
-            digest: b.digest,
-            size: b.size,
-        }],
+        Some(m.blob_ref()),
+        vec![b.blob_ref()],
         "bench".into(),
     );
     store.push_manifest(&man).await.unwrap();
@@ -121,9 +116,15 @@ async fn import(dir: &Path, store_dir: &Path, work: &Path) -> f64 {
     .await
     .unwrap();
     let name: LayerRef = "base/imported:1".parse().unwrap();
-    oci_image::store::push_stack(&store, &built, &name, &plan_source)
-        .await
-        .unwrap();
+    oci_image::store::push_stack(
+        &store,
+        &built,
+        &name,
+        &plan_source,
+        fs_cache::Compression::default(),
+    )
+    .await
+    .unwrap();
     started.elapsed().as_secs_f64()
 }
 

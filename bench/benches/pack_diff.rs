@@ -18,7 +18,8 @@
 //! Binaries: `strata` beside the bench executable's directory (`target/release/strata`, after
 //! `cargo build --release --bin strata`) or `STRATA_BIN`; `runc`, `tar`. Needs root.
 //! Everything it started is removed when it ends (also on a panic; `bench::node::LocalNode`).
-//! `cargo bench -p bench --bench pack_diff`.
+//! Smoke run without `--bench` (as `cargo test --benches` runs it in CI): 1 and 10 MB, bulk
+//! 8 MB. `cargo bench -p bench --bench pack_diff`.
 
 use std::io::Write;
 use std::path::Path;
@@ -69,8 +70,12 @@ fn main() {
         return;
     }
     assert!(rustix::process::geteuid().is_root(), "pack_diff needs root");
-    let sizes = env_list("STRATA_BENCH_PACK_MB", "1,10,100,1000");
-    let bulk_mb = env_list("STRATA_BENCH_PACK_BULK_MB", "800")
+    let full = bench::full_run();
+    let sizes = env_list(
+        "STRATA_BENCH_PACK_MB",
+        if full { "1,10,100,1000" } else { "1,10" },
+    );
+    let bulk_mb = env_list("STRATA_BENCH_PACK_BULK_MB", if full { "800" } else { "8" })
         .first()
         .copied()
         .unwrap_or(800);

@@ -38,7 +38,8 @@
 //! Needs root. Everything it started is removed when it ends (also on a panic): sandboxes
 //! through the daemon, then the daemon (SIGTERM) and its fd holder, the eager containers
 //! (`runc delete -f`), mounts left under its directory (`umount -l`), its directory, moto.
-//! `cargo bench -p bench --bench sandbox_burst`.
+//! Smoke run without `--bench` (as `cargo test --benches` runs it in CI): 8 sandboxes, 4 at
+//! once, 3 s sustained, 10 pool runs. `cargo bench -p bench --bench sandbox_burst`.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -1038,11 +1039,12 @@ fn main() {
             std::env::set_var(name, value);
         }
     }
-    let n = env_usize("STRATA_BENCH_SANDBOXES", 256);
-    let conc = env_usize("STRATA_BENCH_CONCURRENCY", 32);
+    let full = bench::full_run();
+    let n = env_usize("STRATA_BENCH_SANDBOXES", if full { 256 } else { 8 });
+    let conc = env_usize("STRATA_BENCH_CONCURRENCY", if full { 32 } else { 4 });
     let eager_n = env_usize("STRATA_BENCH_EAGER_SANDBOXES", n.min(64));
-    let sustain_s = env_usize("STRATA_BENCH_SUSTAIN_S", 60) as u64;
-    let pool_runs = env_usize("STRATA_BENCH_POOL_RUNS", 200);
+    let sustain_s = env_usize("STRATA_BENCH_SUSTAIN_S", if full { 60 } else { 3 }) as u64;
+    let pool_runs = env_usize("STRATA_BENCH_POOL_RUNS", if full { 200 } else { 10 });
     let scenarios = std::env::var("STRATA_BENCH_SCENARIOS")
         .unwrap_or_else(|_| "lazy,eager,floor,sustain,pool".into());
     let on = |s: &str| scenarios.split(',').any(|x| x.trim() == s);

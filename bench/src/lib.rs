@@ -16,11 +16,19 @@
 //!   the same bytes.
 //! - [`median`]: the middle of a few repeated measurements.
 //! - [`size_label`]: `4096` → `"4KiB"`, used in benchmark ids.
+//! - [`full_run`]: whether the bench was started by `cargo bench` (full sizes) or by
+//!   `cargo test --benches` (a smoke run: small sizes, every step and every assertion of the
+//!   full run, in seconds; `scripts/test.sh` runs every bench that way in CI).
 //! - [`node::LocalNode`]: a node (store, caches, daemon) driven through the `strata` command
 //!   line for scenario benches, removed with everything it made when dropped.
+//! - [`fault_proxy::FaultProxy`]: a faulty HTTP proxy in front of the S3 test server, and
+//!   [`campaign`]: the fault campaign's stage (layers mounted through a daemon whose store is
+//!   reached through the proxy, byte-checking readers), shared with `tests/faults.rs`.
 //!
 //! Nothing here is timed; it only sets the stage.
 
+pub mod campaign;
+pub mod fault_proxy;
 pub mod node;
 
 use std::io::{Read, Write};
@@ -28,6 +36,14 @@ use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+/// Whether this is a full run. `cargo bench` passes `--bench` to every bench binary; `cargo
+/// test --benches` does not, and a bench then makes a smoke run: the same steps and checks on
+/// small sizes (each bench's docs say which). An explicit size in the environment wins either
+/// way.
+pub fn full_run() -> bool {
+    std::env::args().any(|a| a == "--bench")
+}
 
 /// Environment variable naming an already running S3-compatible endpoint to benchmark against
 /// (`http://HOST:PORT`, plain HTTP). When unset, [`S3Server::start`] starts `moto_server`.

@@ -66,15 +66,21 @@ pub fn debian_tree() -> PathBuf {
 pub struct LocalNode {
     pub dir: tempfile::TempDir,
     pub bin: PathBuf,
+    /// The store URL its commands use (default: `<dir>/store`, a POSIX store; or one several
+    /// nodes share: [`LocalNode::share_store`]).
+    pub store: String,
     daemon: Option<Child>,
 }
 
 impl LocalNode {
     /// A node under a fresh directory `prefix…` of [`crate::bench_dir`]; no daemon yet.
     pub fn new(target_tmp: &Path, prefix: &str) -> Self {
+        let dir = crate::bench_tempdir(target_tmp, prefix, "the bench directory");
+        let store = dir.path().join("store").to_string_lossy().into_owned();
         Self {
-            dir: crate::bench_tempdir(target_tmp, prefix, "the bench directory"),
+            dir,
             bin: strata_bin(),
+            store,
             daemon: None,
         }
     }
@@ -86,8 +92,18 @@ impl LocalNode {
             .env("STRATA_RUN_DIR", self.dir.path().join("run"))
             .env_remove("STRATA_STORE")
             .arg("--store")
-            .arg(self.dir.path().join("store"));
+            .arg(&self.store);
         c
+    }
+
+    /// Use `store` (another node's, say) instead of this node's own.
+    pub fn share_store(&mut self, store: &str) {
+        self.store = store.to_owned();
+    }
+
+    /// The daemon's process id, while it runs.
+    pub fn daemon_pid(&self) -> Option<u32> {
+        self.daemon.as_ref().map(Child::id)
     }
 
     /// `strata ARGS`, which must succeed; its stdout.
@@ -135,6 +151,22 @@ impl LocalNode {
         }
     }
 
+    /// Stop the daemon [`Self::start_daemon`] started, if any: SIGTERM (a clean stop), then
+    /// SIGKILL after 10 s.
+    pub fn stop_daemon(&mut self) {
+        if let Some(mut d) = self.daemon.take() {
+            if let Some(pid) = rustix::process::Pid::from_raw(d.id() as i32) {
+                let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+            }
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while d.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = d.kill();
+            let _ = d.wait();
+        }
+    }
+
     fn sandbox_ids(&self) -> Vec<String> {
         let out = self
             .cmd()
@@ -166,17 +198,7 @@ impl Drop for LocalNode {
                 .stderr(Stdio::null())
                 .status();
         }
-        if let Some(mut d) = self.daemon.take() {
-            if let Some(pid) = rustix::process::Pid::from_raw(d.id() as i32) {
-                let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-            }
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while d.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = d.kill();
-            let _ = d.wait();
-        }
+        self.stop_daemon();
         // Containers left behind (a daemon stopped while sandboxes ran keeps them).
         let runc_root = self.dir.path().join("run/runc");
         for e in std::fs::read_dir(&runc_root)

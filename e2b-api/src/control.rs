@@ -92,16 +92,7 @@ struct Detail {
 /// The node's CPUs and memory (MiB): what a sandbox without limits may use.
 fn node_resources() -> (u32, u64) {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
-    let mem = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb / 1024);
-    (cpus, mem)
+    (cpus, sandbox_runtime::admission::meminfo().0 >> 20)
 }
 
 fn client_id() -> String {
@@ -257,9 +248,18 @@ pub(crate) async fn start(
         api.remember(&info.id, meta);
         info.id
     } else {
-        let id = format!("i{}", random_token(19));
-        // Known to the API before the runtime has it (the reaper then never sees it as
-        // gone); written once it runs.
+        let id = format!("{}i{}", api.manager.id_prefix(), random_token(19));
+        // Pending (the reaper leaves it alone, the node's status counts it) before the API
+        // knows it, and until the runtime has it or refused it; written once it runs.
+        let _pending = Pending::new(
+            api,
+            &id,
+            crate::cluster::Amount {
+                cpu_millis: template.cpu_millis.unwrap_or(0),
+                mem_bytes: template.memory.unwrap_or(0),
+                disk_bytes: 0,
+            },
+        );
         api.remember(&id, meta);
         let r = api
             .manager
@@ -284,6 +284,35 @@ pub(crate) async fn start(
     };
     let meta = api.update_meta(&id, |m| m.started_ms = now_ms())?;
     Ok((id, meta))
+}
+
+/// A create in progress, in [`Api::pending`] until dropped.
+struct Pending<'a> {
+    api: &'a Api,
+    id: String,
+}
+
+impl<'a> Pending<'a> {
+    fn new(api: &'a Api, id: &str, amount: crate::cluster::Amount) -> Self {
+        api.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.to_owned(), amount);
+        Pending {
+            api,
+            id: id.to_owned(),
+        }
+    }
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        self.api
+            .pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.id);
+    }
 }
 
 /// The size of the filesystem a sandbox's writes land on (its root's: the overlay reports
@@ -430,13 +459,15 @@ async fn refresh(api: &Api, id: &str, body: Incoming) -> Result<Response> {
     Ok(no_content())
 }
 
-/// Freeze a sandbox (the runtime's freezer); `Conflict` if it is paused already.
+/// Pause a sandbox as E2B means it: the runtime's suspend (frozen, what it had resident
+/// recorded, its memory reclaimed; `connect` brings it back with a prefetch); `Conflict` if
+/// it is paused already.
 pub async fn pause_sandbox(api: &Api, id: &str) -> Result<()> {
     let m = sandbox_meta(api, id)?;
     if m.paused {
         return Err(Error::Conflict(format!("sandbox {id} is already paused")));
     }
-    match api.manager.pause(id).await {
+    match api.manager.suspend(id).await {
         Ok(_) => {}
         Err(sandbox_runtime::Error::Conflict(m)) => return Err(Error::Conflict(m)),
         Err(e) => return Err(e.into()),
@@ -486,8 +517,8 @@ struct Metric {
 }
 
 /// CPU time the sandbox's cgroup used, microseconds (`cpu.stat`, v2; `cpuacct.usage`, v1).
-fn cpu_usage_us(cgroups: &BTreeMap<String, std::path::PathBuf>) -> Option<u64> {
-    if let Some(dir) = cgroups.get("").or_else(|| cgroups.get("cpu")) {
+pub(crate) fn cpu_usage_us(cgroups: &BTreeMap<String, std::path::PathBuf>) -> Option<u64> {
+    if let Some(dir) = cgroups.get("unified").or_else(|| cgroups.get("cpu")) {
         if let Ok(s) = std::fs::read_to_string(dir.join("cpu.stat")) {
             if let Some(v) = s
                 .lines()

@@ -203,6 +203,48 @@ pub fn header<'a>(req: &'a http::request::Parts, name: &str) -> Option<&'a str> 
     req.headers.get(name).and_then(|v| v.to_str().ok())
 }
 
+/// Accept connections on `listener` until the task is dropped, each served by `handle` as
+/// HTTP/1.1 (keep-alive, upgrades joined) or h2c. `what` names the listener in logs. The
+/// node's API and the cluster front both serve through this.
+pub async fn serve_connections<F, Fut>(
+    listener: tokio::net::TcpListener,
+    what: &'static str,
+    handle: F,
+) where
+    F: Fn(hyper::Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Response> + Send + 'static,
+{
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                // EMFILE and friends: wait a little rather than spin.
+                tracing::warn!("{what}: accept: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let handle = handle.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req| {
+                let response = handle(req);
+                async move { Ok::<_, std::convert::Infallible>(response.await) }
+            });
+            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            builder.http1().keep_alive(true);
+            builder.http2().max_concurrent_streams(1000);
+            if let Err(e) = builder
+                .serve_connection_with_upgrades(TokioIo::new(stream), svc)
+                .await
+            {
+                tracing::debug!("{what}: connection from {peer}: {e}");
+            }
+        });
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

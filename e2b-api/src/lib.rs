@@ -52,11 +52,13 @@
 //!   that time from now.
 //! - Request bodies are bounded ([`MAX_JSON_BODY`] for messages, [`MAX_UPLOAD`] per upload).
 
+pub mod cluster;
 mod connect;
 mod control;
 mod envd;
 mod files;
 mod filesystem;
+pub mod front;
 mod fs;
 mod http;
 mod ports;
@@ -93,6 +95,7 @@ pub fn fuzz_parse(data: &[u8]) {
     process::fuzz(data);
     filesystem::fuzz(data);
     control::fuzz(data);
+    cluster::fuzz(data);
     files::fuzz(data);
     envd::fuzz(data);
     if let Ok(s) = std::str::from_utf8(data) {

@@ -2,13 +2,11 @@
 //! connection, and the routing of each request — envd (by `E2b-Sandbox-Id`), a signed file
 //! URL, or the control plane (by `X-API-KEY`).
 
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpListener;
 
 use crate::http::{error, error_with, Response};
@@ -29,34 +27,11 @@ pub struct ApiConfig {
 /// Serve `api` on `listener` until the task is dropped.
 pub async fn serve(api: Arc<Api>, listener: TcpListener) {
     api.start_reaper();
-    loop {
-        let (stream, peer) = match listener.accept().await {
-            Ok(s) => s,
-            Err(e) => {
-                // EMFILE and friends: wait a little rather than spin.
-                tracing::warn!("e2b api: accept: {e}");
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let _ = stream.set_nodelay(true);
+    crate::http::serve_connections(listener, "e2b api", move |req| {
         let api = api.clone();
-        tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req| {
-                let api = api.clone();
-                async move { Ok::<_, Infallible>(route(&api, req).await) }
-            });
-            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-            builder.http1().keep_alive(true);
-            builder.http2().max_concurrent_streams(1000);
-            if let Err(e) = builder
-                .serve_connection_with_upgrades(TokioIo::new(stream), svc)
-                .await
-            {
-                tracing::debug!("e2b api: connection from {peer}: {e}");
-            }
-        });
-    }
+        async move { route(&api, req).await }
+    })
+    .await;
 }
 
 /// Route one request.
@@ -110,5 +85,8 @@ async fn route(api: &Arc<Api>, req: hyper::Request<Incoming>) -> Response {
         return error_with(401, "Invalid API key");
     }
     let body = req.into_body();
+    if path.starts_with("/strata/") {
+        return crate::cluster::handle(api, &method, &path, body).await;
+    }
     crate::control::handle(api, &method, &path, query.as_deref(), body).await
 }

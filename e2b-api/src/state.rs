@@ -196,6 +196,10 @@ pub struct Api {
     sandboxes: Mutex<BTreeMap<String, Entry>>,
     pub procs: crate::process::Procs,
     pub watchers: crate::filesystem::Watchers,
+    /// Creates received and not yet answered by the runtime, with what each reserves: the
+    /// node's status counts those the runtime does not have yet (`crate::cluster`), so that
+    /// a front sees every create it sent as soon as it arrives, queued or not.
+    pub pending: Mutex<BTreeMap<String, crate::cluster::Amount>>,
 }
 
 impl Api {
@@ -207,20 +211,7 @@ impl Api {
         state_dir: &Path,
         keys: &Path,
     ) -> Result<Arc<Self>> {
-        let text = std::fs::read_to_string(keys)
-            .map_err(|e| Error::io(format!("read the API keys {}", keys.display()), e))?;
-        let key_list: Vec<String> = text
-            .lines()
-            .map(str::trim)
-            .filter(|l| !l.is_empty() && !l.starts_with('#'))
-            .map(str::to_owned)
-            .collect();
-        if key_list.is_empty() {
-            return Err(Error::BadRequest(format!(
-                "{} holds no API key",
-                keys.display()
-            )));
-        }
+        let key_list = read_keys(keys)?;
         let dir = state_dir.join("sandboxes");
         std::fs::create_dir_all(&dir)
             .map_err(|e| Error::io(format!("create {}", dir.display()), e))?;
@@ -262,14 +253,13 @@ impl Api {
             sandboxes: Mutex::new(sandboxes),
             procs: Default::default(),
             watchers: Default::default(),
+            pending: Default::default(),
         }))
     }
 
     /// Whether `key` is one of the API keys (compared in constant time).
     pub fn key_ok(&self, key: &str) -> bool {
-        self.keys
-            .iter()
-            .any(|k| ct_eq(k.as_bytes(), key.as_bytes()))
+        key_in(&self.keys, key)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Entry>> {
@@ -403,12 +393,19 @@ impl Api {
                     }
                 }
                 // Sandboxes removed behind the API's back (`strata sandbox rm`).
+                // Not those being created: the API knows them before the runtime does. Read
+                // before the runtime's list: a create that ends in between is in that list.
+                let pending = api
+                    .pending
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone();
                 let live: std::collections::BTreeSet<String> =
                     api.manager.list().into_iter().map(|s| s.id).collect();
                 let gone: Vec<String> = api
                     .all_meta()
                     .into_keys()
-                    .filter(|id| !live.contains(id))
+                    .filter(|id| !live.contains(id) && !pending.contains_key(id))
                     .collect();
                 for id in gone {
                     api.forget(&id);
@@ -416,6 +413,31 @@ impl Api {
             }
         });
     }
+}
+
+/// The API keys in `path`: one a line, blank lines and `#` comments ignored; none is an
+/// error.
+pub fn read_keys(path: &Path) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| Error::io(format!("read the API keys {}", path.display()), e))?;
+    let keys: Vec<String> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(str::to_owned)
+        .collect();
+    if keys.is_empty() {
+        return Err(Error::BadRequest(format!(
+            "{} holds no API key",
+            path.display()
+        )));
+    }
+    Ok(keys)
+}
+
+/// Whether `key` is one of `keys` (compared in constant time).
+pub(crate) fn key_in(keys: &[String], key: &str) -> bool {
+    keys.iter().any(|k| ct_eq(k.as_bytes(), key.as_bytes()))
 }
 
 /// Equality that takes the same time wherever the inputs differ.

@@ -10,13 +10,33 @@ use std::os::unix::fs::FileExt;
 
 use erofs_builder::{build_image, BuildOptions, Image};
 
-/// VmHWM is per process: the memory tests in this binary run one at a time.
+/// VmHWM is per process: the memory tests in this binary run one at a time, and each resets
+/// the peak before it measures (else a later test would be measured against an earlier
+/// test's peak, and could grow by that much unseen).
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-fn vm_hwm_kib() -> u64 {
+/// A `/proc/self/status` field in KiB (`VmHWM:`, `VmRSS:`).
+fn status_kib(field: &str) -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+    let line = status.lines().find(|l| l.starts_with(field)).unwrap();
     line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+fn vm_hwm_kib() -> u64 {
+    status_kib("VmHWM:")
+}
+
+/// Reset this process's peak RSS to its current RSS (writing "5" to `/proc/self/clear_refs`,
+/// Linux 4.0 and later) and return the new peak; fails if the peak was not reset.
+fn reset_peak_kib() -> u64 {
+    std::fs::write("/proc/self/clear_refs", "5").expect("reset the peak RSS (clear_refs)");
+    let hwm = vm_hwm_kib();
+    let rss = status_kib("VmRSS:");
+    assert!(
+        hwm <= rss + 1024,
+        "peak RSS not reset: VmHWM {hwm} KiB, VmRSS {rss} KiB"
+    );
+    hwm
 }
 
 #[test]
@@ -46,7 +66,7 @@ fn sparse_5gib_file_and_64mib_of_data_with_bounded_memory() {
         }
     }
     let image = dir.path().join("large.erofs");
-    let before = vm_hwm_kib();
+    let before = reset_peak_kib();
     let stats = build_image(&src, &image, &BuildOptions::default()).unwrap();
     let growth = vm_hwm_kib().saturating_sub(before);
     eprintln!("{stats:?}; peak RSS growth {growth} KiB");
@@ -127,7 +147,7 @@ fn layer_build_memory_does_not_grow_with_data() {
         s.write_all_at(b"EROF", (3u64 << 30) + 5).unwrap();
     }
     let (meta, blob) = (dir.path().join("meta"), dir.path().join("blob"));
-    let before = vm_hwm_kib();
+    let before = reset_peak_kib();
     let s = erofs_builder::build_layer(&src, &meta, &blob, &erofs_builder::LayerOptions::default())
         .unwrap();
     let growth = vm_hwm_kib().saturating_sub(before);

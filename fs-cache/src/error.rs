@@ -109,6 +109,10 @@ pub enum Error {
     #[error(transparent)]
     Shared(std::sync::Arc<Error>),
 
+    /// A compression name is not `none`, `zstd` or `zstd:LEVEL`.
+    #[error("invalid compression {0:?}: expected none, zstd or zstd:LEVEL (1-19)")]
+    InvalidCompression(String),
+
     /// A string that should be a blake3 digest is not one.
     #[error("invalid digest {0:?}: expected 64 lowercase hex characters")]
     InvalidDigest(String),
@@ -177,6 +181,7 @@ impl Error {
             | Error::InvalidRange { .. }
             | Error::InvalidUrl { .. }
             | Error::InvalidDigest(_)
+            | Error::InvalidCompression(_)
             | Error::InvalidLayerRef { .. } => ErrorKind::InvalidInput,
             Error::DigestMismatch { .. }
             | Error::Corrupt { .. }

@@ -12,7 +12,8 @@
 //!   "schema_version": 1,
 //!   "layer": "base/debian:12.7",
 //!   "meta": { "digest": "<blake3 hex>", "size": 1234 },
-//!   "blobs": [ { "digest": "<blake3 hex>", "size": 56789 } ],
+//!   "blobs": [ { "digest": "<blake3 hex>", "size": 56789,
+//!                "compression": "zstd", "stored_size": 20480 } ],
 //!   "parents": [ "base/debian:12.6" ],
 //!   "created": "2026-11-30T22:00:00Z",
 //!   "source": "dir:/srv/rootfs",
@@ -23,8 +24,13 @@
 //! ```
 //! `parents` is the stack the layer goes on, lowest first: a sandbox or mount of the layer
 //! brings them along. `built_by` is present only on layers packed from a sandbox.
-//! `meta` (the EROFS meta image) is absent for layers that have none (block layers). Unknown
-//! fields are ignored; a `schema_version` newer than this code understands is refused.
+//! `meta` (the EROFS meta image) is absent for layers that have none (block layers). A blob's
+//! `digest` and `size` are those of its plain bytes; `compression` and `stored_size` say how
+//! it is stored when it is not plain (`"zstd"`: chunks as zstd frames,
+//! [`crate::chunk::codec`]) and are absent for a plain blob, so manifests of plain layers are
+//! unchanged. They are informational: readers take how a blob is stored from its chunk table.
+//! Unknown fields are ignored; a `schema_version` newer than this code understands is
+//! refused.
 //!
 //! # Invariants
 //! - **Versions are immutable.** A manifest is written with an atomic create; pushing a
@@ -183,7 +189,31 @@ impl LayerRef {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BlobRef {
     pub digest: Digest,
+    /// Bytes of the plain blob.
     pub size: u64,
+    /// How the blob is stored, when not plain (`"zstd"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compression: Option<String>,
+    /// Bytes of the stored object, when not plain.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stored_size: Option<u64>,
+}
+
+impl BlobRef {
+    /// A blob stored plain.
+    pub fn plain(digest: Digest, size: u64) -> Self {
+        Self {
+            digest,
+            size,
+            compression: None,
+            stored_size: None,
+        }
+    }
+
+    /// Bytes of the stored object.
+    pub fn stored_bytes(&self) -> u64 {
+        self.stored_size.unwrap_or(self.size)
+    }
 }
 
 /// A layer's manifest (schema in the module docs).
@@ -260,11 +290,17 @@ impl Manifest {
         self.all_blobs().map(|b| b.size).sum()
     }
 
-    /// Whether two manifests describe the same layer content.
+    /// Whether two manifests describe the same layer content (blobs compared by digest and
+    /// size: how a blob is stored does not change the content).
     pub fn same_content(&self, other: &Manifest) -> bool {
+        let content = |b: &BlobRef| (b.digest, b.size);
         self.layer == other.layer
-            && self.meta == other.meta
-            && self.blobs == other.blobs
+            && self.meta.as_ref().map(content) == other.meta.as_ref().map(content)
+            && self
+                .blobs
+                .iter()
+                .map(content)
+                .eq(other.blobs.iter().map(content))
             && self.parents == other.parents
     }
 
@@ -327,11 +363,16 @@ impl Store {
     async fn check_blobs(&self, m: &Manifest) -> Result<()> {
         // Owned items: a closure over borrowed ones makes the future Send for one lifetime
         // only, and callers spawn it.
-        let blobs: Vec<(Digest, u64)> = m.all_blobs().map(|b| (b.digest, b.size)).collect();
+        // The stored object is as long as the manifest says it is stored; a plain object of
+        // the blob's size is accepted too (the blob was stored plain by another put).
+        let blobs: Vec<(Digest, u64, u64)> = m
+            .all_blobs()
+            .map(|b| (b.digest, b.size, b.stored_bytes()))
+            .collect();
         let missing = futures::stream::iter(blobs)
-            .map(|(digest, size)| async move {
+            .map(|(digest, size, stored)| async move {
                 match self.stat_blob(&digest).await? {
-                    Some(meta) if meta.size == size => Ok(None),
+                    Some(meta) if meta.size == stored || meta.size == size => Ok(None),
                     _ => Ok::<_, Error>(Some(digest)),
                 }
             })
@@ -468,13 +509,7 @@ mod tests {
     async fn store_with_blob() -> (Store, BlobRef) {
         let store = Store::new(Arc::new(MemoryBackend::new()));
         let p = store.put_blob(Bytes::from_static(b"meta")).await.unwrap();
-        (
-            store,
-            BlobRef {
-                digest: p.digest,
-                size: p.size,
-            },
-        )
+        (store, p.blob_ref())
     }
 
     #[tokio::test]
@@ -493,10 +528,7 @@ mod tests {
         // Different content: refused.
         let other = store.put_blob(Bytes::from_static(b"data")).await.unwrap();
         let mut changed = m.clone();
-        changed.blobs.push(BlobRef {
-            digest: other.digest,
-            size: other.size,
-        });
+        changed.blobs.push(other.blob_ref());
         let e = store.push_manifest(&changed).await.unwrap_err();
         assert!(matches!(e, Error::VersionExists { .. }), "{e}");
         assert_eq!(store.manifest(&r).await.unwrap(), m);
@@ -517,10 +549,7 @@ mod tests {
     async fn missing_blobs_and_bad_manifests_are_refused() {
         let (store, _) = store_with_blob().await;
         let r: LayerRef = "workspace/w:2".parse().unwrap();
-        let ghost = BlobRef {
-            digest: Digest::of(b"never stored"),
-            size: 12,
-        };
+        let ghost = BlobRef::plain(Digest::of(b"never stored"), 12);
         let m = Manifest::new(r.clone(), None, vec![ghost], "test".into());
         let e = store.push_manifest(&m).await.unwrap_err();
         assert!(matches!(e, Error::MissingBlob { .. }), "{e}");

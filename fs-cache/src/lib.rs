@@ -36,6 +36,7 @@ pub use backend::{
     open_backend, Backend, FaultConfig, FaultyBackend, MemoryBackend, ObjectMeta, PosixBackend,
     PutMode, RetryPolicy, RetryingBackend, S3Backend, S3Config,
 };
+pub use chunk::Compression;
 pub use error::{BoxError, Error, ErrorKind, Result};
 pub use fsutil::{write_atomic, AtomicFile};
 pub use layer::{BlobRef, BuiltBy, LayerKind, LayerRef, Manifest, Pushed};

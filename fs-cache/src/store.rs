@@ -3,9 +3,9 @@
 //! # Layout in the backend
 //! | key | what |
 //! | --- | --- |
-//! | `blobs/<d[0..2]>/<d>` | the blob whose blake3 digest is `d` (64 lowercase hex) |
+//! | `blobs/<d[0..2]>/<d>` | the blob whose blake3 digest is `d` (64 lowercase hex): its plain bytes, or, for a compressed blob, its chunks each stored as a zstd frame or plain, in order ([`crate::chunk::codec`]) |
 //! | `blobs/<d[0..2]>/<d>.<suffix>` | a sidecar of blob `d`; it lives and dies with the blob |
-//! | `blobs/<d[0..2]>/<d>.chunks` | the chunk table of blob `d` ([`crate::chunk::table`]), written right after the blob; blobs of at most one chunk have none (their one chunk digest is the blob digest) |
+//! | `blobs/<d[0..2]>/<d>.chunks` | the chunk table of blob `d` ([`crate::chunk::table`]). A plain blob's is written right after the blob (version 1); plain blobs of at most one chunk have none (their one chunk digest is the blob digest). A compressed blob's (version 2, with each chunk's stored range) is written **before** the blob, and every compressed blob has one |
 //! | `leases/<d>` | a note that blob `d` was (re)announced by a push; protects it from gc for the grace period |
 //!
 //! # Invariants
@@ -16,6 +16,27 @@
 //!   aborted, leaving no object.
 //! - Whole-blob reads are verified against the digest. Ranged reads are verified per chunk by
 //!   the chunk cache, which owns the chunk tables.
+//!
+//! # Compressed blobs
+//! A blob's name is the digest of its **plain** bytes, however it is stored: a layer's meta
+//! image names its data blob (EROFS device tag) and the node serves it (FUSE file name,
+//! level 2) by that name, as plain bytes. [`Store::put_blob_file_with`] and
+//! [`Store::put_blob_with`] with [`Compression::Zstd`] store each chunk that shrinks as a zstd
+//! frame; a blob in which none shrinks is stored plain, as if no compression was asked for.
+//! [`PutBlob::stored_size`] says what was stored, and a layer's manifest records it
+//! ([`crate::BlobRef`]). Readers do not need the manifest: the chunk table says how the blob is
+//! stored. Whole reads ([`Store::get_blob`], [`Store::read_blob_to`]) decode and verify every
+//! chunk and the blob digest.
+//!
+//! The stored object is plain exactly when its size is the blob's size (a compressed chunk is
+//! shorter than its plain bytes, [`crate::chunk::table`]). That makes a table and an object
+//! that do not belong together (two puts of the same blob in different encodings racing each
+//! other, or a stale table of an interrupted put) detectable: [`Store::chunk_table`] checks a
+//! version-2 table's stored size against the object's, and reads a plain object as plain; a
+//! put that finds the blob stored checks the pair the same way and stores it again if it does
+//! not hold together. Any other mismatch (an object cut short, a plain table over a
+//! compressed object) never serves a wrong byte: every chunk is verified against its plain
+//! digest, and the chunks that fail are [`Error::Corrupt`] (or a short read).
 //!
 //! # Retries
 //! A store retries its backend's operations under one [`RetryPolicy`] (the default unless
@@ -34,8 +55,9 @@ use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{file_stream, Backend, ObjectMeta, PutMode, RetryPolicy, RetryingBackend};
-use crate::chunk::table::{ChunkTable, ChunkTableBuilder};
-use crate::chunk::CHUNK_SIZE;
+use crate::chunk::codec::{encode_chunks, EncodedChunk};
+use crate::chunk::table::{ChunkTable, ChunkTableBuilder, StoredChunk};
+use crate::chunk::{Compression, CHUNK_SIZE};
 use crate::error::{Error, Result};
 
 /// A blake3 digest: the name of a blob.
@@ -48,12 +70,61 @@ impl Digest {
         Digest(*blake3::hash(data).as_bytes())
     }
 
-    /// Hash a whole file (memory-mapped, on all cores for large files).
+    /// Hash a whole file: read in 8 MiB pieces by a second thread while the previous piece is
+    /// hashed on all cores, so that the process holds 16 MiB of it, not the whole file
+    /// (a mapping would count every page of the file as resident).
     pub fn of_file(path: &Path) -> Result<(Self, u64)> {
+        const PIECE: usize = 8 << 20;
+        let mut f = std::fs::File::open(path).map_err(|e| Error::io("hash", path, e))?;
+        let (full_tx, full_rx) = std::sync::mpsc::sync_channel::<(Vec<u8>, usize)>(1);
+        let (empty_tx, empty_rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(2);
+        for _ in 0..2 {
+            let _ = empty_tx.send(vec![0u8; PIECE]);
+        }
         let mut hasher = blake3::Hasher::new();
-        hasher
-            .update_mmap_rayon(path)
-            .map_err(|e| Error::io("hash", path, e))?;
+        let read = std::thread::scope(|s| {
+            let reader = s.spawn(move || -> std::io::Result<()> {
+                use std::io::Read;
+                while let Ok(mut buf) = empty_rx.recv() {
+                    let mut n = 0;
+                    while n < buf.len() {
+                        match f.read(&mut buf[n..]) {
+                            Ok(0) => break,
+                            Ok(k) => n += k,
+                            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                            Err(e) => return Err(e),
+                        }
+                    }
+                    let last = n < buf.len();
+                    if full_tx.send((buf, n)).is_err() || last {
+                        return Ok(());
+                    }
+                }
+                Ok(())
+            });
+            while let Ok((buf, n)) = full_rx.recv() {
+                if n >= 128 << 10 {
+                    hasher.update_rayon(&buf[..n]);
+                } else {
+                    hasher.update(&buf[..n]);
+                }
+                // The reader may be done: what it sent is still received to the end.
+                let _ = empty_tx.send(buf);
+            }
+            drop(empty_tx);
+            reader.join()
+        });
+        match read {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(Error::io("hash", path, e)),
+            Err(_) => {
+                return Err(Error::io(
+                    "hash",
+                    path,
+                    std::io::Error::other("the reading thread panicked"),
+                ))
+            }
+        }
         Ok((Digest(*hasher.finalize().as_bytes()), hasher.count()))
     }
 
@@ -107,9 +178,30 @@ const SMALL_FILE: u64 = 4 << 20;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PutBlob {
     pub digest: Digest,
+    /// Bytes of the (plain) blob.
     pub size: u64,
+    /// Bytes of the stored object: `size` when it is stored plain, fewer when compressed
+    /// (what is stored, which for a blob already stored may be another encoding than asked).
+    pub stored_size: u64,
     /// The blob was already stored; nothing was uploaded.
     pub existed: bool,
+}
+
+impl PutBlob {
+    /// Whether the stored object is compressed (chunks as zstd frames).
+    pub fn is_compressed(&self) -> bool {
+        self.stored_size < self.size
+    }
+
+    /// The manifest's reference to this blob (with how it is stored).
+    pub fn blob_ref(&self) -> crate::layer::BlobRef {
+        crate::layer::BlobRef {
+            digest: self.digest,
+            size: self.size,
+            compression: self.is_compressed().then(|| "zstd".to_owned()),
+            stored_size: self.is_compressed().then_some(self.stored_size),
+        }
+    }
 }
 
 /// A content-addressed store over any backend.
@@ -206,17 +298,63 @@ impl Store {
         Ok(())
     }
 
-    /// Store `data` under its digest (a no-op, bar the lease, if it is already stored).
+    /// Store `data` under its digest, plain (a no-op, bar the lease, if it is already stored).
     pub async fn put_blob(&self, data: Bytes) -> Result<PutBlob> {
+        self.put_blob_with(data, Compression::None).await
+    }
+
+    /// Store `data` under its digest, stored as `compression` says (a no-op, bar the lease, if
+    /// it is already stored, in whatever encoding).
+    pub async fn put_blob_with(&self, data: Bytes, compression: Compression) -> Result<PutBlob> {
         let digest = Digest::of(&data);
         let size = data.len() as u64;
-        if self.stat_blob(&digest).await?.is_some() {
-            self.renew_lease(&digest).await?;
-            return Ok(PutBlob {
-                digest,
-                size,
-                existed: true,
-            });
+        if let Some(put) = self.existing(&digest, size).await? {
+            return Ok(put);
+        }
+        if let Compression::Zstd { level } = compression {
+            let d = data.clone();
+            let encoded =
+                tokio::task::spawn_blocking(move || encode_chunks(level, &d, CHUNK_SIZE as usize))
+                    .await
+                    .map_err(|e| {
+                        Error::io("compress", blob_key(&digest), std::io::Error::other(e))
+                    })?;
+            if encoded.iter().any(|(_, f)| f.is_some()) {
+                let mut object = Vec::new();
+                let mut stored = Vec::with_capacity(encoded.len());
+                let mut digests = Vec::with_capacity(encoded.len());
+                for (i, (chunk_digest, frame)) in encoded.iter().enumerate() {
+                    let start = i * CHUNK_SIZE as usize;
+                    let end = (start + CHUNK_SIZE as usize).min(data.len());
+                    let bytes = frame.as_deref().unwrap_or(&data[start..end]);
+                    stored.push(StoredChunk {
+                        offset: object.len() as u64,
+                        len: bytes.len() as u32,
+                        zstd: frame.is_some(),
+                    });
+                    digests.push(*chunk_digest);
+                    object.extend_from_slice(bytes);
+                }
+                let table = ChunkTable {
+                    blob: digest,
+                    blob_size: size,
+                    chunk_size: CHUNK_SIZE,
+                    digests,
+                    stored: Some(stored),
+                };
+                // The table first: a stored compressed blob always has its table.
+                self.put_chunk_table(&table).await?;
+                let stored_size = object.len() as u64;
+                self.backend
+                    .put(&blob_key(&digest), Bytes::from(object))
+                    .await?;
+                return Ok(PutBlob {
+                    digest,
+                    size,
+                    stored_size,
+                    existed: false,
+                });
+            }
         }
         // A single-chunk blob needs no table: its one chunk digest is the blob digest.
         let table = (size > CHUNK_SIZE).then(|| ChunkTable::for_bytes(digest, &data));
@@ -227,8 +365,39 @@ impl Store {
         Ok(PutBlob {
             digest,
             size,
+            stored_size: size,
             existed: false,
         })
+    }
+
+    /// If blob `d` (`size` plain bytes) is stored, and its object and table belong together,
+    /// renew its lease and say what is stored. `None` when it is not stored, or when the pair
+    /// does not hold together (it is then stored again by the caller).
+    async fn existing(&self, d: &Digest, size: u64) -> Result<Option<PutBlob>> {
+        let Some(meta) = self.stat_blob(d).await? else {
+            return Ok(None);
+        };
+        // A plain object is as long as the blob; a compressed one is shorter and needs its
+        // version-2 table with that stored size.
+        let sound = meta.size == size
+            || match self.backend.get(&sidecar_key(d, CHUNKS_SUFFIX)).await {
+                Ok(bytes) => ChunkTable::decode(d, &bytes).is_ok_and(|t| {
+                    t.is_compressed() && t.blob_size == size && t.stored_size() == meta.size
+                }),
+                Err(e) if e.is_not_found() => false,
+                Err(e) => return Err(e),
+            };
+        if !sound {
+            tracing::warn!(blob = %d, stored = meta.size, size, "stored blob does not match its chunk table; storing it again");
+            return Ok(None);
+        }
+        self.renew_lease(d).await?;
+        Ok(Some(PutBlob {
+            digest: *d,
+            size,
+            stored_size: meta.size,
+            existed: true,
+        }))
     }
 
     /// Store a blob's chunk table beside it.
@@ -242,12 +411,14 @@ impl Store {
         Ok(())
     }
 
-    /// The chunk table of blob `d`. A blob of at most one chunk has no stored table: its one
-    /// chunk digest is the blob's digest. A larger blob stored without one (an interrupted
-    /// writer) is read whole once, verified, and its table is built and stored.
+    /// The chunk table of blob `d`. A plain blob of at most one chunk has no stored table: its
+    /// one chunk digest is the blob's digest. A larger plain blob stored without one (an
+    /// interrupted writer) is read whole once, verified, and its table is built and stored. A
+    /// version-2 (compressed) table is checked against the stored object's size: a plain
+    /// object under a stale compressed table is read as plain.
     pub async fn chunk_table(&self, d: &Digest) -> Result<ChunkTable> {
         match self.backend.get(&sidecar_key(d, CHUNKS_SUFFIX)).await {
-            Ok(bytes) => ChunkTable::decode(d, &bytes),
+            Ok(bytes) => self.reconcile(ChunkTable::decode(d, &bytes)?).await,
             Err(e) if e.is_not_found() => {
                 let size = self.backend.head(&blob_key(d)).await?.size;
                 if size <= CHUNK_SIZE {
@@ -256,9 +427,10 @@ impl Store {
                         blob_size: size,
                         chunk_size: CHUNK_SIZE,
                         digests: if size == 0 { Vec::new() } else { vec![*d] },
+                        stored: None,
                     });
                 }
-                let data = self.get_blob(d).await?;
+                let data = self.get_plain_blob(d).await?;
                 let table = ChunkTable::for_bytes(*d, &data);
                 self.put_chunk_table(&table).await?;
                 Ok(table)
@@ -267,10 +439,41 @@ impl Store {
         }
     }
 
-    /// Store the file at `path` under its digest, streaming it. The file is hashed first (to
-    /// learn its name), then hashed again while it is uploaded; if the two differ the upload is
-    /// aborted and nothing is stored.
+    /// A version-2 table checked against its stored object's size (see the module docs): a
+    /// plain object (as long as the blob) under it is read as plain. An object of yet another
+    /// size (cut short, or stored by another writer) keeps the table: each chunk is verified as
+    /// it is read, so the chunks it damaged fail and the others are served.
+    async fn reconcile(&self, mut table: ChunkTable) -> Result<ChunkTable> {
+        if table.stored.is_some() {
+            let d = table.blob;
+            let object = self.backend.head(&blob_key(&d)).await?.size;
+            if object == table.blob_size {
+                table.stored = None;
+            } else if object != table.stored_size() {
+                tracing::warn!(blob = %d, object, stored = table.stored_size(), "the stored object is not as long as its chunk table says; put the blob again to repair it");
+            }
+        }
+        Ok(table)
+    }
+
+    /// Store the file at `path` under its digest, plain, streaming it. The file is hashed
+    /// first (to learn its name), then hashed again while it is uploaded; if the two differ the
+    /// upload is aborted and nothing is stored.
     pub async fn put_blob_file(&self, path: &Path) -> Result<PutBlob> {
+        self.put_blob_file_with(path, Compression::None).await
+    }
+
+    /// Store the file at `path` under its digest, stored as `compression` says. Plain: as
+    /// [`Store::put_blob_file`]. Compressed: the file is hashed (to learn its name), then read
+    /// again, its chunks hashed and compressed in parallel on all cores into a temporary file
+    /// beside it; the table is stored, then that file (hashed again on its way out). A file
+    /// that changed between the two reads fails the put, and nothing is stored under a name
+    /// its bytes do not have.
+    pub async fn put_blob_file_with(
+        &self,
+        path: &Path,
+        compression: Compression,
+    ) -> Result<PutBlob> {
         let owned = path.to_owned();
         // Small files: one read, one hash, one put.
         let small = tokio::task::spawn_blocking(move || -> Result<Option<Bytes>> {
@@ -291,67 +494,157 @@ impl Store {
         .await
         .map_err(|e| Error::io("read", path, std::io::Error::other(e)))??;
         if let Some(data) = small {
-            return self.put_blob(data).await;
+            return self.put_blob_with(data, compression).await;
         }
         let owned = path.to_owned();
         let (digest, size) = tokio::task::spawn_blocking(move || Digest::of_file(&owned))
             .await
             .map_err(|e| Error::io("hash", path, std::io::Error::other(e)))??;
-        if self.stat_blob(&digest).await?.is_some() {
-            self.renew_lease(&digest).await?;
-            return Ok(PutBlob {
-                digest,
-                size,
-                existed: true,
-            });
+        if let Some(put) = self.existing(&digest, size).await? {
+            return Ok(put);
         }
-        // Hash again (whole and per chunk) as the bytes go out.
+        if let Compression::Zstd { level } = compression {
+            let owned = path.to_owned();
+            let spool =
+                tokio::task::spawn_blocking(move || spool_compressed(&owned, level, digest, size))
+                    .await
+                    .map_err(|e| Error::io("compress", path, std::io::Error::other(e)))??;
+            if spool.table.is_compressed() {
+                // The table first: a stored compressed blob always has its table.
+                self.put_chunk_table(&spool.table).await?;
+                let stored_size = spool.table.stored_size();
+                self.upload_checked(
+                    spool.file.path(),
+                    &digest,
+                    spool.stored_digest,
+                    stored_size,
+                    false,
+                )
+                .await?;
+                return Ok(PutBlob {
+                    digest,
+                    size,
+                    stored_size,
+                    existed: false,
+                });
+            }
+            // Nothing shrank: stored plain.
+        }
+        let table = self
+            .upload_checked(path, &digest, digest, size, true)
+            .await?;
+        if size > CHUNK_SIZE {
+            // The upload checked that the bytes hash to `digest`, so the table built from
+            // them on the way out is this blob's.
+            self.put_chunk_table(&table.finish(digest)).await?;
+        }
+        Ok(PutBlob {
+            digest,
+            size,
+            stored_size: size,
+            existed: false,
+        })
+    }
+
+    /// Stream the file at `path` into blob `digest`'s key, hashing it (whole and per chunk)
+    /// on the way out: if it does not hash to `expect` (`size` bytes), the body fails and the
+    /// backend discards the object. Returns the chunk digests of what was uploaded (if
+    /// `chunks`: the bytes are the plain blob).
+    async fn upload_checked(
+        &self,
+        path: &Path,
+        digest: &Digest,
+        expect: Digest,
+        size: u64,
+        chunks: bool,
+    ) -> Result<ChunkTableBuilder> {
         let hashers = Arc::new(Mutex::new((
             blake3::Hasher::new(),
             ChunkTableBuilder::new(),
         )));
         let feed = hashers.clone();
         let display = path.display().to_string();
+        let end = hashers.clone();
         let body = file_stream(path, 8 << 20)?
             .map(move |item| {
                 if let Ok(buf) = &item {
                     let mut h = feed.lock().unwrap_or_else(|p| p.into_inner());
                     h.0.update(buf);
-                    h.1.update(buf);
+                    if chunks {
+                        h.1.update(buf);
+                    }
                 }
                 item
             })
-            .chain(futures::stream::once({
-                let hashers = hashers.clone();
-                async move {
-                    let h = hashers.lock().unwrap_or_else(|p| p.into_inner());
-                    if h.0.count() == size && Digest(*h.0.finalize().as_bytes()) == digest {
-                        // An empty buffer ends the stream after a successful check.
-                        Ok(Bytes::new())
-                    } else {
-                        Err(std::io::Error::other(format!(
-                            "{display} changed while it was uploaded"
-                        )))
-                    }
+            .chain(futures::stream::once(async move {
+                let h = end.lock().unwrap_or_else(|p| p.into_inner());
+                if h.0.count() == size && Digest(*h.0.finalize().as_bytes()) == expect {
+                    // An empty buffer ends the stream after a successful check.
+                    Ok(Bytes::new())
+                } else {
+                    Err(std::io::Error::other(format!(
+                        "{display} changed while it was uploaded"
+                    )))
                 }
             }))
             .boxed();
         self.backend
-            .put_stream(&blob_key(&digest), body, PutMode::Overwrite)
+            .put_stream(&blob_key(digest), body, PutMode::Overwrite)
             .await?;
         let builder = std::mem::take(&mut hashers.lock().unwrap_or_else(|p| p.into_inner()).1);
-        if size > CHUNK_SIZE {
-            self.put_chunk_table(&builder.finish(digest)).await?;
-        }
-        Ok(PutBlob {
-            digest,
-            size,
-            existed: false,
-        })
+        Ok(builder)
     }
 
-    /// Read a whole blob and verify it against its digest.
+    /// Read a whole blob and verify it against its digest (a compressed blob is decoded chunk
+    /// by chunk, each chunk verified, then the whole).
     pub async fn get_blob(&self, d: &Digest) -> Result<Bytes> {
+        let data = self.backend.get(&blob_key(d)).await?;
+        let actual = Digest::of(&data);
+        if actual == *d {
+            return Ok(data);
+        }
+        // Not the plain bytes: a compressed blob (its table says so), or damage.
+        let table = match self.backend.get(&sidecar_key(d, CHUNKS_SUFFIX)).await {
+            Ok(bytes) => ChunkTable::decode(d, &bytes).ok(),
+            Err(e) if e.is_not_found() => None,
+            Err(e) => return Err(e),
+        };
+        let Some(table) = table.filter(|t| t.is_compressed()) else {
+            return Err(Error::DigestMismatch {
+                blob: d.to_hex(),
+                expected: d.to_hex(),
+                actual: actual.to_hex(),
+            });
+        };
+        if data.len() as u64 != table.stored_size() {
+            return Err(Error::DigestMismatch {
+                blob: d.to_hex(),
+                expected: d.to_hex(),
+                actual: format!(
+                    "a stored object of {} bytes where its table says {}",
+                    data.len(),
+                    table.stored_size()
+                ),
+            });
+        }
+        let d2 = *d;
+        tokio::task::spawn_blocking(move || -> Result<Bytes> {
+            let mut out = Vec::with_capacity(table.blob_size as usize);
+            let mut hasher = blake3::Hasher::new();
+            decode_into(&table, 0, &data, &mut |plain| {
+                hasher.update(plain);
+                out.extend_from_slice(plain);
+                Ok(())
+            })?;
+            check_whole(&d2, &hasher)?;
+            Ok(Bytes::from(out))
+        })
+        .await
+        .map_err(|e| Error::io("decompress", blob_key(d), std::io::Error::other(e)))?
+    }
+
+    /// A whole plain blob, verified (no compressed fallback: used to rebuild a lost table).
+    async fn get_plain_blob(&self, d: &Digest) -> Result<Bytes> {
         let data = self.backend.get(&blob_key(d)).await?;
         let actual = Digest::of(&data);
         if actual != *d {
@@ -364,9 +657,10 @@ impl Store {
         Ok(data)
     }
 
-    /// Stream blob `d` into `out` in ranged reads of `piece` bytes, verifying the digest at the
-    /// end. Memory stays bounded by `piece` whatever the blob's size. On a mismatch the caller
-    /// must discard what was written.
+    /// Stream blob `d`'s plain bytes into `out` in ranged reads of about `piece` bytes,
+    /// verifying the digest at the end (and, for a compressed blob, every chunk as it is
+    /// decoded). Memory stays bounded by `piece` (plus a chunk) whatever the blob's size. On a
+    /// mismatch the caller must discard what was written.
     pub async fn read_blob_to(
         &self,
         d: &Digest,
@@ -374,32 +668,50 @@ impl Store {
         piece: u64,
     ) -> Result<u64> {
         let key = blob_key(d);
-        let size = self.backend.head(&key).await?.size;
+        let table = match self.backend.get(&sidecar_key(d, CHUNKS_SUFFIX)).await {
+            Ok(bytes) => Some(self.reconcile(ChunkTable::decode(d, &bytes)?).await?),
+            Err(e) if e.is_not_found() => None,
+            Err(e) => return Err(e),
+        };
         let mut hasher = blake3::Hasher::new();
-        let mut at = 0u64;
-        while at < size {
-            let end = (at + piece.max(1)).min(size);
-            let buf = self.backend.get_range(&key, at..end).await?;
-            if buf.len() as u64 != end - at {
-                return Err(Error::DigestMismatch {
-                    blob: d.to_hex(),
-                    expected: d.to_hex(),
-                    actual: format!("a short read ({} of {} bytes at {at})", buf.len(), end - at),
-                });
+        let mut write = |plain: &[u8]| -> Result<()> {
+            hasher.update(plain);
+            out.write_all(plain)
+                .map_err(|e| Error::io("write blob", d.to_hex(), e))
+        };
+        let size = match table.filter(|t| t.stored.is_some()) {
+            Some(table) => {
+                // Runs of whole chunks of about `piece` plain bytes, one request each.
+                let per_run = (piece / table.chunk_size).max(1);
+                let mut first = 0u64;
+                while first < table.chunk_count() {
+                    let last = (first + per_run).min(table.chunk_count()) - 1;
+                    let span = table.stored_range(first).start..table.stored_range(last).end;
+                    let buf = self.backend.get_range(&key, span.clone()).await?;
+                    if buf.len() as u64 != span.end - span.start {
+                        return Err(short_read(d, buf.len(), &span));
+                    }
+                    decode_into(&table, first, &buf, &mut write)?;
+                    first = last + 1;
+                }
+                table.blob_size
             }
-            hasher.update(&buf);
-            out.write_all(&buf)
-                .map_err(|e| Error::io("write blob", d.to_hex(), e))?;
-            at = end;
-        }
-        let actual = Digest(*hasher.finalize().as_bytes());
-        if actual != *d {
-            return Err(Error::DigestMismatch {
-                blob: d.to_hex(),
-                expected: d.to_hex(),
-                actual: actual.to_hex(),
-            });
-        }
+            None => {
+                let size = self.backend.head(&key).await?.size;
+                let mut at = 0u64;
+                while at < size {
+                    let end = (at + piece.max(1)).min(size);
+                    let buf = self.backend.get_range(&key, at..end).await?;
+                    if buf.len() as u64 != end - at {
+                        return Err(short_read(d, buf.len(), &(at..end)));
+                    }
+                    write(&buf)?;
+                    at = end;
+                }
+                size
+            }
+        };
+        check_whole(d, &hasher)?;
         Ok(size)
     }
 
@@ -418,10 +730,193 @@ impl Store {
     }
 }
 
+/// A compressed blob spooled to a temporary file: its table and the blake3 of the stored
+/// bytes (checked again as they are uploaded).
+struct Spool {
+    file: tempfile::NamedTempFile,
+    table: ChunkTable,
+    stored_digest: Digest,
+}
+
+/// Read `path` in pieces of whole chunks, hash and compress each piece's chunks in parallel,
+/// and write the stored form to a temporary file beside `path`. The plain bytes must hash to
+/// `digest` (`size` bytes): a file that changed since it was hashed is refused.
+fn spool_compressed(path: &Path, level: i32, digest: Digest, size: u64) -> Result<Spool> {
+    use std::io::Write;
+    const PIECE: usize = 32 * CHUNK_SIZE as usize;
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let file = tempfile::Builder::new()
+        .prefix(".strata-zstd-")
+        .tempfile_in(dir)
+        .map_err(|e| Error::io("create a spool in", dir, e))?;
+    let mut src = std::fs::File::open(path).map_err(|e| Error::io("open", path, e))?;
+    let mut out = std::io::BufWriter::with_capacity(4 << 20, file.as_file());
+    let mut plain_hash = blake3::Hasher::new();
+    let mut stored_hash = blake3::Hasher::new();
+    let mut digests = Vec::new();
+    let mut stored = Vec::new();
+    let mut at = 0u64;
+    let mut buf = vec![0u8; PIECE];
+    // The next piece is read while this one is compressed.
+    let mut n = read_full(&mut src, &mut buf).map_err(|e| Error::io("read", path, e))?;
+    loop {
+        let piece = &buf[..n];
+        let (encoded, next) = rayon::join(
+            || {
+                plain_hash.update_rayon(piece);
+                encode_chunks(level, piece, CHUNK_SIZE as usize)
+            },
+            || -> std::io::Result<(Vec<u8>, usize)> {
+                if n < PIECE {
+                    return Ok((Vec::new(), 0));
+                }
+                let mut next = vec![0u8; PIECE];
+                let k = read_full(&mut src, &mut next)?;
+                Ok((next, k))
+            },
+        );
+        let encoded: Vec<EncodedChunk> = encoded;
+        for (i, (chunk_digest, frame)) in encoded.iter().enumerate() {
+            let start = i * CHUNK_SIZE as usize;
+            let end = (start + CHUNK_SIZE as usize).min(piece.len());
+            let bytes = frame.as_deref().unwrap_or(&piece[start..end]);
+            out.write_all(bytes)
+                .map_err(|e| Error::io("write", file.path(), e))?;
+            stored_hash.update(bytes);
+            stored.push(StoredChunk {
+                offset: at,
+                len: bytes.len() as u32,
+                zstd: frame.is_some(),
+            });
+            at += bytes.len() as u64;
+            digests.push(*chunk_digest);
+        }
+        if n < PIECE {
+            break;
+        }
+        let (next, k) = next.map_err(|e| Error::io("read", path, e))?;
+        buf = next;
+        n = k;
+    }
+    out.flush()
+        .map_err(|e| Error::io("write", file.path(), e))?;
+    drop(out);
+    if plain_hash.count() != size || Digest(*plain_hash.finalize().as_bytes()) != digest {
+        return Err(Error::io(
+            "compress",
+            path,
+            std::io::Error::other("the file changed while it was stored"),
+        ));
+    }
+    let compressed = stored.iter().any(|c| c.zstd);
+    Ok(Spool {
+        file,
+        table: ChunkTable {
+            blob: digest,
+            blob_size: size,
+            chunk_size: CHUNK_SIZE,
+            digests,
+            stored: compressed.then_some(stored),
+        },
+        stored_digest: Digest(*stored_hash.finalize().as_bytes()),
+    })
+}
+
+/// Read until `buf` is full or the file ends; the bytes read.
+fn read_full(f: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
+    use std::io::Read;
+    let mut n = 0;
+    while n < buf.len() {
+        match f.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
+}
+
+/// Decode the stored bytes `stored` of chunks `first..` of a compressed blob (as many as they
+/// hold, whole), verify each chunk, and hand each one's plain bytes to `sink` in order.
+fn decode_into(
+    table: &ChunkTable,
+    first: u64,
+    stored: &[u8],
+    sink: &mut dyn FnMut(&[u8]) -> Result<()>,
+) -> Result<()> {
+    let base = table.stored_range(first).start;
+    let mut i = first;
+    while i < table.chunk_count() {
+        let sr = table.stored_range(i);
+        let (a, b) = ((sr.start - base) as usize, (sr.end - base) as usize);
+        let Some(bytes) = stored.get(a..b) else { break };
+        let plain = table.open_chunk(i, bytes).map_err(|fault| {
+            tracing::warn!(blob = %table.blob, chunk = i, %fault, "stored chunk failed its check");
+            Error::Corrupt {
+                blob: table.blob.to_hex(),
+                chunk: i,
+            }
+        })?;
+        sink(&plain)?;
+        i += 1;
+    }
+    Ok(())
+}
+
+fn check_whole(d: &Digest, hasher: &blake3::Hasher) -> Result<()> {
+    let actual = Digest(*hasher.finalize().as_bytes());
+    if actual != *d {
+        return Err(Error::DigestMismatch {
+            blob: d.to_hex(),
+            expected: d.to_hex(),
+            actual: actual.to_hex(),
+        });
+    }
+    Ok(())
+}
+
+fn short_read(d: &Digest, got: usize, span: &std::ops::Range<u64>) -> Error {
+    Error::DigestMismatch {
+        blob: d.to_hex(),
+        expected: d.to_hex(),
+        actual: format!(
+            "a short read ({got} of {} bytes at {})",
+            span.end - span.start,
+            span.start
+        ),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::backend::MemoryBackend;
+
+    #[test]
+    fn a_file_hashes_as_its_bytes_do() {
+        let dir = tempfile::tempdir().unwrap();
+        for len in [
+            0usize,
+            1,
+            128 << 10,
+            (8 << 20) - 1,
+            8 << 20,
+            (17 << 20) + 12345,
+        ] {
+            let data: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+            let p = dir.path().join(format!("f{len}"));
+            std::fs::write(&p, &data).unwrap();
+            assert_eq!(
+                Digest::of_file(&p).unwrap(),
+                (Digest::of(&data), len as u64)
+            );
+        }
+        assert!(Digest::of_file(&dir.path().join("missing")).is_err());
+    }
 
     #[test]
     fn digest_parsing() {

@@ -232,14 +232,39 @@ async fn corruption_in_the_backend_is_refetched_then_reported() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn truncated_bodies_and_errors_are_retried() {
-    let f = fixture((2 * CHUNK_SIZE) as usize).await;
+    let f = fixture((3 * CHUNK_SIZE) as usize).await;
     let cache = ChunkCache::open(f.store.clone(), memory_only(64 * MIB))
         .await
         .unwrap();
     cache.register(&f.blob).await.unwrap();
+    // A body cut short (the request otherwise answered): retried, never served or verified.
+    let c2 = 2 * CHUNK_SIZE as usize;
+    let before = f.faulty.stats();
+    f.faulty.update(|c| c.truncate_next = 1);
+    let got = cache.read(&f.blob, 2 * CHUNK_SIZE, 100).await.unwrap();
+    assert_eq!(&got[..], &f.bytes[c2..c2 + 100]);
+    let after = f.faulty.stats();
+    assert_eq!(
+        after.truncated - before.truncated,
+        1,
+        "no body was truncated"
+    );
+    assert_eq!(
+        after.gets - before.gets,
+        2,
+        "the short body was not retried once"
+    );
+    assert_eq!(
+        cache.stats().verify_failures,
+        0,
+        "a short body reached verification"
+    );
+
+    // Failed requests are retried too.
     f.faulty.update(|c| c.fail_next = 2);
     let got = cache.read(&f.blob, 0, 100).await.unwrap();
     assert_eq!(&got[..], &f.bytes[..100]);
+    assert_eq!(f.faulty.stats().injected_errors - after.injected_errors, 2);
 
     // A backend that keeps failing: a clear error for this read only.
     f.faulty.update(|c| c.error_rate = 1.0);
@@ -301,8 +326,10 @@ async fn level_two_survives_a_restart_and_drops_damaged_chunks() {
         c.permanent = true;
     });
     let cache = ChunkCache::open(f.store.clone(), config()).await.unwrap();
-    cache.register(&f.blob).await.ok();
-    // The table is fetched from the backend: load it before the backend goes down.
+    // The table is fetched from the backend (level 2 holds chunks only): with the backend
+    // down, registering fails with the backend's error; load it before the backend goes down.
+    let e = cache.register(&f.blob).await.unwrap_err();
+    assert!(e.to_string().contains("injected"), "{e}");
     f.faulty.set(FaultConfig::default());
     cache.register(&f.blob).await.unwrap();
     f.faulty.update(|c| {
@@ -581,4 +608,90 @@ async fn sequential_readers_of_level_2_are_served_ahead_and_never_get_damaged_by
         disk.dropped_corrupt + 1,
         "{s:?}"
     );
+}
+
+/// A backend whose every ranged body has one byte of each chunk flipped, and which counts
+/// the reads in flight at once.
+#[derive(Debug)]
+struct EveryChunkBad {
+    inner: Arc<MemoryBackend>,
+    in_flight: std::sync::atomic::AtomicUsize,
+    most: std::sync::atomic::AtomicUsize,
+}
+
+impl std::fmt::Display for EveryChunkBad {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("every-chunk-bad")
+    }
+}
+
+#[async_trait::async_trait]
+impl Backend for EveryChunkBad {
+    async fn get_range(&self, key: &str, range: std::ops::Range<u64>) -> fs_cache::Result<Bytes> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let now = self.in_flight.fetch_add(1, SeqCst) + 1;
+        self.most.fetch_max(now, SeqCst);
+        // Long enough for concurrent refetches to overlap.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        self.in_flight.fetch_sub(1, SeqCst);
+        let body = self.inner.get_range(key, range.clone()).await?;
+        if !key.starts_with("blobs/") || key.ends_with(".chunks") {
+            return Ok(body);
+        }
+        let mut v = body.to_vec();
+        for at in (0..v.len()).step_by(CHUNK_SIZE as usize) {
+            v[at] ^= 0x01;
+        }
+        Ok(Bytes::from(v))
+    }
+    async fn put_stream(
+        &self,
+        key: &str,
+        body: fs_cache::backend::ByteStream,
+        mode: fs_cache::PutMode,
+    ) -> fs_cache::Result<fs_cache::ObjectMeta> {
+        self.inner.put_stream(key, body, mode).await
+    }
+    async fn head(&self, key: &str) -> fs_cache::Result<fs_cache::ObjectMeta> {
+        self.inner.head(key).await
+    }
+    async fn list(&self, prefix: &str) -> fs_cache::Result<Vec<fs_cache::ObjectMeta>> {
+        self.inner.list(prefix).await
+    }
+    async fn delete(&self, key: &str) -> fs_cache::Result<()> {
+        self.inner.delete(key).await
+    }
+}
+
+/// A read whose chunks are all corrupt fails after two rounds of requests, not one refetch
+/// after another: the refetches of one request's bad chunks run at once (the campaign's
+/// documented bound, `ublk-daemon/docs/daemon.md` "Failed reads", is 2 × the deadline).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn refetches_of_corrupt_chunks_run_at_once() {
+    let mem = Arc::new(MemoryBackend::new());
+    let bytes = data(3, (8 * CHUNK_SIZE) as usize);
+    let blob = Store::new(mem.clone())
+        .put_blob(Bytes::from(bytes))
+        .await
+        .unwrap()
+        .digest;
+    let bad = Arc::new(EveryChunkBad {
+        inner: mem,
+        in_flight: Default::default(),
+        most: Default::default(),
+    });
+    let cache = ChunkCache::open(Store::new(bad.clone()), memory_only(64 * MIB))
+        .await
+        .unwrap();
+    cache.register(&blob).await.unwrap();
+    bad.most.store(0, std::sync::atomic::Ordering::SeqCst);
+    let e = cache.read(&blob, 0, 8 * CHUNK_SIZE).await.unwrap_err();
+    assert_eq!(e.kind(), fs_cache::ErrorKind::Corrupt, "{e}");
+    let s = cache.stats();
+    // One request for the eight chunks, then eight refetches, all in flight together.
+    assert_eq!(s.backend_requests, 9, "{s:?}");
+    assert_eq!(s.verify_failures, 16, "{s:?}");
+    assert_eq!(s.corrupt_errors, 8, "{s:?}");
+    assert_eq!(s.backend_errors_by_kind["corrupt"], 8, "{s:?}");
+    assert_eq!(bad.most.load(std::sync::atomic::Ordering::SeqCst), 8);
 }

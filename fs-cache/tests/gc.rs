@@ -18,10 +18,7 @@ fn age(b: &PosixBackend, key: &str, by: Duration) {
 
 async fn put(store: &Store, data: &'static [u8]) -> BlobRef {
     let p = store.put_blob(Bytes::from_static(data)).await.unwrap();
-    BlobRef {
-        digest: p.digest,
-        size: p.size,
-    }
+    p.blob_ref()
 }
 
 #[tokio::test]

@@ -1,5 +1,6 @@
 //! Fuzz the chunk-table parser: arbitrary bytes must give a table or an error, never a panic
-//! or an allocation larger than the input justifies; what parses must re-encode identically.
+//! or an allocation larger than the input justifies; what parses must re-encode identically,
+//! and its stored ranges (version 2: compressed chunks) must be contiguous and bounded.
 #![no_main]
 
 use fs_cache::chunk::table::ChunkTable;
@@ -31,9 +32,23 @@ fuzz_target!(|data: &[u8]| {
 fn check(blob: &Digest, data: &[u8]) {
     if let Ok(table) = ChunkTable::decode(blob, data) {
         assert_eq!(table.encode(), data);
+        let mut at = 0;
         for i in 0..table.chunk_count() {
             let r = table.chunk_range(i);
             assert!(r.start < r.end && r.end <= table.blob_size);
+            // Stored ranges are contiguous, within the stored object, and a zstd frame is
+            // shorter than its chunk (so decoding one is bounded by the chunk size).
+            let s = table.stored_range(i);
+            assert_eq!(s.start, at);
+            assert!(s.end > s.start && s.end <= table.stored_size());
+            if table.is_zstd(i) {
+                assert!(s.end - s.start < r.end - r.start);
+            } else {
+                assert_eq!(s.end - s.start, r.end - r.start);
+            }
+            at = s.end;
         }
+        assert_eq!(at, table.stored_size());
+        assert!(table.stored_size() <= table.blob_size);
     }
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use erofs_builder::Image;
 use fs_cache::chunk::ChunkCache;
-use fs_cache::{BlobRef, Digest, LayerRef, Manifest, Pushed, Store};
+use fs_cache::{Digest, LayerRef, Manifest, Pushed, Store};
 
 use crate::export::{ExportLayer, LayerData};
 use crate::import::BuiltLayer;
@@ -57,12 +57,13 @@ pub async fn push_stack(
     built: &[BuiltLayer],
     name: &LayerRef,
     source: &str,
+    compression: fs_cache::Compression,
 ) -> Result<Vec<PushedLayer>> {
     let names = layer_names(name, built.len())?;
     let mut manifests = Vec::new();
     for (i, b) in built.iter().enumerate() {
-        let meta = store.put_blob_file(&b.meta).await?;
-        let blob = store.put_blob_file(&b.blob).await?;
+        let meta = store.put_blob_file_with(&b.meta, compression).await?;
+        let blob = store.put_blob_file_with(&b.blob, compression).await?;
         if blob.digest.0 != b.stats.blob_blake3 {
             return Err(Error::Unsupported(format!(
                 "the data blob of {} changed between build and upload",
@@ -72,14 +73,8 @@ pub async fn push_stack(
         let diff_ids: Vec<String> = b.diff_ids.iter().map(|d| d.to_string()).collect();
         let mut m = Manifest::new(
             names[i].clone(),
-            Some(BlobRef {
-                digest: meta.digest,
-                size: meta.size,
-            }),
-            vec![BlobRef {
-                digest: blob.digest,
-                size: blob.size,
-            }],
+            Some(meta.blob_ref()),
+            vec![blob.blob_ref()],
             format!(
                 "{source} layer {}/{} diff_id {}",
                 i + 1,

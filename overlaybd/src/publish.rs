@@ -66,10 +66,7 @@ pub async fn push_layer(
         None => {}
     }
     let put = store.put_blob_file(file).await?;
-    let blob = BlobRef {
-        digest: put.digest,
-        size: put.size,
-    };
+    let blob = put.blob_ref();
     let mut manifest = Manifest::new(
         name.clone(),
         None,

@@ -110,6 +110,9 @@ impl NodeState {
 #[derive(Debug)]
 pub struct Snapshot {
     taken_at: Time,
+    /// When each node's state was taken, if not all at `taken_at` (a watcher that keeps a
+    /// slow node's last state); aligned with `nodes`.
+    node_taken: Option<Vec<Time>>,
     nodes: Vec<NodeState>,
     index: HashMap<NodeId, usize>,
 }
@@ -135,9 +138,34 @@ impl Snapshot {
         }
         Ok(Snapshot {
             taken_at,
+            node_taken: None,
             nodes,
             index,
         })
+    }
+
+    /// A snapshot whose node `i` was taken at `taken[i]` (a watcher that polls nodes apart,
+    /// or keeps a slow node's last state): its `taken_at` is the oldest of them, and the
+    /// overlay keeps a placement on node `i` until a state of node `i` taken after it.
+    pub fn new_per_node(nodes: Vec<NodeState>, taken: Vec<Time>) -> Result<Snapshot, Error> {
+        if taken.len() != nodes.len() {
+            return Err(Error::Invalid {
+                what: "snapshot",
+                why: format!("{} times for {} nodes", taken.len(), nodes.len()),
+            });
+        }
+        let oldest = taken.iter().copied().min().unwrap_or_default();
+        let mut s = Snapshot::new(oldest, nodes)?;
+        s.node_taken = Some(taken);
+        Ok(s)
+    }
+
+    /// When the state of the node at position `pos` was taken.
+    pub fn taken_at_of(&self, pos: usize) -> Time {
+        self.node_taken
+            .as_ref()
+            .and_then(|t| t.get(pos).copied())
+            .unwrap_or(self.taken_at)
     }
 
     /// When the watcher took it.

@@ -4,8 +4,9 @@
 //! the snapshot until a snapshot taken after it (by more than `settle`, the time a create
 //! takes to show in the node's status) arrives, or until it is `ttl` old, whichever comes
 //! first: the TTL bounds the damage when a node never reports a sandbox (its create failed
-//! after admission, say). Entries are kept in time order, so both rules drop a prefix: the
-//! cost is O(1) amortised per placement, plus O(entries) when a snapshot arrives.
+//! after admission, say). A snapshot whose nodes were taken at different times
+//! ([`Snapshot::new_per_node`]) drops an entry by its node's time. Entries are kept in time
+//! order: the cost is O(1) amortised per placement, plus O(entries) when a snapshot arrives.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -73,6 +74,12 @@ impl Overlay {
                 break;
             }
         }
+        // Nodes taken later than the snapshot's oldest: their own time decides.
+        let settle = self.settle;
+        self.entries.retain(|e| {
+            let pos = snapshot.position(e.node);
+            pos.is_none_or(|p| e.at.saturating_add(settle) >= snapshot.taken_at_of(p))
+        });
         let n = snapshot.nodes().len();
         self.delta.clear();
         self.delta.resize(n, Delta::default());

@@ -112,6 +112,32 @@ fn a_newer_snapshot_and_the_ttl_retire_overlay_entries() {
 }
 
 #[test]
+fn a_snapshot_taken_node_by_node_retires_entries_by_each_nodes_time() {
+    let cfg = PlacerConfig {
+        settle: ms(50),
+        ..PlacerConfig::default()
+    };
+    let s = snap(0, (0..2).map(|i| node(i, 0, &[])).collect());
+    let mut p = placer(PolicyKind::PowerOfKOverlay, cfg, s, 3);
+    for (t, n) in [(10, 0), (20, 1), (300, 0), (310, 1)] {
+        p.placed(NodeId(n), &REQ, ms(t));
+    }
+    // Node 0 seen at 500 ms (shows all of its placements), node 1 last seen at 100 ms (a
+    // slow node's kept state: shows only the first).
+    let nodes = (0..2).map(|i| node(i, 0, &[])).collect();
+    let s = Snapshot::new_per_node(nodes, vec![ms(500), ms(100)]).unwrap();
+    assert_eq!(s.taken_at(), ms(100));
+    assert_eq!(s.taken_at_of(0), ms(500));
+    p.set_snapshot(Arc::new(s));
+    assert_eq!(
+        p.overlay_len(),
+        1,
+        "only node 1's placement at 310 ms is kept"
+    );
+    assert!(Snapshot::new_per_node(vec![node(0, 0, &[])], vec![]).is_err());
+}
+
+#[test]
 fn refusals_are_retried_elsewhere_and_bounded() {
     let s = snap(0, (0..6).map(|i| node(i, 0, &[])).collect());
     let cfg = PlacerConfig {

@@ -37,12 +37,27 @@ pub fn of_pid(pid: u32) -> BTreeMap<String, PathBuf> {
     out
 }
 
+/// The directories of cgroup `path` (`/strata`, say) in every hierarchy mounted here, by
+/// controller (`"unified"` for v2), whether or not they exist.
+pub fn of_path(path: &str) -> BTreeMap<String, PathBuf> {
+    let rel = path.trim_start_matches('/');
+    hierarchies()
+        .into_iter()
+        .map(|(c, m)| (c, m.join(rel)))
+        .collect()
+}
+
 /// Where each v1 controller's hierarchy (and the v2 hierarchy, as `"unified"`) is mounted.
 fn hierarchies() -> BTreeMap<String, PathBuf> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .map(|mi| fuzz_hierarchies(&mi))
+        .unwrap_or_default()
+}
+
+/// [`hierarchies`] of mountinfo text (public for the fuzz target, `fuzz/`).
+#[doc(hidden)]
+pub fn fuzz_hierarchies(mi: &str) -> BTreeMap<String, PathBuf> {
     let mut out = BTreeMap::new();
-    let Ok(mi) = std::fs::read_to_string("/proc/self/mountinfo") else {
-        return out;
-    };
     for line in mi.lines() {
         let Some((left, right)) = line.split_once(" - ") else {
             continue;
@@ -73,18 +88,48 @@ fn hierarchies() -> BTreeMap<String, PathBuf> {
     out
 }
 
+/// Undo mountinfo's escapes of a space, tab, newline and backslash, in one pass (`\134040`
+/// is a backslash and "040", not a space).
 fn unescape(s: &str) -> String {
-    s.replace("\\040", " ")
-        .replace("\\011", "\t")
-        .replace("\\012", "\n")
-        .replace("\\134", "\\")
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(at) = rest.find('\\') {
+        out.push_str(&rest[..at]);
+        let (c, n) = match rest.get(at..at + 4) {
+            Some("\\040") => (' ', 4),
+            Some("\\011") => ('\t', 4),
+            Some("\\012") => ('\n', 4),
+            Some("\\134") => ('\\', 4),
+            _ => ('\\', 1),
+        };
+        out.push(c);
+        rest = &rest[at + n..];
+    }
+    out.push_str(rest);
+    out
 }
 
-/// Memory charged to a cgroup: anonymous and file-backed bytes.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// Memory charged to a cgroup: anonymous and file-backed bytes (`file` includes `shmem`,
+/// the sandbox's tmpfs pages), what of it is swapped out, and the whole charge.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Memory {
     pub anon: u64,
     pub file: u64,
+    #[serde(default)]
+    pub shmem: u64,
+    #[serde(default)]
+    pub swap: u64,
+    /// `memory.usage_in_bytes` (v1) or `memory.current` (v2): every page charged, kernel
+    /// memory included.
+    #[serde(default)]
+    pub usage: u64,
+}
+
+fn read_u64(path: &Path) -> u64 {
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
 }
 
 fn stat_fields(path: &Path) -> BTreeMap<String, u64> {
@@ -107,6 +152,9 @@ pub fn memory(cgroups: &BTreeMap<String, PathBuf>) -> Memory {
         return Memory {
             anon: pick("total_rss", "rss"),
             file: pick("total_cache", "cache"),
+            shmem: pick("total_shmem", "shmem"),
+            swap: pick("total_swap", "swap"),
+            usage: read_u64(&m.join("memory.usage_in_bytes")),
         };
     }
     if let Some(u) = cgroups.get("unified") {
@@ -114,9 +162,48 @@ pub fn memory(cgroups: &BTreeMap<String, PathBuf>) -> Memory {
         return Memory {
             anon: s.get("anon").copied().unwrap_or(0),
             file: s.get("file").copied().unwrap_or(0),
+            shmem: s.get("shmem").copied().unwrap_or(0),
+            swap: read_u64(&u.join("memory.swap.current")),
+            usage: read_u64(&u.join("memory.current")),
         };
     }
     Memory::default()
+}
+
+/// Reclaim what the kernel can of the memory charged to these cgroups: v1
+/// `memory.force_empty` (page cache and, where the node has swap, anonymous pages), v2
+/// `memory.reclaim` of the whole charge (`EAGAIN`, not all of it reclaimable, is no error).
+/// Every page charged to the cgroup is a candidate, whoever else reads it: the caller decides
+/// whether that is the sandbox's to drop. Which file it wrote, for the report.
+pub fn reclaim(cgroups: &BTreeMap<String, PathBuf>) -> std::io::Result<&'static str> {
+    if let Some(m) = cgroups.get("memory") {
+        std::fs::write(m.join("memory.force_empty"), "0")?;
+        return Ok("memory.force_empty");
+    }
+    if let Some(u) = cgroups.get("unified") {
+        let current = read_u64(&u.join("memory.current"));
+        return match std::fs::write(u.join("memory.reclaim"), current.max(1).to_string()) {
+            Ok(()) => Ok("memory.reclaim"),
+            Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => Ok("memory.reclaim"),
+            Err(e) => Err(e),
+        };
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::NotFound,
+        "no memory cgroup",
+    ))
+}
+
+/// The processes of these cgroups (`cgroup.procs` of the memory, pids or freezer cgroup).
+pub fn procs(cgroups: &BTreeMap<String, PathBuf>) -> Vec<u32> {
+    for c in ["memory", "pids", "freezer", "unified"] {
+        if let Some(d) = cgroups.get(c) {
+            if let Ok(s) = std::fs::read_to_string(d.join("cgroup.procs")) {
+                return s.lines().filter_map(|l| l.trim().parse().ok()).collect();
+            }
+        }
+    }
+    Vec::new()
 }
 
 /// How many times the kernel's OOM killer killed a process of these cgroups.
@@ -153,5 +240,15 @@ mod tests {
         for (c, p) in &cg {
             assert!(p.is_dir(), "{c}: {} is not a directory", p.display());
         }
+    }
+
+    #[test]
+    fn mountinfo_escapes_are_undone_once() {
+        let mi = "25 1 0:23 / /a\\040b\\134040 rw - cgroup2 cgroup2 rw\n\
+                  26 1 0:24 / /c rw - cgroup cgroup rw,memory,name=systemd\n";
+        let h = fuzz_hierarchies(mi);
+        assert_eq!(h["unified"], Path::new("/a b\\040"));
+        assert_eq!(h["memory"], Path::new("/c"));
+        assert_eq!(h["systemd"], Path::new("/c"));
     }
 }

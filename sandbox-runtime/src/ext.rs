@@ -94,6 +94,7 @@ impl Extension for SandboxExtension {
                 Request::SandboxNet { id, allow } => one(value(m.set_net(&id, allow).await)),
                 Request::SandboxPause { id } => one(value(m.pause(&id).await)),
                 Request::SandboxResume { id } => one(value(m.resume(&id).await)),
+                Request::SandboxSuspend { id } => one(value(m.suspend(&id).await)),
                 Request::SandboxInput(r) => one(value(input(&m, r).await)),
                 Request::SandboxPack(r) => one(value(m.pack_diff(r).await)),
                 Request::SandboxFork { id, count } => one(value(m.clone().fork(id, count).await)),

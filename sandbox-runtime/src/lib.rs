@@ -16,6 +16,7 @@
 //! <dir>/<id>/etc/            hostname, hosts, resolv.conf, machine-id (bound read-only over
 //!                            /etc's)
 //! <dir>/<id>/pack/           a pack in progress (`pack`): the stack's lower view, the build
+//! <dir>/<id>/suspend.json  while suspended: what it had resident (`resident::Residency`)
 //! <dir>/<id>/secrets/        a 1 MiB tmpfs, one file per secret, bound at /run/secrets
 //! <run-dir>/runc/            runc's state (--root)
 //! ```
@@ -29,6 +30,7 @@
 //! - Paths given to `cp` resolve inside the sandbox's root (`openat2(RESOLVE_IN_ROOT)`): a
 //!   symlink inside never reaches the host.
 
+pub mod admission;
 pub mod agent;
 pub mod cgroup;
 pub mod exec;
@@ -40,18 +42,22 @@ pub mod pack;
 mod pool;
 pub mod proto;
 pub mod pty;
+pub mod qos;
 pub mod quota;
+pub mod resident;
 mod run;
 pub mod runc;
 pub mod spec;
+mod suspend;
 
 use ublk_daemon::node::proto::{ApiError, ErrorKind};
 
 pub use exec::{Exec, ExecUpdate};
 pub use ext::SandboxExtension;
-pub use manager::{valid_id, Manager, ManagerConfig, Record};
+pub use manager::{valid_id, valid_node_name, Manager, ManagerConfig, Record};
 pub use pack::{ForkResult, PackRequest, PackResult};
 pub use proto::Limits;
+pub use suspend::{swap_present, ResumeReport, ResumeResult, SuspendReport};
 
 /// What can go wrong with a sandbox.
 #[derive(Debug, thiserror::Error)]

@@ -43,6 +43,21 @@ pub struct ManagerConfig {
     /// subvolume and quota group per sandbox, what makes `--disk` work); `None`: uppers are
     /// plain directories under `dir` and `--disk` is refused.
     pub uppers_size: Option<u64>,
+    /// What creates the node admits (`crate::admission`).
+    pub admission: crate::admission::Admission,
+    /// The node's name in a cluster ([`valid_node_name`]): every id it makes starts with
+    /// `<name>-`, so that a front routes any request by the id alone, and its sandboxes'
+    /// cgroups live under `/strata-<name>` (several nodes share one machine in tests).
+    pub node_name: Option<String>,
+}
+
+/// Whether `name` is a valid node name: `[a-z0-9]{1,16}` (no `-`: a node's ids are
+/// `<name>-…`, and the name is what comes before the first `-`).
+pub fn valid_node_name(name: &str) -> bool {
+    (1..=16).contains(&name.len())
+        && name
+            .bytes()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit())
 }
 
 impl ManagerConfig {
@@ -55,6 +70,8 @@ impl ManagerConfig {
             runtime_root: run_dir.join("runc"),
             max_sandboxes: 4096,
             uppers_size: None,
+            admission: Default::default(),
+            node_name: None,
         }
     }
 }
@@ -229,8 +246,8 @@ pub fn valid_id(id: &str) -> bool {
             .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-' || *c == b'_')
 }
 
-fn fresh_id() -> String {
-    format!("sb-{}", random_hex(6))
+fn fresh_id(prefix: &str) -> String {
+    format!("{prefix}sb-{}", random_hex(6))
 }
 
 /// `n` random bytes from the kernel, as hex.
@@ -270,6 +287,8 @@ pub struct Manager {
     slots: Mutex<std::collections::BTreeSet<u32>>,
     /// The init binary the bundles bind (`agent::install_init`).
     init: PathBuf,
+    /// Whether the kernel has core scheduling (`crate::qos`).
+    core_sched: bool,
 }
 
 /// Network slots the manager hands out (`crate::net` has more; the rest are the tests').
@@ -288,6 +307,13 @@ impl Manager {
     /// looked up; running ones are reattached, stopped ones kept for `rm`, half-created or
     /// half-removed ones removed. Starts the idle-timeout reaper and the pools.
     pub async fn start(config: ManagerConfig, node: Arc<Node>) -> Result<Arc<Self>> {
+        if let Some(n) = &config.node_name {
+            if !valid_node_name(n) {
+                return Err(Error::InvalidSpec(format!(
+                    "bad node name {n:?} (want [a-z0-9]{{1,16}})"
+                )));
+            }
+        }
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
@@ -321,7 +347,15 @@ impl Manager {
             uppers,
             slots: Mutex::new(Default::default()),
             init,
+            core_sched: crate::qos::core_sched_available(),
         });
+        if !m.core_sched {
+            tracing::warn!(
+                "core scheduling (PR_SCHED_CORE) is not in this kernel: best-effort sandboxes \
+                 run under SCHED_IDLE with the lowest CPU weight, but may share a core's SMT \
+                 siblings with latency-sensitive ones"
+            );
+        }
         let mut leftovers = Vec::new();
         let entries = std::fs::read_dir(&m.config.dir)
             .map_err(|e| Error::io(format!("read {}", m.config.dir.display()), e))?;
@@ -353,17 +387,24 @@ impl Manager {
             let state = m.runtime.state(&id).await.ok().flatten();
             match (record.state, state.as_ref().map(|s| s.status.as_str())) {
                 (
-                    SandboxState::Running | SandboxState::Paused,
+                    SandboxState::Running | SandboxState::Paused | SandboxState::Suspended,
                     Some(s @ ("running" | "paused")),
                 ) => {
-                    record.state = if s == "paused" {
-                        SandboxState::Paused
-                    } else {
-                        SandboxState::Running
+                    // Suspended stays suspended while frozen: its residency record is kept.
+                    record.state = match (record.state, s) {
+                        (SandboxState::Suspended, "paused") => SandboxState::Suspended,
+                        (_, "paused") => SandboxState::Paused,
+                        _ => SandboxState::Running,
                     };
                     record.pid = state.map(|s| s.pid);
                 }
-                (SandboxState::Running | SandboxState::Paused | SandboxState::Stopped, _) => {
+                (
+                    SandboxState::Running
+                    | SandboxState::Paused
+                    | SandboxState::Suspended
+                    | SandboxState::Stopped,
+                    _,
+                ) => {
                     record.state = SandboxState::Stopped;
                     record.pid = None;
                 }
@@ -517,7 +558,7 @@ impl Manager {
                     "bad sandbox id {id:?} (want [a-z0-9][a-z0-9_-]{{0,62}})"
                 )))
             }
-            None => fresh_id(),
+            None => fresh_id(&self.id_prefix()),
         };
         if req.limits.disk.is_some() && self.uppers.is_none() {
             return Err(Error::InvalidSpec(
@@ -531,8 +572,10 @@ impl Manager {
             Network::None => (None, None),
             Network::Allow(_) => {
                 let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+                // Another node on this machine may hold a slot this one does not know:
+                // its veth (`sx<n>`) exists then (`net::setup` would refuse the slot).
                 let slot = (0..NET_SLOTS)
-                    .find(|s| !slots.contains(s))
+                    .find(|s| !slots.contains(s) && !crate::net::slot_taken(*s))
                     .ok_or_else(|| Error::Limit("no network slot left on this node".into()))?;
                 slots.insert(slot);
                 (Some(slot), Some(crate::net::slot_addrs(slot)?.1))
@@ -566,6 +609,7 @@ impl Manager {
             lifecycle: tokio::sync::Mutex::new(()),
         });
         let _life = sb.lifecycle.lock().await;
+        let mem = crate::admission::meminfo();
         {
             let mut all = self.sandboxes.lock().unwrap_or_else(|p| p.into_inner());
             let refusal = if all.contains_key(&id) {
@@ -576,7 +620,11 @@ impl Manager {
                     all.len()
                 )))
             } else {
-                None
+                let live: Vec<crate::Limits> = all.values().map(|s| s.record().limits).collect();
+                self.config
+                    .admission
+                    .check(&live, &record.limits, self.config.uppers_size, mem)
+                    .err()
             };
             if let Some(e) = refusal {
                 if let Some(s) = net_slot {
@@ -713,15 +761,25 @@ impl Manager {
             etc_dir: &etc,
             secrets_dir: secrets_dir.as_deref(),
             netns: netns.as_deref(),
+            cgroup_parent: &spec::cgroup_parent(self.config.node_name.as_deref()),
         })?;
         let bundle = dir.join("bundle");
         let bytes = serde_json::to_vec(&config).map_err(|e| Error::Spec(e.to_string()))?;
         let cfg = bundle.join("config.json");
         fs_cache::write_atomic(&cfg, &bytes)
             .map_err(|e| Error::io(format!("write {}", cfg.display()), e))?;
-        self.runtime
+        let pid = self
+            .runtime
             .run_detached(&sb.id, &bundle, &dir.join("runc.log"))
-            .await
+            .await?;
+        // The init has started nothing yet: what it starts inherits its class.
+        crate::qos::apply(pid, record.limits.class, self.core_sched)
+            .and_then(|()| match record.limits.class {
+                crate::proto::CpuClass::Be => crate::qos::make_idle_group(pid),
+                crate::proto::CpuClass::Ls => Ok(()),
+            })
+            .map_err(|e| Error::Runtime(format!("the CPU class of init {pid}: {e}")))?;
+        Ok(pid)
     }
 
     /// Remove everything of sandbox `id` under `dir`: its processes and container, its root
@@ -817,7 +875,7 @@ impl Manager {
             return Err(Error::NotFound(format!("no sandbox {id} on this node")));
         }
         let info = sb.info();
-        if info.state == SandboxState::Paused {
+        if matches!(info.state, SandboxState::Paused | SandboxState::Suspended) {
             // Thawed first, so that the kill reaches every process at once.
             let _ = self.runtime.resume(id).await;
         }
@@ -842,17 +900,22 @@ impl Manager {
         Ok(sb.info())
     }
 
-    /// Thaw a paused sandbox.
-    pub async fn resume(&self, id: &str) -> Result<SandboxInfo> {
-        let sb = self.get(id)?;
-        let _life = sb.lifecycle.lock().await;
-        if sb.record().state != SandboxState::Paused {
-            return Err(Error::Conflict(format!("sandbox {id} is not paused")));
-        }
-        self.runtime.resume(id).await?;
-        sb.set(|r| r.state = SandboxState::Running)?;
-        sb.touch();
-        Ok(sb.info())
+    /// How this node keeps its sandboxes.
+    pub fn config(&self) -> &ManagerConfig {
+        &self.config
+    }
+
+    /// The storage node under the sandboxes (layers, cache).
+    pub fn node(&self) -> &Arc<Node> {
+        &self.node
+    }
+
+    /// What every id this node makes starts with: `<name>-` for a named node, else nothing.
+    pub fn id_prefix(&self) -> String {
+        self.config
+            .node_name
+            .as_ref()
+            .map_or_else(String::new, |n| format!("{n}-"))
     }
 
     /// One sandbox, as `ls` shows it (a map lookup).
@@ -861,7 +924,7 @@ impl Manager {
     }
 
     /// The sandboxes now (a snapshot: the table's lock is not held after).
-    fn all(&self) -> Vec<Arc<Sandbox>> {
+    pub(crate) fn all(&self) -> Vec<Arc<Sandbox>> {
         self.sandboxes
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -945,6 +1008,7 @@ impl Manager {
             upper,
             upper_bytes,
             pids: cgroup::pids(&cgroups),
+            sched_policy: info.pid.and_then(crate::qos::policy).map(str::to_owned),
             cgroups,
             memory_anon: mem.anon,
             memory_file: mem.file,
@@ -978,16 +1042,13 @@ impl Manager {
         r
     }
 
-    fn check_running(&self, sb: &Sandbox) -> Result<()> {
+    pub(crate) fn check_running(&self, sb: &Sandbox) -> Result<()> {
         match sb.record().state {
             SandboxState::Running => Ok(()),
             s => Err(Error::Conflict(format!(
                 "sandbox {} is {}",
                 sb.id,
-                serde_json::to_value(s)
-                    .ok()
-                    .and_then(|v| v.as_str().map(str::to_owned))
-                    .unwrap_or_default()
+                crate::proto::state_name(s)
             ))),
         }
     }
@@ -1187,7 +1248,10 @@ impl Manager {
             let Some(t) = sb.record().idle_timeout_s else {
                 continue;
             };
-            if sb.record().state == SandboxState::Paused {
+            if matches!(
+                sb.record().state,
+                SandboxState::Paused | SandboxState::Suspended
+            ) {
                 // Paused on purpose: it waits for its resume.
                 continue;
             }
@@ -1202,7 +1266,7 @@ impl Manager {
 }
 
 /// Process `pid`'s start time (clock ticks after boot), if it runs.
-fn start_time(pid: u32) -> Option<u64> {
+pub(crate) fn start_time(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // pid (comm) state ppid …: comm may hold anything; starttime is the 22nd field, the
     // 20th after the closing parenthesis.
@@ -1344,7 +1408,9 @@ mod tests {
         for bad in ["", "-a", "A", "a/b", "..", "a b", &"x".repeat(64)] {
             assert!(!valid_id(bad), "{bad}");
         }
-        assert!(valid_id(&fresh_id()));
+        assert!(valid_id(&fresh_id("")));
+        assert!(valid_id(&fresh_id("n1-")));
+        assert!(valid_node_name("n1") && !valid_node_name("n-1") && !valid_node_name(""));
     }
 
     #[test]

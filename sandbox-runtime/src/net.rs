@@ -379,6 +379,13 @@ pub fn host_if(slot: u32) -> String {
     format!("{IF_PREFIX}{slot}")
 }
 
+/// Whether slot `slot`'s veth exists on the host: the slot is taken, by this node or by
+/// another node daemon of the same machine (the host's interfaces are the one table every
+/// node sees).
+pub fn slot_taken(slot: u32) -> bool {
+    Path::new("/sys/class/net").join(host_if(slot)).exists()
+}
+
 /// Where sandbox `id`'s namespace is bind-mounted.
 pub fn netns_path(run_dir: &Path, id: &str) -> PathBuf {
     run_dir.join("netns").join(id)

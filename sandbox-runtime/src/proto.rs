@@ -15,7 +15,8 @@
 //! | `sandbox_run` | `stack`, and [`ExecRequest`]'s fields but `id` | like `sandbox_exec`, in a pool sandbox that is removed after |
 //! | `sandbox_net` | `id`, `allow` (rules as text) | [`SandboxInfo`]; the sandbox's egress rules replaced at once |
 //! | `sandbox_pause` | `id` | [`SandboxInfo`]; every process frozen (the runtime's freezer), memory kept |
-//! | `sandbox_resume` | `id` | [`SandboxInfo`]; thawed |
+//! | `sandbox_resume` | `id` | [`crate::ResumeResult`]: [`SandboxInfo`] and, for a suspended one, `prefetch` ([`crate::ResumeReport`]); prefetched, then thawed |
+//! | `sandbox_suspend` | `id` | [`crate::SuspendReport`]: frozen, what was resident recorded, its memory reclaimed (memory before and after) |
 //! | `sandbox_pack` | `id`, `name`, `strip`?, `no_default_strip`? | [`crate::PackResult`]: the upper packed into layer `name` (parents: the stack) |
 //! | `sandbox_fork` | `id`, `count` | [`crate::ForkResult`]: a pack to `snapshot/fork-<id>:<ms>`, then `count` sandboxes from it |
 //! | `sandbox_input` | `id`, `exec`, `data` (base64)?, `close`?, `signal`?, `pty`? | `{}`: bytes to an exec's open stdin (or its terminal), its stdin closed, a signal to its process group, its terminal resized |
@@ -43,6 +44,28 @@ pub struct Limits {
     /// The upper's size, bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk: Option<u64>,
+    /// Its CPU class (`--class ls|be`).
+    #[serde(default, skip_serializing_if = "CpuClass::is_default")]
+    pub class: CpuClass,
+}
+
+/// A sandbox's CPU class. Best-effort sandboxes run under `SCHED_IDLE` (set on their init,
+/// inherited by every process it starts) with the lowest CPU weight, so a latency-sensitive
+/// neighbour takes the CPU whenever it wants it; latency-sensitive ones keep the defaults.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CpuClass {
+    /// Latency-sensitive (the default).
+    #[default]
+    Ls,
+    /// Best-effort.
+    Be,
+}
+
+impl CpuClass {
+    fn is_default(&self) -> bool {
+        *self == CpuClass::Ls
+    }
 }
 
 impl Limits {
@@ -110,10 +133,25 @@ pub enum SandboxState {
     /// Frozen (`sandbox_pause`): its processes hold their memory and run nothing until
     /// `sandbox_resume`.
     Paused,
+    /// Frozen and its memory reclaimed (`sandbox_suspend`), what it had resident recorded;
+    /// `sandbox_resume` prefetches that, then thaws it.
+    Suspended,
     /// Its init is gone (killed from outside, or the node rebooted); only `rm` is left.
     Stopped,
     /// Being removed.
     Removing,
+}
+
+/// A state's name on the wire (`running`, `suspended`, …).
+pub fn state_name(s: SandboxState) -> &'static str {
+    match s {
+        SandboxState::Creating => "creating",
+        SandboxState::Running => "running",
+        SandboxState::Paused => "paused",
+        SandboxState::Suspended => "suspended",
+        SandboxState::Stopped => "stopped",
+        SandboxState::Removing => "removing",
+    }
 }
 
 /// One sandbox, as `ls` shows it.
@@ -154,6 +192,9 @@ pub struct SandboxDetail {
     pub upper_bytes: u64,
     /// The sandbox's cgroups, by controller (`memory` → its directory).
     pub cgroups: std::collections::BTreeMap<String, PathBuf>,
+    /// Its init's scheduling policy (`other`; `idle` for a best-effort sandbox).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sched_policy: Option<String>,
     /// Resident memory charged to it: anonymous and file-backed (page cache), bytes.
     pub memory_anon: u64,
     pub memory_file: u64,
@@ -402,6 +443,10 @@ pub enum Request {
         id: String,
     },
     SandboxResume {
+        id: String,
+    },
+    /// Freeze, record what is resident, reclaim (`crate::suspend`).
+    SandboxSuspend {
         id: String,
     },
     SandboxInput(InputRequest),

@@ -21,7 +21,9 @@
 //!   userfaultfd, io_uring, new user namespaces, and the rest of the container breakouts'
 //!   toolbox.
 //! - **resources**: memory (swap = memory: none beyond it), CPU quota, pids, in the cgroup
-//!   `/strata/<id>` (v1 controllers here, v2 where they live there).
+//!   `<parent>/<id>` (v1 controllers here, v2 where they live there): `/strata/<id>`, or
+//!   `/strata-<node>/<id>` for a node with a name (`ManagerConfig::node_name`), so that
+//!   several nodes on one machine each have a parent cgroup of their own.
 
 use std::path::Path;
 
@@ -34,6 +36,7 @@ use oci_spec::runtime::{
     UserBuilder,
 };
 
+use crate::proto::CpuClass;
 use crate::{Error, Limits, Result};
 
 /// Where the init binary appears inside a sandbox.
@@ -61,6 +64,16 @@ pub struct SpecInput<'a> {
     /// A network namespace to join (a sandbox with an allowlist); `None`: a new one with
     /// loopback only.
     pub netns: Option<&'a Path>,
+    /// The parent cgroup (`/strata`; [`cgroup_parent`]).
+    pub cgroup_parent: &'a str,
+}
+
+/// The parent cgroup of a node's sandboxes: `/strata`, or `/strata-<name>` for a named node.
+pub fn cgroup_parent(node_name: Option<&str>) -> String {
+    match node_name {
+        Some(n) => format!("/strata-{n}"),
+        None => "/strata".to_owned(),
+    }
 }
 
 fn oci(e: oci_spec::OciSpecError) -> Error {
@@ -163,12 +176,21 @@ pub fn build(input: &SpecInput<'_>) -> Result<Spec> {
                 .build()
                 .map_err(oci)?,
         )
-        .rlimits(vec![PosixRlimitBuilder::default()
-            .typ(PosixRlimitType::RlimitNofile)
-            .hard(nofile)
-            .soft(nofile)
-            .build()
-            .map_err(oci)?])
+        .rlimits(vec![
+            PosixRlimitBuilder::default()
+                .typ(PosixRlimitType::RlimitNofile)
+                .hard(nofile)
+                .soft(nofile)
+                .build()
+                .map_err(oci)?,
+            // No process may raise its priority (nor leave `SCHED_IDLE`, `crate::qos`).
+            PosixRlimitBuilder::default()
+                .typ(PosixRlimitType::RlimitNice)
+                .hard(0u64)
+                .soft(0u64)
+                .build()
+                .map_err(oci)?,
+        ])
         .no_new_privileges(true)
         .oom_score_adj(500)
         .build()
@@ -235,15 +257,19 @@ pub fn build(input: &SpecInput<'_>) -> Result<Spec> {
                 .map_err(oci)?,
         );
     }
-    if let Some(c) = l.cpu_millis {
-        let period = 100_000u64;
-        resources = resources.cpu(
-            LinuxCpuBuilder::default()
+    if l.cpu_millis.is_some() || l.class == CpuClass::Be {
+        let mut cpu = LinuxCpuBuilder::default();
+        if let Some(c) = l.cpu_millis {
+            let period = 100_000u64;
+            cpu = cpu
                 .period(period)
-                .quota((c as i64 * period as i64 / 1000).max(1000))
-                .build()
-                .map_err(oci)?,
-        );
+                .quota((c as i64 * period as i64 / 1000).max(1000));
+        }
+        if l.class == CpuClass::Be {
+            // The lowest weight (v1 `cpu.shares` 2; runc maps it to v2 `cpu.weight` 1).
+            cpu = cpu.shares(BE_CPU_SHARES);
+        }
+        resources = resources.cpu(cpu.build().map_err(oci)?);
     }
     if let Some(p) = l.pids {
         resources = resources.pids(
@@ -259,7 +285,7 @@ pub fn build(input: &SpecInput<'_>) -> Result<Spec> {
         .masked_paths(masked_paths())
         .readonly_paths(oci_spec::runtime::get_default_readonly_paths())
         .resources(resources.build().map_err(oci)?)
-        .cgroups_path(format!("/strata/{}", input.id))
+        .cgroups_path(format!("{}/{}", input.cgroup_parent, input.id))
         .seccomp(seccomp()?)
         .build()
         .map_err(oci)?;
@@ -419,6 +445,9 @@ pub fn seccomp() -> Result<LinuxSeccomp> {
         .map_err(oci)
 }
 
+/// `cpu.shares` of a best-effort sandbox (the default is 1024).
+pub const BE_CPU_SHARES: u64 = 2;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -440,6 +469,7 @@ mod tests {
             etc_dir: Path::new("/r/etc"),
             secrets_dir: Some(Path::new("/r/secrets")),
             netns: None,
+            cgroup_parent: "/strata",
         })
         .unwrap();
         let v = serde_json::to_value(&spec).unwrap();
@@ -450,6 +480,27 @@ mod tests {
             .contains(&"A=1".into()));
         assert_eq!(v["linux"]["resources"]["memory"]["limit"], 256 << 20);
         assert_eq!(v["linux"]["resources"]["cpu"]["quota"], 50_000);
+        assert!(v["linux"]["resources"]["cpu"]["shares"].is_null());
+        let be = Limits {
+            class: CpuClass::Be,
+            ..Limits::default()
+        };
+        let spec_be = build(&SpecInput {
+            id: "sb2",
+            rootfs: Path::new("/r/rootfs"),
+            init: Path::new("/r/strata-init"),
+            env: &[],
+            limits: &be,
+            etc_dir: Path::new("/r/etc"),
+            secrets_dir: None,
+            netns: None,
+            cgroup_parent: &cgroup_parent(Some("n2")),
+        })
+        .unwrap();
+        let v_be = serde_json::to_value(&spec_be).unwrap();
+        assert_eq!(v_be["linux"]["resources"]["cpu"]["shares"], BE_CPU_SHARES);
+        assert!(v_be["linux"]["resources"]["cpu"]["quota"].is_null());
+        assert_eq!(v_be["linux"]["cgroupsPath"], "/strata-n2/sb2");
         assert_eq!(v["linux"]["resources"]["pids"]["limit"], 128);
         assert_eq!(v["linux"]["cgroupsPath"], "/strata/sb1");
         let masked = v["linux"]["maskedPaths"].as_array().unwrap();

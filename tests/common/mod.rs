@@ -43,3 +43,54 @@ pub fn debian_root() -> Option<&'static Path> {
     })
     .as_deref()
 }
+
+/// The virtualenv with the pinned e2b SDK (`scripts/install-test-deps.sh`), the API tests'
+/// client.
+pub const E2B_PYTHON: &str = "/usr/local/lib/strata/e2b/bin/python";
+
+fn e2b_sdk_version() -> Option<String> {
+    let out = Command::new(E2B_PYTHON)
+        .args([
+            "-c",
+            "import importlib.metadata as m; print(m.version('e2b'))",
+        ])
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+/// Whether the SDK can drive a node here (root, runc, the pinned SDK, the Debian base);
+/// otherwise a loud SKIPPED (a failure under CI).
+pub fn e2b_ready(test: &str) -> bool {
+    if !require_root(test) {
+        return false;
+    }
+    let runc = Command::new("sh")
+        .args(["-c", "command -v runc"])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    let why = if !runc {
+        Some("runc not installed".to_owned())
+    } else if e2b_sdk_version().as_deref() != Some("2.63.0") {
+        Some(format!(
+            "the e2b SDK 2.63.0 is not in {E2B_PYTHON}'s virtualenv (found {:?})",
+            e2b_sdk_version()
+        ))
+    } else if debian_root().is_none() {
+        Some("no Debian base root (scripts/debian-base.sh failed)".to_owned())
+    } else {
+        None
+    };
+    if let Some(why) = why {
+        println!("\n*** SKIPPED {test}: {why} ***\n");
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "{test}: {why} (scripts/install-test-deps.sh installs it under CI)"
+        );
+        return false;
+    }
+    true
+}

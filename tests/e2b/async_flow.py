@@ -5,6 +5,7 @@ import os
 
 from e2b import AsyncSandbox, CommandExitException, SandboxQuery
 from e2b.exceptions import FileNotFoundException
+from finish import all_ok
 
 TEMPLATE = os.environ["STRATA_TEMPLATE"]
 
@@ -58,7 +59,7 @@ async def main():
     check(len(set(ids)) == 4, "four sandboxes at once")
     left = await AsyncSandbox.list(query=SandboxQuery(metadata={"suite": "async"})).next_items()
     check(left == [], "all killed")
-    print("ALL OK")
 
 
 asyncio.run(main())
+all_ok()

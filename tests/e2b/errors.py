@@ -10,6 +10,7 @@ from e2b import (
     SandboxException,
 )
 from e2b.exceptions import FileNotFoundException, SandboxNotFoundException, SandboxNotRunningException
+from finish import all_ok
 
 TEMPLATE = os.environ["STRATA_TEMPLATE"]
 
@@ -67,4 +68,4 @@ finally:
 raises(SandboxNotRunningException, lambda: sb.commands.run("true"), "a command in a killed sandbox")
 raises(SandboxNotRunningException, lambda: sb.files.read("/etc/hostname"), "a file of a killed sandbox")
 check(sb.is_running() is False, "is_running of a killed sandbox")
-print("ALL OK")
+all_ok()

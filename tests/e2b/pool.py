@@ -5,6 +5,7 @@ import os
 import time
 
 from e2b import Sandbox
+from finish import all_ok
 
 TEMPLATE = os.environ["STRATA_TEMPLATE"]
 
@@ -30,4 +31,4 @@ try:
 finally:
     for s in made:
         s.kill()
-print("ALL OK")
+all_ok()

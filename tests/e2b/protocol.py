@@ -10,6 +10,7 @@ import time
 import httpx
 
 from e2b import Sandbox
+from finish import all_ok
 
 TEMPLATE = os.environ["STRATA_TEMPLATE"]
 URL = os.environ["E2B_SANDBOX_URL"]
@@ -95,4 +96,4 @@ try:
         check(r.http_version == "HTTP/2" and r.status_code == 200, f"h2c: {r.http_version} {r.status_code}")
 finally:
     sb.kill()
-print("ALL OK")
+all_ok()

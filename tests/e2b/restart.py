@@ -6,6 +6,7 @@ import os
 import sys
 
 from e2b import Sandbox
+from finish import all_ok
 
 TEMPLATE = os.environ["STRATA_TEMPLATE"]
 state = os.path.join(os.environ["STRATA_TEST_DIR"], "restart-sandbox-id")
@@ -30,4 +31,4 @@ else:
     check(sb.files.read("/root/kept.txt") == "still here", "files kept")
     check(sb.commands.run("echo alive").stdout == "alive\n", "commands run")
     sb.kill()
-print("ALL OK")
+all_ok()

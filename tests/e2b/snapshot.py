@@ -8,6 +8,7 @@ import os
 
 from e2b import Sandbox
 from e2b.exceptions import InvalidArgumentException, SandboxException
+from finish import all_ok
 
 TEMPLATE = os.environ["STRATA_TEMPLATE"]
 
@@ -83,4 +84,4 @@ finally:
             print("kill:", e)
     for s in snaps:
         Sandbox.delete_snapshot(s)
-print("ALL OK")
+all_ok()

@@ -11,6 +11,7 @@ import urllib.request
 
 from e2b import Sandbox, CommandExitException
 from e2b.sandbox.filesystem.filesystem import FileType
+from finish import all_ok
 
 TEMPLATE = os.environ["STRATA_TEMPLATE"]
 
@@ -271,4 +272,4 @@ check(napper.get_info().state.value == "paused", "an auto-pause sandbox is pause
 woken = Sandbox.connect(napper.sandbox_id, timeout=30)
 check(woken.files.read("/root/nap.txt") == "zzz", "and connect resumes it, files intact")
 woken.kill()
-print("ALL OK")
+all_ok()

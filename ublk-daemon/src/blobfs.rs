@@ -149,6 +149,8 @@ pub struct BlobFsStats {
     pub read_errors: u64,
     /// The most reads served at the same time so far.
     pub max_concurrent_reads: u64,
+    /// Reads being served now.
+    pub in_flight: u64,
 }
 
 /// A live blob mount. Unmounted by [`BlobFs::unmount`] or when dropped, unless handed over
@@ -509,6 +511,7 @@ impl BlobFs {
             read_bytes: g(&self.counters.read_bytes),
             read_errors: g(&self.counters.read_errors),
             max_concurrent_reads: g(&self.counters.max_in_flight),
+            in_flight: g(&self.counters.in_flight),
         }
     }
 

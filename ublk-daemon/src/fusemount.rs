@@ -72,7 +72,11 @@ pub(crate) fn open_dev() -> Result<std::os::fd::OwnedFd> {
 /// yet would block a `stat`).
 pub(crate) fn mount_dev(target: &Path) -> Option<String> {
     let text = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    let target = target.to_str()?;
+    mount_dev_in(&text, target.to_str()?)
+}
+
+/// The device number of the newest mount at `target` in mountinfo `text`.
+pub(crate) fn mount_dev_in(text: &str, target: &str) -> Option<String> {
     text.lines().rev().find_map(|l| {
         let mut f = l.split(' ');
         let dev = f.nth(2)?;

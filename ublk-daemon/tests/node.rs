@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use fs_cache::chunk::disk::DiskCacheConfig;
 use fs_cache::chunk::CacheConfig;
-use fs_cache::{BlobRef, FaultConfig, FaultyBackend, LayerRef, Manifest, PosixBackend, Store};
+use fs_cache::{Compression, FaultConfig, FaultyBackend, LayerRef, Manifest, PosixBackend, Store};
 use ublk_daemon::node::proto::ErrorKind;
 use ublk_daemon::node::{sys, Node, NodeConfig};
 
@@ -61,23 +61,45 @@ fn cache_config(dir: &Path) -> CacheConfig {
 }
 
 async fn start(run_dir: &Path, cache_dir: &Path, store: Store) -> Arc<Node> {
+    start_with(run_dir, cache_dir, store, cache_config(cache_dir)).await
+}
+
+async fn start_with(
+    run_dir: &Path,
+    cache_dir: &Path,
+    store: Store,
+    config: CacheConfig,
+) -> Arc<Node> {
     std::fs::create_dir_all(cache_dir.join("chunks")).unwrap();
     Node::start(
-        NodeConfig::new(
-            run_dir.to_owned(),
-            "test".to_owned(),
-            cache_config(cache_dir),
-        ),
+        NodeConfig::new(run_dir.to_owned(), "test".to_owned(), config),
         store,
     )
     .await
     .unwrap_or_else(|e| panic!("start the node on {}: {e}", run_dir.display()))
 }
 
-/// Build a lazy layer from `src` and push meta image, blob and manifest under `name`.
+/// Build a lazy layer from `src` and push meta image, blob and manifest under `name`, stored
+/// plain (as every layer was before compression: these are the "old" layers).
 async fn push_layer(store: &Store, src: &Path, name: &str, work: &Path) -> Manifest {
+    push_layer_with(store, src, name, work, Compression::None).await
+}
+
+/// The meta image `push_layer` builds for `name` in `work`.
+fn meta_path(work: &Path, name: &str) -> PathBuf {
+    work.join(format!("{}.meta", name.replace(['/', ':'], "_")))
+}
+
+/// [`push_layer`], with its blobs stored as `compression` says.
+async fn push_layer_with(
+    store: &Store,
+    src: &Path,
+    name: &str,
+    work: &Path,
+    compression: Compression,
+) -> Manifest {
     let (meta, blob) = (
-        work.join(format!("{}.meta", name.replace(['/', ':'], "_"))),
+        meta_path(work, name),
         work.join(format!("{}.blob", name.replace(['/', ':'], "_"))),
     );
     let (s, m, b) = (src.to_owned(), meta.clone(), blob.clone());
@@ -87,19 +109,13 @@ async fn push_layer(store: &Store, src: &Path, name: &str, work: &Path) -> Manif
     .await
     .unwrap()
     .unwrap_or_else(|e| panic!("build {name}: {e}"));
-    let meta = store.put_blob_file(&meta).await.unwrap();
-    let data = store.put_blob_file(&blob).await.unwrap();
+    let meta = store.put_blob_file_with(&meta, compression).await.unwrap();
+    let data = store.put_blob_file_with(&blob, compression).await.unwrap();
     let r: LayerRef = name.parse().unwrap();
     let m = Manifest::new(
         r,
-        Some(BlobRef {
-            digest: meta.digest,
-            size: meta.size,
-        }),
-        vec![BlobRef {
-            digest: data.digest,
-            size: data.size,
-        }],
+        Some(meta.blob_ref()),
+        vec![data.blob_ref()],
         format!("dir:{}", src.display()),
     );
     store.push_manifest(&m).await.unwrap();
@@ -225,8 +241,11 @@ fn compare_trees(src: &Path, dst: &Path) -> (usize, u64) {
     (entries, bytes)
 }
 
-/// The real-tree test over one store: mount, compare everything, then on a fresh cache read
-/// a contiguous 10% of the files and bound the bytes fetched.
+/// The real-tree test over one store: the layer built as `strata layer build` builds it (its
+/// blobs compressed, zstd per chunk), mounted, compared whole, warmed and mounted again in
+/// passthrough (level 2 holds plain chunks), then on a fresh cache a contiguous 10% of the
+/// files read with the bytes fetched bounded. Plain (old) layers are what every other test
+/// here mounts.
 async fn real_tree(store: Store, label: &str, budget: u64) {
     // A developer can try other sizes: STRATA_TEST_REAL_TREE_MIB=600.
     let budget = std::env::var("STRATA_TEST_REAL_TREE_MIB")
@@ -249,8 +268,27 @@ async fn real_tree(store: Store, label: &str, budget: u64) {
         copied > budget / 2,
         "only {copied} bytes of real files found"
     );
-    let m = push_layer(&store, &src, "base/usr:1", tmp.path()).await;
-    let meta_bytes = m.meta.as_ref().unwrap().size;
+    let m = push_layer_with(
+        &store,
+        &src,
+        "base/usr:1",
+        tmp.path(),
+        Compression::default(),
+    )
+    .await;
+    let data = &m.blobs[0];
+    assert_eq!(
+        data.compression.as_deref(),
+        Some("zstd"),
+        "{label}: {data:?}"
+    );
+    let _ = writeln!(
+        std::io::stderr(),
+        "{label}: data blob {} bytes, stored {} (zstd)",
+        data.size,
+        data.stored_bytes()
+    );
+    let meta_bytes = m.meta.as_ref().unwrap().stored_bytes();
 
     let run_dir = tmp.path().join("run");
     let _guard = MountGuard {
@@ -1034,4 +1072,187 @@ async fn a_slow_fetch_for_one_layer_does_not_delay_another() {
     assert_eq!(std::fs::read(mp2.join("f")).unwrap(), noise(11, 300 << 10));
     faulty.set(FaultConfig::default());
     node.shutdown().await.unwrap();
+}
+
+/// Text-like bytes that compress well.
+fn text(seed: u64, len: usize) -> Vec<u8> {
+    let words: [&[u8]; 6] = [
+        b"strata ", b"layer ", b"chunk ", b"zstd ", b"erofs ", b"node\n",
+    ];
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(words[(x % 6) as usize]);
+    }
+    out.truncate(len);
+    out
+}
+
+/// A compressed layer whose stored data blob is damaged behind the store's back (bytes
+/// flipped inside one chunk's zstd frame, and the object cut short inside its last chunk):
+/// the files that need those chunks fail with EIO, every other file reads byte-exactly, and
+/// the daemon keeps serving.
+async fn damaged_compressed_layer(store: Store, label: &str) {
+    const CHUNK: u64 = fs_cache::chunk::CHUNK_SIZE;
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    write(&src.join("d/a.txt"), &text(1, 1 << 20));
+    write(&src.join("d/b.txt"), &text(2, 600_000));
+    write(&src.join("d/noise.bin"), &noise(3, 512 << 10));
+    for i in 0..24u64 {
+        write(
+            &src.join(format!("s/small{i:02}.txt")),
+            &text(10 + i, 3000 + 997 * i as usize),
+        );
+    }
+    write(&src.join("z/last.txt"), &text(4, 700_000));
+    let name = "base/damaged:1";
+    let m = push_layer_with(&store, &src, name, tmp.path(), Compression::default()).await;
+    let blob = m.blobs[0].digest;
+    assert!(
+        m.blobs[0].stored_bytes() < m.blobs[0].size,
+        "{label}: {m:?}"
+    );
+    let table = store.chunk_table(&blob).await.unwrap();
+
+    // Which chunks of the blob each file reads (from the meta image).
+    let img = erofs_builder::reader::Image::open(&meta_path(tmp.path(), name)).unwrap();
+    let files = files_bfs(&src);
+    let mut chunks_of = std::collections::HashMap::new();
+    for (rel, _) in &files {
+        let ino = img.lookup(&format!("/{}", rel.display())).unwrap();
+        let mut set = std::collections::BTreeSet::new();
+        for e in img.data_map(&ino).unwrap() {
+            if let erofs_builder::reader::Location::Device { offset, .. } = e.location {
+                set.extend(offset / CHUNK..=(offset + e.len - 1) / CHUNK);
+            }
+        }
+        chunks_of.insert(rel.clone(), set);
+    }
+    let a_chunk = *chunks_of[Path::new("d/a.txt")].first().unwrap();
+    let last = table.chunk_count() - 1;
+    assert!(table.is_zstd(a_chunk) && table.is_zstd(last), "{label}");
+    // The noise is stored plain (it does not shrink).
+    let noise_chunk = *chunks_of[Path::new("d/noise.bin")].first().unwrap();
+    assert!(
+        !table.is_zstd(noise_chunk),
+        "{label}: incompressible chunk stored as a frame"
+    );
+
+    let key = fs_cache::store::blob_key(&blob);
+    let mut object = store.backend().get(&key).await.unwrap().to_vec();
+    let ra = table.stored_range(a_chunk);
+    for at in [ra.start + 20, (ra.start + ra.end) / 2, ra.end - 3] {
+        object[at as usize] ^= 0xa5;
+    }
+    let rl = table.stored_range(last);
+    object.truncate(((rl.start + rl.end) / 2) as usize);
+    store
+        .backend()
+        .put(&key, bytes::Bytes::from(object))
+        .await
+        .unwrap();
+
+    let run_dir = tmp.path().join("run");
+    let mp = tmp.path().join("mnt");
+    let _guard = MountGuard {
+        run_dir: run_dir.clone(),
+        extra: vec![Detach(mp.clone())],
+    };
+    std::fs::create_dir(&mp).unwrap();
+    // Backend errors must not be what fails a read here: a slow test server (moto, just
+    // started) gets a long deadline, so that only damage refuses a file.
+    let cache_dir = tmp.path().join("cache");
+    let mut config = cache_config(&cache_dir);
+    config.retry.max_attempts = 4;
+    config.retry.deadline = Duration::from_secs(30);
+    let node = start_with(&run_dir, &cache_dir, store, config).await;
+    node.mount(&[name.into()], &mp, None, None).await.unwrap();
+    let total = files.len();
+    let (bad, good) = tokio::task::spawn_blocking({
+        let (src, mp) = (src.clone(), mp.clone());
+        move || {
+            let (mut bad, mut good) = (Vec::new(), 0usize);
+            for (rel, _) in &files {
+                let damaged = chunks_of[rel].contains(&a_chunk) || chunks_of[rel].contains(&last);
+                match read_all(&mp.join(rel)) {
+                    Ok(got) => {
+                        assert!(
+                            !damaged,
+                            "{}: a file on a damaged chunk was served",
+                            rel.display()
+                        );
+                        assert!(
+                            got == read_all(&src.join(rel)).unwrap(),
+                            "{}",
+                            rel.display()
+                        );
+                        good += 1;
+                    }
+                    Err(e) => {
+                        assert!(damaged, "{}: {e}", rel.display());
+                        assert_eq!(
+                            e.raw_os_error(),
+                            Some(5),
+                            "{}: EIO expected, got {e}",
+                            rel.display()
+                        );
+                        bad.push(rel.clone());
+                    }
+                }
+            }
+            (bad, good)
+        }
+    })
+    .await
+    .unwrap();
+    assert!(bad.contains(&PathBuf::from("d/a.txt")), "{label}: {bad:?}");
+    assert!(
+        bad.len() >= 2 && good + bad.len() == total,
+        "{label}: {bad:?}"
+    );
+    let s = node.cache().stats();
+    assert!(
+        s.corrupt_errors >= 1 && s.verify_failures >= 2,
+        "{label}: {s:?}"
+    );
+    // Still failing (nothing damaged was kept), and the daemon still answers.
+    let a = mp.join("d/a.txt");
+    let again = tokio::task::spawn_blocking(move || read_all(&a))
+        .await
+        .unwrap();
+    assert_eq!(again.unwrap_err().raw_os_error(), Some(5));
+    assert_eq!(node.status().await.mounts.len(), 1);
+    let _ = writeln!(
+        std::io::stderr(),
+        "{label}: {} files read exactly, {} refused with EIO ({bad:?})",
+        good,
+        bad.len()
+    );
+    node.umount(&mp).await.unwrap();
+    node.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_damaged_compressed_chunk_is_never_served_over_posix() {
+    if !require_root("a_damaged_compressed_chunk_is_never_served_over_posix") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::new(Arc::new(PosixBackend::open(dir.path()).unwrap()));
+    damaged_compressed_layer(store, "posix").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_damaged_compressed_chunk_is_never_served_over_s3() {
+    if !require_root("a_damaged_compressed_chunk_is_never_served_over_s3") {
+        return;
+    }
+    let Some(backend) = moto::s3_backend("node-damage").await else {
+        return;
+    };
+    damaged_compressed_layer(Store::new(backend), "s3").await;
 }

@@ -47,6 +47,7 @@ pub(super) fn write_bundle(
         etc_dir: &etc,
         secrets_dir: None,
         netns: None,
+        cgroup_parent: "/strata",
     })
     .expect("spec::build");
     if let Some(a) = args {

@@ -32,6 +32,8 @@ pub struct FaultConfig {
     pub permanent: bool,
     /// Probability that a successful read returns fewer bytes than it should.
     pub truncate_rate: f64,
+    /// The next this-many successful (non-empty) reads return fewer bytes than they should.
+    pub truncate_next: u32,
     /// Probability that a successful read returns a body with one bit flipped.
     pub bitflip_rate: f64,
     /// The next this-many successful reads return a body with one bit flipped.
@@ -190,7 +192,13 @@ impl FaultyBackend {
             return body;
         }
         let (t, b) = (s.config.truncate_rate, s.config.bitflip_rate);
-        if t > 0.0 && s.rng.f64() < t {
+        let truncate_now = if s.config.truncate_next > 0 {
+            s.config.truncate_next -= 1;
+            true
+        } else {
+            t > 0.0 && s.rng.f64() < t
+        };
+        if truncate_now {
             s.stats.truncated += 1;
             let keep = s.rng.usize(..body.len());
             s.stats.bytes_read -= (body.len() - keep) as u64;

@@ -30,7 +30,8 @@
 use std::fmt;
 use std::future::Future;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -63,6 +64,127 @@ impl Default for RetryPolicy {
             deadline: Duration::from_secs(60),
             attempt_timeout: Duration::from_secs(30),
         }
+    }
+}
+
+/// Why an attempt failed transiently (and was retried): what an operator sees in the retry
+/// counters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum RetryCause {
+    /// Throttling: HTTP 429, 503, or a throttling code (`SlowDown`, ...).
+    Throttled,
+    /// Another 5xx answer (500 `InternalError`, 502, 504, ...).
+    ServerError,
+    /// The attempt took longer than its timeout (a stalled connection or body).
+    Timeout,
+    /// The connection failed before an answer came (refused, reset before the headers).
+    Connection,
+    /// The answer's body broke off or came short (a reset or a cut mid-body, a body shorter
+    /// than its `Content-Length` or than the range asked for).
+    Body,
+    /// Any other transient failure.
+    Other,
+}
+
+impl RetryCause {
+    /// Every cause, in the order of [`Self::name`]'s table.
+    pub const ALL: [RetryCause; 6] = [
+        RetryCause::Throttled,
+        RetryCause::ServerError,
+        RetryCause::Timeout,
+        RetryCause::Connection,
+        RetryCause::Body,
+        RetryCause::Other,
+    ];
+
+    /// The cause's name in counters and metrics labels.
+    pub fn name(self) -> &'static str {
+        match self {
+            RetryCause::Throttled => "throttled",
+            RetryCause::ServerError => "server_error",
+            RetryCause::Timeout => "timeout",
+            RetryCause::Connection => "connection",
+            RetryCause::Body => "body",
+            RetryCause::Other => "other",
+        }
+    }
+
+    /// The cause of a failed attempt: the tag a backend put on the error ([`Caused`]), else
+    /// what its kind says (a local timeout is [`Self::Timeout`]).
+    pub fn of(err: &Error) -> RetryCause {
+        match err {
+            Error::Shared(e) => RetryCause::of(e),
+            Error::Backend {
+                source: Some(s), ..
+            } => s
+                .downcast_ref::<Caused>()
+                .map_or(RetryCause::Other, |c| c.cause),
+            Error::Io { source, .. } if source.kind() == std::io::ErrorKind::TimedOut => {
+                RetryCause::Timeout
+            }
+            _ => RetryCause::Other,
+        }
+    }
+}
+
+/// A backend's error tagged with why it failed (the source of an [`Error::Backend`]; it
+/// displays as, and has as its source, the error it wraps).
+#[derive(Debug)]
+pub struct Caused {
+    pub cause: RetryCause,
+    pub error: Option<crate::error::BoxError>,
+}
+
+impl Caused {
+    /// `error` tagged with `cause`, boxed as an [`Error::Backend`] source.
+    pub fn boxed(
+        cause: RetryCause,
+        error: Option<crate::error::BoxError>,
+    ) -> crate::error::BoxError {
+        Box::new(Caused { cause, error })
+    }
+}
+
+impl fmt::Display for Caused {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.error {
+            Some(e) => fmt::Display::fmt(e, f),
+            None => f.write_str(self.cause.name()),
+        }
+    }
+}
+
+impl std::error::Error for Caused {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.error
+            .as_ref()
+            .map(|e| e.as_ref() as &(dyn std::error::Error + 'static))
+    }
+}
+
+/// Retries made, by cause (see [`RetryingBackend::retry_stats`]).
+#[derive(Debug, Default)]
+pub struct RetryStats {
+    counts: [AtomicU64; RetryCause::ALL.len()],
+}
+
+impl RetryStats {
+    fn add(&self, cause: RetryCause) {
+        let i = RetryCause::ALL
+            .iter()
+            .position(|c| *c == cause)
+            .unwrap_or(5);
+        self.counts[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// `(cause, retries)` for every cause.
+    pub fn snapshot(&self) -> Vec<(RetryCause, u64)> {
+        RetryCause::ALL
+            .iter()
+            .zip(&self.counts)
+            .map(|(c, n)| (*c, n.load(Ordering::Relaxed)))
+            .collect()
     }
 }
 
@@ -142,7 +264,7 @@ impl RetryPolicy {
                             attempts: attempt,
                             message: format!("attempt timed out after {timeout:?}"),
                             transient: true,
-                            source: None,
+                            source: Some(Caused::boxed(RetryCause::Timeout, None)),
                         }),
                     }
                 }
@@ -225,6 +347,7 @@ pub struct RetryingBackend {
     inner: Arc<dyn Backend>,
     name: String,
     policy: RetryPolicy,
+    stats: Arc<RetryStats>,
 }
 
 impl fmt::Debug for RetryingBackend {
@@ -251,7 +374,42 @@ impl RetryingBackend {
             name: inner.to_string(),
             inner,
             policy,
+            stats: Arc::default(),
         }
+    }
+
+    /// The retries this wrapper made, by cause.
+    pub fn retry_stats(&self) -> &Arc<RetryStats> {
+        &self.stats
+    }
+
+    /// `policy.run` for one operation, counting each retry under the cause of the attempt
+    /// before it (an attempt that left no error was abandoned at its timeout).
+    async fn run<T, F, Fut>(&self, op: &'static str, key: &str, mut f: F) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T>>,
+    {
+        let last: Mutex<Option<RetryCause>> = Mutex::new(None);
+        let take = || last.lock().map(|mut l| l.take()).unwrap_or(None);
+        self.policy
+            .run(self.ctx(op, key), |attempt| {
+                if attempt > 1 {
+                    self.stats.add(take().unwrap_or(RetryCause::Timeout));
+                }
+                let fut = f();
+                let last = &last;
+                async move {
+                    let r = fut.await;
+                    if let Err(e) = &r {
+                        if let Ok(mut l) = last.lock() {
+                            *l = Some(RetryCause::of(e));
+                        }
+                    }
+                    r
+                }
+            })
+            .await
     }
 
     /// The backend without retries.
@@ -277,47 +435,41 @@ impl RetryingBackend {
     /// retried like any other.
     pub async fn get_range_exact(&self, key: &str, range: Range<u64>) -> Result<Bytes> {
         let want = range.end.saturating_sub(range.start);
-        self.policy
-            .run(self.ctx("get", key), |_| {
-                let range = range.clone();
-                async move {
-                    let body = self.inner.get_range(key, range.clone()).await?;
-                    if body.len() as u64 != want {
-                        return Err(Error::Backend {
-                            backend: self.name.clone(),
-                            op: "get",
-                            key: key.to_owned(),
-                            attempts: 1,
-                            message: format!(
-                                "short read: {} of {want} bytes at {}",
-                                body.len(),
-                                range.start
-                            ),
-                            transient: true,
-                            source: None,
-                        });
-                    }
-                    Ok(body)
+        self.run("get", key, || {
+            let range = range.clone();
+            async move {
+                let body = self.inner.get_range(key, range.clone()).await?;
+                if body.len() as u64 != want {
+                    return Err(Error::Backend {
+                        backend: self.name.clone(),
+                        op: "get",
+                        key: key.to_owned(),
+                        attempts: 1,
+                        message: format!(
+                            "short read: {} of {want} bytes at {}",
+                            body.len(),
+                            range.start
+                        ),
+                        transient: true,
+                        source: Some(Caused::boxed(RetryCause::Body, None)),
+                    });
                 }
-            })
-            .await
+                Ok(body)
+            }
+        })
+        .await
     }
 }
 
 #[async_trait]
 impl Backend for RetryingBackend {
     async fn get_range(&self, key: &str, range: Range<u64>) -> Result<Bytes> {
-        self.policy
-            .run(self.ctx("get", key), |_| {
-                self.inner.get_range(key, range.clone())
-            })
+        self.run("get", key, || self.inner.get_range(key, range.clone()))
             .await
     }
 
     async fn get(&self, key: &str) -> Result<Bytes> {
-        self.policy
-            .run(self.ctx("get", key), |_| self.inner.get(key))
-            .await
+        self.run("get", key, || self.inner.get(key)).await
     }
 
     /// Not retried whole (the body is consumed as it is sent): the backend retries each of
@@ -329,17 +481,12 @@ impl Backend for RetryingBackend {
     }
 
     async fn put_opts(&self, key: &str, body: Bytes, mode: PutMode) -> Result<ObjectMeta> {
-        self.policy
-            .run(self.ctx("put", key), |_| {
-                self.inner.put_opts(key, body.clone(), mode)
-            })
+        self.run("put", key, || self.inner.put_opts(key, body.clone(), mode))
             .await
     }
 
     async fn head(&self, key: &str) -> Result<ObjectMeta> {
-        self.policy
-            .run(self.ctx("head", key), |_| self.inner.head(key))
-            .await
+        self.run("head", key, || self.inner.head(key)).await
     }
 
     /// Retried by the backend, page by page where it lists in pages
@@ -349,9 +496,7 @@ impl Backend for RetryingBackend {
     }
 
     async fn delete(&self, key: &str) -> Result<()> {
-        self.policy
-            .run(self.ctx("delete", key), |_| self.inner.delete(key))
-            .await
+        self.run("delete", key, || self.inner.delete(key)).await
     }
 }
 
@@ -502,6 +647,78 @@ mod tests {
             .await
             .unwrap_err();
         assert!(!err.is_transient() && err.to_string().contains("after 1 attempt(s)"));
+    }
+
+    #[tokio::test]
+    async fn retries_are_counted_by_cause() {
+        use crate::backend::MemoryBackend;
+        let mem = Arc::new(MemoryBackend::new());
+        mem.put("k", Bytes::from_static(b"hello")).await.unwrap();
+        let policy = RetryPolicy {
+            initial_backoff: Duration::from_millis(1),
+            attempt_timeout: Duration::from_millis(50),
+            ..RetryPolicy::default()
+        };
+        let b = RetryingBackend::new(mem, policy);
+        let count = |cause: RetryCause| {
+            b.retry_stats()
+                .snapshot()
+                .into_iter()
+                .find(|(c, _)| *c == cause)
+                .map_or(0, |(_, n)| n)
+        };
+        let tagged = |cause| Error::Backend {
+            backend: "t".into(),
+            op: "get",
+            key: "k".into(),
+            attempts: 1,
+            message: "m".into(),
+            transient: true,
+            source: Some(Caused::boxed(cause, None)),
+        };
+        // Two throttled attempts, one that hangs past its timeout, then one that works.
+        let calls = AtomicU32::new(0);
+        let v = b
+            .run("get", "k", || {
+                let n = calls.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    match n {
+                        0 | 1 => Err(tagged(RetryCause::Throttled)),
+                        2 => {
+                            tokio::time::sleep(Duration::from_secs(10)).await;
+                            Ok(0)
+                        }
+                        _ => Ok(n),
+                    }
+                }
+            })
+            .await
+            .unwrap();
+        assert_eq!(v, 3);
+        assert_eq!(count(RetryCause::Throttled), 2);
+        assert_eq!(count(RetryCause::Timeout), 1);
+        // A short body of an exact read is a body retry; an untagged error is `other`.
+        let _ = b.get_range_exact("k", 0..9).await.unwrap_err();
+        assert_eq!(count(RetryCause::Body), 7);
+        let calls = AtomicU32::new(0);
+        b.run("get", "k", || {
+            let n = calls.fetch_add(1, Ordering::SeqCst);
+            async move {
+                if n == 0 {
+                    Err(transient())
+                } else {
+                    Ok(())
+                }
+            }
+        })
+        .await
+        .unwrap();
+        assert_eq!(count(RetryCause::Other), 1);
+        assert_eq!(count(RetryCause::Connection), 0);
+        assert_eq!(
+            RetryCause::of(&tagged(RetryCause::Connection)),
+            RetryCause::Connection
+        );
     }
 
     #[tokio::test]

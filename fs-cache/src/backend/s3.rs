@@ -74,7 +74,7 @@ use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
 use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
 
-use super::retry::{RetryContext, RetryPolicy};
+use super::retry::{Caused, RetryCause, RetryContext, RetryPolicy};
 use super::{clamp_range, validate_key, validate_prefix, Backend, ByteStream, ObjectMeta, PutMode};
 use crate::error::{BoxError, Error, Result};
 
@@ -458,6 +458,32 @@ fn classify<E: ProvideErrorMetadata>(err: &SdkError<E>) -> Class {
     }
 }
 
+/// Why a transient SDK error failed, for the retry counters ([`RetryCause`]).
+fn cause<E: ProvideErrorMetadata>(err: &SdkError<E>) -> RetryCause {
+    match err {
+        SdkError::ServiceError(e) => {
+            let status = e.raw().status().as_u16();
+            let throttling = e.err().code().is_some_and(|c| {
+                c != "InternalError"
+                    && c != "ServiceUnavailable"
+                    && TRANSIENT_CODES.split_whitespace().any(|t| t == c)
+            });
+            if throttling || status == 429 || status == 503 {
+                RetryCause::Throttled
+            } else if status >= 500 {
+                RetryCause::ServerError
+            } else {
+                RetryCause::Other
+            }
+        }
+        SdkError::TimeoutError(_) => RetryCause::Timeout,
+        SdkError::ResponseError(_) => RetryCause::Body,
+        SdkError::DispatchFailure(d) if d.is_timeout() => RetryCause::Timeout,
+        SdkError::DispatchFailure(_) => RetryCause::Connection,
+        _ => RetryCause::Other,
+    }
+}
+
 /// The ETag of a completed multipart upload whose `200` answer the SDK could not parse.
 ///
 /// Some S3-compatible servers (moto 5.2.1: `CompleteMultipartUploadResponse` instead of
@@ -573,7 +599,7 @@ impl Inner {
                 attempts: 1,
                 message: describe(&err),
                 transient: class == Class::Transient,
-                source: Some(Box::new(err)),
+                source: Some(Caused::boxed(cause(&err), Some(Box::new(err)))),
             },
         }
     }
@@ -621,12 +647,14 @@ impl Inner {
             Ok(body) => body.into_bytes(),
             Err(e) => {
                 let msg = format!("reading the response body failed: {e}");
-                return Err(self.failure("get", key, msg, true, Some(Box::new(e))));
+                let src = Caused::boxed(RetryCause::Body, Some(Box::new(e)));
+                return Err(self.failure("get", key, msg, true, Some(src)));
             }
         };
         if expected.is_some_and(|n| u64::try_from(n).ok() != Some(body.len() as u64)) {
             let msg = format!("short body: {} bytes, expected {expected:?}", body.len());
-            return Err(self.failure("get", key, msg, true, None));
+            let src = Caused::boxed(RetryCause::Body, None);
+            return Err(self.failure("get", key, msg, true, Some(src)));
         }
         match (ranged, range) {
             // The store ignored the Range header and sent the whole object: cut it here.
@@ -1284,6 +1312,34 @@ mod tests {
         assert_eq!(other(SdkError::dispatch_failure(creds)), Permanent);
         let raw = HttpResponse::new(200.try_into().unwrap(), RawBody::empty());
         assert_eq!(other(SdkError::response_error("truncated", raw)), Transient);
+    }
+
+    #[test]
+    fn transient_errors_carry_their_cause() {
+        let b = backend();
+        let of = |e: SdkError<GetObjectError>| RetryCause::of(&b.inner.sdk_error("get", "k", e));
+        assert_eq!(of(service(503, Some("SlowDown"))), RetryCause::Throttled);
+        assert_eq!(
+            of(service(503, Some("ServiceUnavailable"))),
+            RetryCause::Throttled
+        );
+        assert_eq!(of(service(429, None)), RetryCause::Throttled);
+        assert_eq!(
+            of(service(500, Some("InternalError"))),
+            RetryCause::ServerError
+        );
+        assert_eq!(of(service(502, None)), RetryCause::ServerError);
+        assert_eq!(of(SdkError::timeout_error("slow")), RetryCause::Timeout);
+        let io = ConnectorError::io("connection reset".into());
+        assert_eq!(of(SdkError::dispatch_failure(io)), RetryCause::Connection);
+        let raw = HttpResponse::new(200.try_into().unwrap(), RawBody::empty());
+        assert_eq!(of(SdkError::response_error("cut", raw)), RetryCause::Body);
+        // The tag keeps the SDK error as the source's source.
+        let err = b
+            .inner
+            .sdk_error("get", "k", service(500, Some("InternalError")));
+        let src = std::error::Error::source(&err).unwrap();
+        assert!(src.source().is_some());
     }
 
     fn backend() -> S3Backend {

@@ -10,9 +10,13 @@
 //!    `RWF_NOWAIT` (page-cache hits need no thread hand-off), then on a blocking thread for
 //!    what was not cached. A whole-chunk level-2 hit is promoted to level 1.
 //! 3. The rest is fetched from the backend: runs of adjacent missing chunks become one ranged
-//!    request each, up to `max_request_bytes`. A chunk already being fetched by another reader
+//!    request each (of the chunks' stored bytes: adjacent chunks of a compressed blob are
+//!    adjacent in its stored object), up to `max_request_bytes` of plain chunks. A chunk already being fetched by another reader
 //!    is not requested again: the reader waits for that request and shares its result or error.
-//! 4. Every fetched chunk is verified before it enters either level. A mismatch is retried once
+//! 4. Every fetched chunk is verified before it enters either level: a compressed chunk is
+//!    decoded first, into a buffer of exactly its plain length ([`super::codec`]), and a frame
+//!    that fails to decode or decodes to another length counts as a mismatch; both levels
+//!    hold plain chunks only. A mismatch is retried once
 //!    with a request for that chunk alone, then reported as [`Error::Corrupt`] and counted.
 //!    Backend errors are retried with backoff up to a deadline under the cache's
 //!    [`RetryPolicy`], which replaces the store's for the cache's requests (one layer of
@@ -29,7 +33,7 @@
 //! other readers waiting on a request nobody finishes. Prefetches wait while any demand fetch
 //! is in flight, and run at most `prefetch_concurrency` at a time.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -41,6 +45,7 @@ use futures::{StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{watch, Notify, Semaphore};
 
+use super::counters::{BlobStats, Extra};
 use super::disk::{BlobPin, DiskCache, DiskCacheConfig, DiskStats, RangeRead};
 use super::stage::Staging;
 use super::table::ChunkTable;
@@ -130,9 +135,23 @@ pub struct CacheStats {
     /// Level 2's own counters, read live (a stats file's copy is not used).
     #[serde(default)]
     pub disk: Option<DiskStats>,
+    /// Retries of backend requests, by cause ([`crate::backend::retry::RetryCause::name`]).
+    #[serde(default)]
+    pub retries: BTreeMap<String, u64>,
+    /// Backend requests that failed for good, by error kind
+    /// ([`super::counters::kind_name`]).
+    #[serde(default)]
+    pub backend_errors_by_kind: BTreeMap<String, u64>,
+    /// Backend request latency (all attempts): `fetch_latency_us[i]` counts requests that
+    /// took < 2^i µs.
+    #[serde(default)]
+    pub fetch_latency_us: Vec<u64>,
+    /// The sum of those requests' durations, in µs.
+    #[serde(default)]
+    pub fetch_latency_sum_us: u64,
 }
 
-const LATENCY_BUCKETS: usize = 32;
+use super::counters::LATENCY_BUCKETS;
 
 #[derive(Default)]
 struct Counters {
@@ -227,6 +246,7 @@ struct Inner {
     staging: Arc<Staging>,
     disk_writes: Arc<Semaphore>,
     counters: Counters,
+    extra: Extra,
     demand_active: AtomicUsize,
     demand_idle: Notify,
     prefetch_gate: Semaphore,
@@ -292,6 +312,7 @@ impl ChunkCache {
                 staging,
                 disk_writes: Arc::new(Semaphore::new(MAX_PENDING_DISK_WRITES)),
                 counters: Counters::default(),
+                extra: Extra::default(),
                 demand_active: AtomicUsize::new(0),
                 demand_idle: Notify::new(),
                 base,
@@ -525,8 +546,8 @@ impl ChunkCache {
         };
         let c = &self.inner.counters;
         add(&c.bytes_read, out.len() as u64);
-        let us = started.elapsed().as_micros() as u64;
-        let bucket = (64 - us.leading_zeros() as usize).min(LATENCY_BUCKETS - 1);
+        self.inner.extra.read(blob, out.len() as u64);
+        let bucket = super::counters::latency_bucket(started.elapsed());
         add(&c.latency[bucket], 1);
         Ok(out)
     }
@@ -553,11 +574,14 @@ impl ChunkCache {
         })
     }
 
-    /// Counters so far (cumulative across runs when a stats file is configured).
+    /// Counters so far (cumulative across runs when a stats file is configured). Sums
+    /// saturate: the stats file's counters are read from disk and may be anything.
     pub fn stats(&self) -> CacheStats {
         let c = &self.inner.counters;
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let b = &self.inner.base;
+        // A counter of this run on top of the stats file's.
+        let on = |base: u64, now: &AtomicU64| base.saturating_add(g(now));
         let disk = self.inner.disk.as_ref().map(|d| d.stats());
         let (memory_bytes, _) = {
             let m = lock(&self.inner.memory);
@@ -565,35 +589,50 @@ impl ChunkCache {
         };
         let mut latency = vec![0u64; LATENCY_BUCKETS];
         for (i, l) in latency.iter_mut().enumerate() {
-            *l = g(&c.latency[i]) + b.read_latency_us.get(i).copied().unwrap_or(0);
+            *l = on(
+                b.read_latency_us.get(i).copied().unwrap_or(0),
+                &c.latency[i],
+            );
         }
-        let hits_memory = b.hits_memory + g(&c.hits_memory);
-        let hits_disk = b.hits_disk + g(&c.hits_disk);
-        let evictions_memory = b.evictions_memory + g(&c.evictions_memory);
+        let hits_memory = on(b.hits_memory, &c.hits_memory);
+        let hits_disk = on(b.hits_disk, &c.hits_disk);
+        let evictions_memory = on(b.evictions_memory, &c.evictions_memory);
         CacheStats {
-            hits: hits_memory + hits_disk,
+            hits: hits_memory.saturating_add(hits_disk),
             hits_memory,
             hits_disk,
-            misses: b.misses + g(&c.misses),
-            bytes_read: b.bytes_read + g(&c.bytes_read),
-            bytes_fetched: b.bytes_fetched + g(&c.bytes_fetched),
-            backend_requests: b.backend_requests + g(&c.backend_requests),
-            coalesced_chunks: b.coalesced_chunks + g(&c.coalesced_chunks),
-            evictions: evictions_memory + disk.map_or(0, |d| d.evictions),
+            misses: on(b.misses, &c.misses),
+            bytes_read: on(b.bytes_read, &c.bytes_read),
+            bytes_fetched: on(b.bytes_fetched, &c.bytes_fetched),
+            backend_requests: on(b.backend_requests, &c.backend_requests),
+            coalesced_chunks: on(b.coalesced_chunks, &c.coalesced_chunks),
+            evictions: evictions_memory.saturating_add(disk.map_or(0, |d| d.evictions)),
             evictions_memory,
-            verify_failures: b.verify_failures + g(&c.verify_failures),
-            corrupt_errors: b.corrupt_errors + g(&c.corrupt_errors),
-            backend_errors: b.backend_errors + g(&c.backend_errors),
-            readahead_chunks: b.readahead_chunks + g(&c.readahead_chunks),
-            disk_readahead_chunks: b.disk_readahead_chunks + g(&c.disk_readahead_chunks),
-            disk_readahead_hits: b.disk_readahead_hits + g(&c.disk_readahead_hits),
-            prefetch_chunks: b.prefetch_chunks + g(&c.prefetch_chunks),
-            disk_writes_skipped: b.disk_writes_skipped + g(&c.disk_writes_skipped),
+            verify_failures: on(b.verify_failures, &c.verify_failures),
+            corrupt_errors: on(b.corrupt_errors, &c.corrupt_errors),
+            backend_errors: on(b.backend_errors, &c.backend_errors),
+            readahead_chunks: on(b.readahead_chunks, &c.readahead_chunks),
+            disk_readahead_chunks: on(b.disk_readahead_chunks, &c.disk_readahead_chunks),
+            disk_readahead_hits: on(b.disk_readahead_hits, &c.disk_readahead_hits),
+            prefetch_chunks: on(b.prefetch_chunks, &c.prefetch_chunks),
+            disk_writes_skipped: on(b.disk_writes_skipped, &c.disk_writes_skipped),
             read_latency_us: latency,
             memory_bytes,
             memory_capacity: self.inner.config.memory_bytes,
             disk,
+            retries: super::counters::retries(
+                &self.inner.store.retrying().retry_stats().snapshot(),
+                &b.retries,
+            ),
+            backend_errors_by_kind: self.inner.extra.errors(&b.backend_errors_by_kind),
+            fetch_latency_us: self.inner.extra.fetch_latency(&b.fetch_latency_us),
+            fetch_latency_sum_us: self.inner.extra.fetch_sum_us(b.fetch_latency_sum_us),
         }
+    }
+
+    /// Bytes read and fetched per blob since the cache opened (not kept in the stats file).
+    pub fn blob_stats(&self) -> HashMap<Digest, BlobStats> {
+        self.inner.extra.blob_stats()
     }
 
     /// Wait for pending level-2 writes, then persist level 2's recency and the cumulative
@@ -696,10 +735,21 @@ impl Inner {
         }
     }
 
-    fn verify(table: &ChunkTable, index: u64, data: &[u8]) -> bool {
-        let r = table.chunk_range(index);
-        data.len() as u64 == r.end - r.start
-            && table.digests.get(index as usize) == Some(&Digest::of(data))
+    /// Chunk `index`'s verified plain bytes from its stored bytes (decompressed, bounded by
+    /// the chunk's length, for a compressed chunk), or `None` if they fail: a damaged or
+    /// truncated frame, a wrong length, a wrong digest.
+    fn open(table: &ChunkTable, index: u64, stored: &Bytes) -> Option<Bytes> {
+        if !table.is_zstd(index) {
+            // A plain chunk: the fetched bytes themselves (no copy here).
+            return table.verify_plain(index, stored).then(|| stored.clone());
+        }
+        match table.open_chunk(index, stored) {
+            Ok(plain) => Some(Bytes::from(plain)),
+            Err(fault) => {
+                tracing::warn!(blob = %table.blob, chunk = index, %fault, "stored chunk failed its check");
+                None
+            }
+        }
     }
 
     /// For each chunk `i` of `range`, bytes `part(i)` of it (chunk coordinates): from level 1,
@@ -953,37 +1003,43 @@ impl Inner {
         };
         let first = run[0].0;
         let last = run[run.len() - 1].0;
-        let span = table.chunk_range(first).start..table.chunk_range(last).end;
+        // Adjacent chunks are adjacent in the stored object too (compressed or not, see
+        // `table`), so a run is one ranged request of the stored bytes.
+        let span = table.stored_range(first).start..table.stored_range(last).end;
         let results = match self.request(&table, span.clone(), run.len() as u64).await {
             Ok(body) => {
                 let pieces: Vec<(u64, Bytes)> = run
                     .iter()
                     .map(|(i, _)| {
-                        let r = table.chunk_range(*i);
+                        let r = table.stored_range(*i);
                         let piece = (r.start - span.start) as usize..(r.end - span.start) as usize;
                         (*i, body.slice(piece))
                     })
                     .collect();
-                // Verify off the async workers, the chunks of one request in parallel.
-                let verdicts = {
-                    let (t, p) = (table.clone(), pieces.clone());
+                // Decode and verify off the async workers, the chunks of one request in
+                // parallel.
+                let opened = {
+                    let t = table.clone();
                     tokio::task::spawn_blocking(move || {
                         use rayon::prelude::*;
-                        p.par_iter()
-                            .map(|(i, d)| Self::verify(&t, *i, d))
-                            .collect::<Vec<bool>>()
+                        pieces
+                            .par_iter()
+                            .map(|(i, d)| (*i, Self::open(&t, *i, d)))
+                            .collect::<Vec<(u64, Option<Bytes>)>>()
                     })
                     .await
-                    .unwrap_or_else(|_| vec![false; run.len()])
+                    .unwrap_or_else(|_| run.iter().map(|(i, _)| (*i, None)).collect())
                 };
-                let mut out = Vec::with_capacity(run.len());
-                for ((i, data), ok) in pieces.into_iter().zip(verdicts) {
-                    out.push(self.accept(&table, i, data, ok).await);
-                }
-                out
+                // Refetches of chunks that failed run at once, so that a read fails within
+                // two requests' time however many of its chunks are bad.
+                let accepts = opened
+                    .into_iter()
+                    .map(|(i, plain)| self.accept(&table, i, plain));
+                futures::future::join_all(accepts).await
             }
             Err(e) => {
                 add(&self.counters.backend_errors, 1);
+                self.extra.error(&e);
                 let e = Arc::new(e);
                 run.iter().map(|_| Err(e.clone())).collect()
             }
@@ -1008,37 +1064,54 @@ impl Inner {
         add(&self.counters.backend_requests, 1);
         add(&self.counters.coalesced_chunks, chunks);
         let key = blob_key(&table.blob);
+        let started = Instant::now();
         let body = self.store.retrying().get_range_exact(&key, span).await?;
         add(&self.counters.bytes_fetched, body.len() as u64);
+        let took = started.elapsed();
+        self.extra.fetched(&table.blob, body.len() as u64, took);
         Ok(body)
     }
 
-    /// Keep a fetched chunk that passed verification; refetch one that did not, alone, once.
+    /// Keep a fetched chunk that passed verification (its plain bytes); refetch one that did
+    /// not (`None`), alone, once.
     async fn accept(
         &self,
         table: &Arc<ChunkTable>,
         index: u64,
-        data: Bytes,
-        verified: bool,
+        plain: Option<Bytes>,
     ) -> std::result::Result<Bytes, Arc<Error>> {
-        let data = if verified {
-            data
-        } else {
-            add(&self.counters.verify_failures, 1);
-            tracing::warn!(blob = %table.blob, chunk = index, "fetched chunk does not match its digest; refetching");
-            let again = self
-                .request(table, table.chunk_range(index), 1)
-                .await
-                .map_err(Arc::new)?;
-            if !Self::verify(table, index, &again) {
+        let data = match plain {
+            Some(data) => data,
+            None => {
                 add(&self.counters.verify_failures, 1);
-                add(&self.counters.corrupt_errors, 1);
-                return Err(Arc::new(Error::Corrupt {
-                    blob: table.blob.to_hex(),
-                    chunk: index,
-                }));
+                tracing::warn!(blob = %table.blob, chunk = index, "fetched chunk does not match its digest; refetching");
+                let again = match self.request(table, table.stored_range(index), 1).await {
+                    Ok(b) => b,
+                    Err(e) => {
+                        add(&self.counters.backend_errors, 1);
+                        self.extra.error(&e);
+                        return Err(Arc::new(e));
+                    }
+                };
+                let t = table.clone();
+                let opened = tokio::task::spawn_blocking(move || Self::open(&t, index, &again))
+                    .await
+                    .ok()
+                    .flatten();
+                match opened {
+                    Some(data) => data,
+                    None => {
+                        add(&self.counters.verify_failures, 1);
+                        add(&self.counters.corrupt_errors, 1);
+                        let e = Error::Corrupt {
+                            blob: table.blob.to_hex(),
+                            chunk: index,
+                        };
+                        self.extra.error(&e);
+                        return Err(Arc::new(e));
+                    }
+                }
             }
-            again
         };
         let id = ChunkId {
             blob: table.blob,

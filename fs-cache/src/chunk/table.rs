@@ -1,37 +1,50 @@
-//! The chunk table of a blob: one blake3 digest per 256 KiB chunk.
+//! The chunk table of a blob: one blake3 digest per 256 KiB chunk, and where each chunk is
+//! stored.
 //!
-//! It is stored beside its blob as the sidecar object `blobs/xx/<blob>.chunks`, written right
-//! after the blob by [`crate::Store`], and read by the chunk cache when a blob is registered.
-//! Every chunk the cache fetches is checked against it before it is kept or served.
+//! It is stored beside its blob as the sidecar object `blobs/xx/<blob>.chunks`, and read by the
+//! chunk cache when a blob is registered. Every chunk the cache fetches is checked against it
+//! (after decompression, for a compressed chunk) before it is kept or served. A plain blob's
+//! table is written right after the blob; a compressed blob's table is written **before** the
+//! blob, so that a stored compressed blob always has its table (see [`crate::store`]).
 //!
-//! # Byte layout (version 1, all integers little-endian)
+//! # Byte layout (all integers little-endian)
 //!
 //! ```text
 //! header, 80 bytes
 //!   0   magic        [u8; 8]  "STRATACT"
-//!   8   version      u32      1
+//!   8   version      u32      1: every chunk plain; 2: chunks may be zstd frames
 //!   12  flags        u32      0 (no table-wide flags are defined)
 //!   16  chunk_size   u32      power of two, 4 KiB ..= 64 MiB (Strata writes 256 KiB)
 //!   20  reserved     u32      0
-//!   24  blob_size    u64      bytes of the blob (uncompressed)
-//!   32  stored_size  u64      bytes of the stored object (= blob_size: no chunk is compressed)
+//!   24  blob_size    u64      bytes of the blob (plain, uncompressed)
+//!   32  stored_size  u64      bytes of the stored object (v1: = blob_size)
 //!   40  chunk_count  u64      ceil(blob_size / chunk_size)
-//!   48  blob         [u8; 32] blake3 of the whole blob: the table belongs to exactly one blob
+//!   48  blob         [u8; 32] blake3 of the whole plain blob: the table belongs to one blob
 //! entries, chunk_count × 48 bytes
-//!   0   digest        [u8; 32] blake3 of the chunk's uncompressed bytes
+//!   0   digest        [u8; 32] blake3 of the chunk's plain (uncompressed) bytes
 //!   32  stored_offset u64      where the chunk starts in the stored object
 //!   40  stored_len    u32      its length there
-//!   44  flags         u32      0; bit 0 is reserved for "a zstd frame" (transport
-//!                               compression), which this version neither writes nor accepts
+//!   44  flags         u32      bit 0: the stored bytes are one zstd frame of the chunk
+//!                               (v2 only); other bits 0
 //! trailer, 32 bytes
 //!   0   check         [u8; 32] blake3 of header and entries
 //! ```
 //!
 //! # Invariants checked by [`ChunkTable::decode`]
 //! The length is exactly `80 + 48 × chunk_count + 32` (so a hostile `chunk_count` cannot cause
-//! a large allocation), the trailer matches, the table names the expected blob, the chunk count
-//! matches the blob size, and every chunk `i` is stored at `i × chunk_size` with the length of
-//! its uncompressed range. The last chunk may be short; an empty blob has no chunks.
+//! a large allocation), the trailer matches, the table names the expected blob, and the chunk
+//! count matches the blob size. The last chunk may be short; an empty blob has no chunks.
+//! - Version 1 (written for plain blobs, and the only version before compression): every
+//!   chunk `i` is stored at `i × chunk_size` with the length of its plain range, no flags,
+//!   `stored_size = blob_size`.
+//! - Version 2 (written for compressed blobs): the chunks are stored in order with no gap
+//!   (chunk 0 at 0, each one where the previous ended, the last ending at `stored_size`), so
+//!   adjacent chunks are one contiguous stored range and one backend request. A plain chunk's
+//!   `stored_len` is its plain length; a zstd chunk's is at least 1 and **less** than its plain
+//!   length (a frame that does not shrink is stored plain), so that decoding one chunk is
+//!   bounded by the chunk size whatever the frame claims. Hence `stored_size < blob_size`
+//!   whenever any chunk is compressed, and a stored object whose size is the blob's size is
+//!   plain.
 
 use std::ops::Range;
 
@@ -43,7 +56,10 @@ use crate::error::{Error, Result};
 use crate::store::Digest;
 
 const MAGIC: [u8; 8] = *b"STRATACT";
-const VERSION: u32 = 1;
+const VERSION_PLAIN: u32 = 1;
+const VERSION_STORED: u32 = 2;
+/// Entry flag: the stored bytes are one zstd frame.
+const FLAG_ZSTD: u32 = 1;
 
 #[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
 #[repr(C)]
@@ -74,13 +90,49 @@ const TRAILER_LEN: usize = 32;
 const _: () = assert!(std::mem::size_of::<Header>() == HEADER_LEN);
 const _: () = assert!(std::mem::size_of::<Entry>() == ENTRY_LEN);
 
-/// The digests of a blob's chunks.
+/// Where one chunk sits in a compressed blob's stored object.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoredChunk {
+    pub offset: u64,
+    pub len: u32,
+    /// The stored bytes are one zstd frame of the chunk (else its plain bytes).
+    pub zstd: bool,
+}
+
+/// Why a stored chunk could not be turned into its verified plain bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ChunkFault {
+    /// The stored bytes are not as long as the table says.
+    Length { got: usize, want: u64 },
+    /// The zstd frame did not decode to exactly the chunk's plain length.
+    Decode(String),
+    /// The plain bytes do not hash to the chunk's digest.
+    Digest,
+    /// No such chunk.
+    Index,
+}
+
+impl std::fmt::Display for ChunkFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ChunkFault::Length { got, want } => write!(f, "{got} stored bytes, expected {want}"),
+            ChunkFault::Decode(e) => write!(f, "decompression failed: {e}"),
+            ChunkFault::Digest => f.write_str("its bytes do not match its digest"),
+            ChunkFault::Index => f.write_str("no such chunk"),
+        }
+    }
+}
+
+/// The digests of a blob's chunks, and (for a compressed blob) where each is stored.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChunkTable {
     pub blob: Digest,
     pub blob_size: u64,
     pub chunk_size: u64,
     pub digests: Vec<Digest>,
+    /// `None`: the stored object is the plain blob (a version-1 table). `Some`: one entry per
+    /// chunk, contiguous from 0 (a version-2 table).
+    pub stored: Option<Vec<StoredChunk>>,
 }
 
 impl ChunkTable {
@@ -89,10 +141,76 @@ impl ChunkTable {
         self.digests.len() as u64
     }
 
-    /// The byte range of chunk `index` in the blob.
+    /// The byte range of chunk `index` in the (plain) blob.
     pub fn chunk_range(&self, index: u64) -> Range<u64> {
         let start = index * self.chunk_size;
         start..(start + self.chunk_size).min(self.blob_size)
+    }
+
+    /// The byte range of chunk `index` in the stored object.
+    pub fn stored_range(&self, index: u64) -> Range<u64> {
+        match self.stored.as_ref().and_then(|s| s.get(index as usize)) {
+            Some(s) => s.offset..s.offset + u64::from(s.len),
+            None => self.chunk_range(index),
+        }
+    }
+
+    /// Whether any chunk is stored as a zstd frame (the stored object is not the plain blob).
+    pub fn is_compressed(&self) -> bool {
+        self.stored
+            .as_ref()
+            .is_some_and(|s| s.iter().any(|c| c.zstd))
+    }
+
+    /// Bytes of the stored object.
+    pub fn stored_size(&self) -> u64 {
+        match &self.stored {
+            Some(s) => s.last().map_or(0, |c| c.offset + u64::from(c.len)),
+            None => self.blob_size,
+        }
+    }
+
+    /// Whether chunk `index` is stored as a zstd frame.
+    pub fn is_zstd(&self, index: u64) -> bool {
+        self.stored
+            .as_ref()
+            .and_then(|s| s.get(index as usize))
+            .is_some_and(|c| c.zstd)
+    }
+
+    /// Turn chunk `index`'s stored bytes into its plain bytes and check them against its
+    /// digest: decompression bounded by the chunk's plain length (see [`super::codec`]).
+    pub fn open_chunk(
+        &self,
+        index: u64,
+        stored: &[u8],
+    ) -> std::result::Result<Vec<u8>, ChunkFault> {
+        let want = self.digests.get(index as usize).ok_or(ChunkFault::Index)?;
+        let sr = self.stored_range(index);
+        if stored.len() as u64 != sr.end - sr.start {
+            return Err(ChunkFault::Length {
+                got: stored.len(),
+                want: sr.end - sr.start,
+            });
+        }
+        let r = self.chunk_range(index);
+        let plain = if self.is_zstd(index) {
+            super::codec::decode_chunk(stored, (r.end - r.start) as usize)
+                .map_err(ChunkFault::Decode)?
+        } else {
+            stored.to_vec()
+        };
+        if Digest::of(&plain) != *want {
+            return Err(ChunkFault::Digest);
+        }
+        Ok(plain)
+    }
+
+    /// Whether `data` is chunk `index`'s plain bytes (length and digest).
+    pub fn verify_plain(&self, index: u64, data: &[u8]) -> bool {
+        let r = self.chunk_range(index);
+        data.len() as u64 == r.end - r.start
+            && self.digests.get(index as usize) == Some(&Digest::of(data))
     }
 
     /// The table of `data`, whose digest is `blob`.
@@ -102,29 +220,34 @@ impl ChunkTable {
         b.finish(blob)
     }
 
-    /// Serialise (see the module docs for the layout).
+    /// Serialise (see the module docs for the layout): version 1 without `stored`, else 2.
     pub fn encode(&self) -> Vec<u8> {
         let count = self.digests.len();
         let mut out = Vec::with_capacity(HEADER_LEN + count * ENTRY_LEN + TRAILER_LEN);
         let header = Header {
             magic: MAGIC,
-            version: VERSION.into(),
+            version: if self.stored.is_some() {
+                VERSION_STORED
+            } else {
+                VERSION_PLAIN
+            }
+            .into(),
             flags: 0.into(),
             chunk_size: (self.chunk_size as u32).into(),
             reserved: 0.into(),
             blob_size: self.blob_size.into(),
-            stored_size: self.blob_size.into(),
+            stored_size: self.stored_size().into(),
             chunk_count: (count as u64).into(),
             blob: self.blob.0,
         };
         out.extend_from_slice(header.as_bytes());
         for (i, d) in self.digests.iter().enumerate() {
-            let r = self.chunk_range(i as u64);
+            let r = self.stored_range(i as u64);
             let e = Entry {
                 digest: d.0,
                 stored_offset: r.start.into(),
                 stored_len: ((r.end - r.start) as u32).into(),
-                flags: 0.into(),
+                flags: if self.is_zstd(i as u64) { FLAG_ZSTD } else { 0 }.into(),
             };
             out.extend_from_slice(e.as_bytes());
         }
@@ -144,8 +267,9 @@ impl ChunkTable {
         if header.magic != MAGIC {
             return Err(bad("wrong magic".into()));
         }
-        if header.version.get() != VERSION {
-            return Err(bad(format!("unsupported version {}", header.version.get())));
+        let version = header.version.get();
+        if version != VERSION_PLAIN && version != VERSION_STORED {
+            return Err(bad(format!("unsupported version {version}")));
         }
         if header.flags.get() != 0 || header.reserved.get() != 0 {
             return Err(bad("unknown flags".into()));
@@ -163,9 +287,10 @@ impl ChunkTable {
                 "{count} chunks cannot cover {blob_size} bytes"
             )));
         }
-        if header.stored_size.get() != blob_size {
+        let stored_size = header.stored_size.get();
+        if version == VERSION_PLAIN && stored_size != blob_size {
             return Err(bad(
-                "stored size differs from blob size, but no chunk is compressed".into(),
+                "stored size differs from blob size in a version-1 (plain) table".into(),
             ));
         }
         if header.blob != blob.0 {
@@ -189,22 +314,70 @@ impl ChunkTable {
             blob_size,
             chunk_size,
             digests: Vec::with_capacity(entries.len()),
+            stored: None,
         };
+        let mut stored = Vec::new();
+        let mut at = 0u64;
         for (i, e) in entries.iter().enumerate() {
             let r = table.chunk_range(i as u64);
-            if e.flags.get() != 0 {
-                return Err(bad(format!(
-                    "chunk {i}: unsupported flags {:#x}",
-                    e.flags.get()
-                )));
-            }
-            if e.stored_offset.get() != r.start || u64::from(e.stored_len.get()) != r.end - r.start
-            {
-                return Err(bad(format!(
-                    "chunk {i}: stored range does not match its place in the blob"
-                )));
+            let plain_len = r.end - r.start;
+            let (offset, len, flags) = (
+                e.stored_offset.get(),
+                u64::from(e.stored_len.get()),
+                e.flags.get(),
+            );
+            if version == VERSION_PLAIN {
+                if flags != 0 {
+                    return Err(bad(format!(
+                        "chunk {i}: unsupported flags {flags:#x} in a version-1 table"
+                    )));
+                }
+                if offset != r.start || len != plain_len {
+                    return Err(bad(format!(
+                        "chunk {i}: stored range does not match its place in the blob"
+                    )));
+                }
+            } else {
+                if flags & !FLAG_ZSTD != 0 {
+                    return Err(bad(format!("chunk {i}: unsupported flags {flags:#x}")));
+                }
+                let zstd = flags & FLAG_ZSTD != 0;
+                if offset != at {
+                    return Err(bad(format!(
+                        "chunk {i}: stored at {offset}, expected {at} (chunks are stored in order, without gaps)"
+                    )));
+                }
+                let fits = if zstd {
+                    len >= 1 && len < plain_len
+                } else {
+                    len == plain_len
+                };
+                if !fits {
+                    return Err(bad(format!(
+                        "chunk {i}: {len} stored bytes for {plain_len} plain ({})",
+                        if zstd {
+                            "a zstd frame must be shorter than its chunk"
+                        } else {
+                            "a plain chunk is stored as it is"
+                        }
+                    )));
+                }
+                at += len;
+                stored.push(StoredChunk {
+                    offset,
+                    len: len as u32,
+                    zstd,
+                });
             }
             table.digests.push(Digest(e.digest));
+        }
+        if version == VERSION_STORED {
+            if at != stored_size {
+                return Err(bad(format!(
+                    "chunks end at {at}, but the stored size is {stored_size}"
+                )));
+            }
+            table.stored = Some(stored);
         }
         Ok(table)
     }
@@ -271,6 +444,7 @@ impl ChunkTableBuilder {
             blob_size: self.total,
             chunk_size: CHUNK_SIZE,
             digests: self.digests,
+            stored: None,
         }
     }
 }
@@ -358,5 +532,128 @@ mod tests {
         let other = Digest::of(b"other");
         let e = ChunkTable::decode(&other, &good).unwrap_err();
         assert!(e.to_string().contains("belongs to blob"), "{e}");
+    }
+
+    /// A compressed table of `d`: even chunks as zstd frames, odd ones plain; with the stored
+    /// object.
+    fn compressed(d: &[u8]) -> (ChunkTable, Vec<u8>) {
+        let mut t = ChunkTable::for_bytes(Digest::of(d), d);
+        let mut c = crate::chunk::codec::ChunkCompressor::new(3).unwrap();
+        let mut object = Vec::new();
+        let mut stored = Vec::new();
+        for i in 0..t.chunk_count() {
+            let r = t.chunk_range(i);
+            let plain = &d[r.start as usize..r.end as usize];
+            let frame = if i % 2 == 0 { c.compress(plain) } else { None };
+            let bytes = frame.as_deref().unwrap_or(plain);
+            stored.push(StoredChunk {
+                offset: object.len() as u64,
+                len: bytes.len() as u32,
+                zstd: frame.is_some(),
+            });
+            object.extend_from_slice(bytes);
+        }
+        t.stored = Some(stored);
+        (t, object)
+    }
+
+    #[test]
+    fn compressed_tables_round_trip_and_open_chunks() {
+        let d = data(3 * CHUNK_SIZE as usize + 1000);
+        let (t, object) = compressed(&d);
+        assert!(t.is_compressed());
+        assert_eq!(t.stored_size(), object.len() as u64);
+        assert!(t.stored_size() < t.blob_size);
+        let enc = t.encode();
+        assert_eq!(&enc[8..12], &2u32.to_le_bytes());
+        let back = ChunkTable::decode(&t.blob, &enc).unwrap();
+        assert_eq!(back, t);
+        for i in 0..t.chunk_count() {
+            let sr = t.stored_range(i);
+            let r = t.chunk_range(i);
+            let stored = &object[sr.start as usize..sr.end as usize];
+            assert_eq!(
+                t.open_chunk(i, stored).unwrap(),
+                &d[r.start as usize..r.end as usize]
+            );
+            assert_eq!(t.is_zstd(i), i % 2 == 0);
+            // A flipped byte, a truncated frame, a frame of another chunk: never the bytes.
+            let mut flipped = stored.to_vec();
+            flipped[stored.len() / 2] ^= 0x55;
+            assert!(t.open_chunk(i, &flipped).is_err());
+            assert!(matches!(
+                t.open_chunk(i, &stored[..stored.len() - 1]),
+                Err(ChunkFault::Length { .. })
+            ));
+        }
+        let s0 = t.stored_range(0);
+        let s2 = t.stored_range(2);
+        // Chunk 2's frame in chunk 0's place (same length only by chance: pad/truncate).
+        let mut other = object[s2.start as usize..s2.end as usize].to_vec();
+        other.resize((s0.end - s0.start) as usize, 0);
+        assert!(t.open_chunk(0, &other).is_err());
+        assert_eq!(t.open_chunk(99, b""), Err(ChunkFault::Index));
+        // A plain table opens plain chunks.
+        let plain = ChunkTable::for_bytes(t.blob, &d);
+        let r = plain.chunk_range(1);
+        assert!(plain
+            .open_chunk(1, &d[r.start as usize..r.end as usize])
+            .is_ok());
+        assert!(!plain.is_compressed());
+    }
+
+    #[test]
+    fn malformed_compressed_tables_are_refused() {
+        let d = data(3 * CHUNK_SIZE as usize + 1000);
+        let (t, _) = compressed(&d);
+        let good = t.encode();
+        let reseal = |mut v: Vec<u8>| {
+            let n = v.len() - 32;
+            let check = *blake3::hash(&v[..n]).as_bytes();
+            v[n..].copy_from_slice(&check);
+            v
+        };
+        let entry = |i: usize| 80 + 48 * i;
+        let mut cases: Vec<(Vec<u8>, &str)> = Vec::new();
+        // A gap before chunk 1.
+        let mut v = good.clone();
+        let off = u64::from_le_bytes(v[entry(1) + 32..entry(1) + 40].try_into().unwrap());
+        v[entry(1) + 32..entry(1) + 40].copy_from_slice(&(off + 1).to_le_bytes());
+        cases.push((reseal(v), "without gaps"));
+        // A zstd frame as long as its chunk.
+        let mut v = good.clone();
+        v[entry(0) + 40..entry(0) + 44].copy_from_slice(&(CHUNK_SIZE as u32).to_le_bytes());
+        cases.push((reseal(v), "shorter than its chunk"));
+        // A zstd frame of 0 bytes.
+        let mut v = good.clone();
+        v[entry(0) + 40..entry(0) + 44].copy_from_slice(&0u32.to_le_bytes());
+        cases.push((reseal(v), "shorter than its chunk"));
+        // A plain chunk with another length.
+        let mut v = good.clone();
+        v[entry(1) + 40..entry(1) + 44].copy_from_slice(&5u32.to_le_bytes());
+        cases.push((reseal(v), "stored as it is"));
+        // An unknown flag bit.
+        let mut v = good.clone();
+        v[entry(1) + 44] = 2;
+        cases.push((reseal(v), "unsupported flags"));
+        // The stored size disagrees with the chunks.
+        let mut v = good.clone();
+        v[32..40].copy_from_slice(&(t.stored_size() + 1).to_le_bytes());
+        cases.push((reseal(v), "stored size"));
+        // A zstd flag in a version-1 table.
+        let mut v = ChunkTable::for_bytes(t.blob, &d).encode();
+        v[entry(0) + 44] = 1;
+        cases.push((reseal(v), "version-1"));
+        // A version-1 table with another stored size.
+        let mut v = ChunkTable::for_bytes(t.blob, &d).encode();
+        v[32..40].copy_from_slice(&5u64.to_le_bytes());
+        cases.push((reseal(v), "version-1"));
+        let mut v = good.clone();
+        v[8..12].copy_from_slice(&3u32.to_le_bytes());
+        cases.push((reseal(v), "unsupported version"));
+        for (bytes, want) in cases {
+            let e = ChunkTable::decode(&t.blob, &bytes).unwrap_err();
+            assert!(e.to_string().contains(want), "want {want:?}, got {e}");
+        }
     }
 }

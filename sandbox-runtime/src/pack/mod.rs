@@ -33,7 +33,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use fs_cache::{BlobRef, BuiltBy, LayerRef, Manifest};
+use fs_cache::{BuiltBy, LayerRef, Manifest};
 use serde::{Deserialize, Serialize};
 use ublk_daemon::node::proto::{ApiError, ErrorKind, Request as NodeRequest};
 
@@ -209,7 +209,7 @@ impl Manager {
         let record = sb.record();
         let freeze = match record.state {
             SandboxState::Running => true,
-            SandboxState::Paused | SandboxState::Stopped => false,
+            SandboxState::Paused | SandboxState::Suspended | SandboxState::Stopped => false,
             s => {
                 return Err(Error::Conflict(format!(
                     "sandbox {} is {s:?}: nothing to pack yet",
@@ -324,11 +324,11 @@ impl Manager {
         let t = Instant::now();
         let store = self.node.store();
         let meta = store
-            .put_blob_file(&out.join("meta.erofs"))
+            .put_blob_file_with(&out.join("meta.erofs"), fs_cache::Compression::default())
             .await
             .map_err(|e| store_err("store the meta image", &e))?;
         let blob = store
-            .put_blob_file(&out.join("blob"))
+            .put_blob_file_with(&out.join("blob"), fs_cache::Compression::default())
             .await
             .map_err(|e| store_err("store the data blob", &e))?;
         let parents = record
@@ -339,14 +339,8 @@ impl Manager {
             .map_err(|e| Error::InvalidSpec(e.to_string()))?;
         let mut m = Manifest::new(
             layer.clone(),
-            Some(BlobRef {
-                digest: meta.digest,
-                size: meta.size,
-            }),
-            vec![BlobRef {
-                digest: blob.digest,
-                size: blob.size,
-            }],
+            Some(meta.blob_ref()),
+            vec![blob.blob_ref()],
             format!("sandbox:{}", record.id),
         );
         m.parents = parents.clone();

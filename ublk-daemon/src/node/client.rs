@@ -139,6 +139,7 @@ mod tests {
             mounts,
             cache: Default::default(),
             blob_files: vec![],
+            node: Default::default(),
         };
         let answer = ResponseLine::success(serde_json::to_value(&status).unwrap());
         let mut line = serde_json::to_vec(&answer).unwrap();

@@ -74,8 +74,21 @@ impl Node {
         self.config.run_dir.join("layers").join(id)
     }
 
+    /// Where layer `id`'s meta image is kept on this node (verified when fetched; present
+    /// while the layer is mounted, [`LayerInfo::mnt`]).
+    pub fn meta_image(&self, id: &str) -> PathBuf {
+        self.layer_dir(id).join("meta.erofs")
+    }
+
     pub(super) fn layer_info(&self, inner: &Inner, id: &str) -> Option<LayerInfo> {
         let l = inner.state.layers.get(id)?;
+        let per_blob = self.cache.blob_stats();
+        let of = |f: fn(&fs_cache::chunk::BlobStats) -> u64| {
+            l.blobs
+                .iter()
+                .filter_map(|b| per_blob.get(&b.digest).map(f))
+                .sum::<u64>()
+        };
         Some(LayerInfo {
             id: id.to_owned(),
             refs: l.refs.iter().cloned().collect(),
@@ -89,6 +102,8 @@ impl Node {
             users: inner.state.users(id),
             passthrough_blobs: inner.active.get(id).copied().unwrap_or(0),
             mnt: self.layer_dir(id).join("mnt"),
+            bytes_read: of(|s| s.bytes_read),
+            bytes_fetched: of(|s| s.bytes_fetched),
         })
     }
 

@@ -38,6 +38,7 @@
 
 pub mod client;
 mod layers;
+pub mod metrics;
 pub mod proto;
 pub mod server;
 mod start;
@@ -56,7 +57,7 @@ use tokio::sync::Mutex;
 use crate::blobfs::BlobFs;
 use crate::holder::HolderClient;
 use layers::mount_info;
-use proto::{ApiError, ErrorKind, Pong, Request, Status};
+use proto::{ApiError, ErrorKind, NodeStats, Pong, Request, Status};
 use state::{MountState, State};
 
 pub use start::{check_environment, prepare_machine};
@@ -157,6 +158,8 @@ pub struct Node {
     handover_done: tokio::sync::Notify,
     /// `state.json`'s group commit (see the invariants above).
     persist: Persist,
+    /// When this process started serving.
+    started: std::time::Instant,
     /// Holds the run directory's flock for the node's lifetime.
     _lock: std::fs::File,
 }
@@ -452,6 +455,26 @@ impl Node {
                         .collect()
                 })
                 .unwrap_or_default(),
+            node: self.node_stats(&inner),
+        }
+    }
+
+    /// The daemon's own counters.
+    fn node_stats(&self, inner: &Inner) -> NodeStats {
+        let fuse = inner
+            .blobfs
+            .as_ref()
+            .map(|fs| fs.stats())
+            .unwrap_or_default();
+        NodeStats {
+            rss_bytes: metrics::rss_bytes().unwrap_or(0),
+            uptime_seconds: self.started.elapsed().as_secs_f64(),
+            fuse_requests_in_flight: fuse.in_flight,
+            fuse_reads: fuse.reads,
+            fuse_read_bytes: fuse.read_bytes,
+            fuse_read_errors: fuse.read_errors,
+            restarts: inner.state.restarts,
+            takeovers: inner.state.takeovers,
         }
     }
 

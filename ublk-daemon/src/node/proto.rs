@@ -307,6 +307,12 @@ pub struct LayerInfo {
     pub passthrough_blobs: u32,
     /// Where its EROFS is mounted (while `pins + users > 0`).
     pub mnt: PathBuf,
+    /// Bytes of its data blobs read through the cache, and fetched from the backend, since
+    /// the daemon started (a blob two layers share counts for both).
+    #[serde(default)]
+    pub bytes_read: u64,
+    #[serde(default)]
+    pub bytes_fetched: u64,
 }
 
 /// A user mount.
@@ -332,6 +338,30 @@ pub struct Status {
     pub cache: CacheStats,
     /// Blob files served by the FUSE mount: digest and size.
     pub blob_files: Vec<(String, u64)>,
+    /// The daemon's own counters.
+    #[serde(default)]
+    pub node: NodeStats,
+}
+
+/// The daemon process's counters (part of [`Status`]).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct NodeStats {
+    /// Resident memory of the daemon process (`VmRSS`).
+    pub rss_bytes: u64,
+    /// Since this process started serving.
+    pub uptime_seconds: f64,
+    /// FUSE read requests of the blob mount being served now.
+    pub fuse_requests_in_flight: u64,
+    /// FUSE read requests of the blob mount served, bytes they returned, and those answered
+    /// with EIO (since this process started).
+    pub fuse_reads: u64,
+    pub fuse_read_bytes: u64,
+    pub fuse_read_errors: u64,
+    /// Starts of a daemon on this run directory that found an earlier daemon's state (a
+    /// crash, an upgrade or a stop and start), counted over the run directory's life.
+    pub restarts: u64,
+    /// Those of them that took over the earlier daemon's FUSE connection and mounts.
+    pub takeovers: u64,
 }
 
 #[cfg(test)]

@@ -361,7 +361,15 @@ impl Node {
             store,
             cache,
             inner: Mutex::new(Inner {
-                state: State::new(&config.store_url),
+                state: State {
+                    restarts: previous
+                        .as_ref()
+                        .map_or(0, |p| p.restarts.saturating_add(1)),
+                    takeovers: previous
+                        .as_ref()
+                        .map_or(0, |p| p.takeovers.saturating_add(u64::from(took_over))),
+                    ..State::new(&config.store_url)
+                },
                 blobfs: Some(Arc::new(blobfs)),
                 active: HashMap::new(),
                 reserved: HashMap::new(),
@@ -374,6 +382,7 @@ impl Node {
             handed_over: AtomicBool::new(false),
             handover_done: tokio::sync::Notify::new(),
             persist: Default::default(),
+            started: std::time::Instant::now(),
             _lock: lock,
             config,
         });

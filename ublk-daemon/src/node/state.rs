@@ -18,7 +18,9 @@
 //!       "upper": "/var/sandbox/upper", "work": "/var/sandbox/upper.work"
 //!     }
 //!   },
-//!   "next_seq": 8
+//!   "next_seq": 8,
+//!   "restarts": 2,
+//!   "takeovers": 1
 //! }
 //! ```
 //!
@@ -93,6 +95,12 @@ pub struct State {
     pub mounts: BTreeMap<PathBuf, MountState>,
     #[serde(default)]
     pub next_seq: u64,
+    /// Starts of a daemon that found an earlier one's state here, and those that took over
+    /// its FUSE connection (the `restarts` and `takeovers` counters of `strata status`).
+    #[serde(default)]
+    pub restarts: u64,
+    #[serde(default)]
+    pub takeovers: u64,
 }
 
 impl State {
@@ -226,10 +234,7 @@ mod tests {
             id.clone(),
             LayerState {
                 refs: ["base/os:1".to_owned()].into(),
-                meta: BlobRef {
-                    digest: Digest::of(b"meta"),
-                    size: 4,
-                },
+                meta: BlobRef::plain(Digest::of(b"meta"), 4),
                 blobs: vec![],
                 pins: 0,
                 passthrough_blobs: 0,
@@ -261,10 +266,7 @@ mod tests {
             id.clone(),
             LayerState {
                 refs: ["base/os:1".to_owned()].into(),
-                meta: BlobRef {
-                    digest: Digest::of(b"meta"),
-                    size: 4,
-                },
+                meta: BlobRef::plain(Digest::of(b"meta"), 4),
                 blobs: vec![],
                 pins: 1,
                 passthrough_blobs: 0,

@@ -73,6 +73,20 @@ pub fn parse_mountinfo(text: &str) -> Vec<MountEntry> {
         .collect()
 }
 
+/// The mountinfo parsers, exposed for the fuzz target (`fuzz/`): the entries of `text`, the
+/// device number of the newest mount at `target`, and which entries [`is_ours`] claims for the
+/// run directory `run_dir`. None may panic, whatever the text.
+#[doc(hidden)]
+pub fn fuzz_mountinfo(
+    text: &str,
+    target: &str,
+    run_dir: &Path,
+) -> (Vec<MountEntry>, Option<String>, Vec<bool>) {
+    let entries = parse_mountinfo(text);
+    let ours = entries.iter().map(|m| is_ours(m, run_dir)).collect();
+    (entries, crate::fusemount::mount_dev_in(text, target), ours)
+}
+
 /// This process's mounts, in mount order.
 pub fn mounts() -> io::Result<Vec<MountEntry>> {
     Ok(parse_mountinfo(&std::fs::read_to_string(

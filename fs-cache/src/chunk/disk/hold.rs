@@ -71,7 +71,7 @@ fn boot_id() -> [u8; 16] {
 }
 
 /// Which file `token` is now.
-fn token_id(token: &Path) -> std::io::Result<TokenId> {
+pub(super) fn token_id(token: &Path) -> std::io::Result<TokenId> {
     let m = std::fs::symlink_metadata(token)?;
     Ok(TokenId {
         boot: boot_id(),

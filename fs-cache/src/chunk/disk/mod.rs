@@ -121,10 +121,13 @@ use crate::store::Digest;
 
 mod direct;
 mod files;
+mod fuzz;
 mod hold;
 mod index;
 
 use files::*;
+#[doc(hidden)]
+pub use fuzz::fuzz_recover;
 #[doc(hidden)]
 pub use index::fuzz_decode_index;
 use index::*;
@@ -267,12 +270,18 @@ struct State {
 }
 
 impl State {
+    /// Add `n` to event counter `c`. The counters start from what the index held, which a
+    /// damaged index can make anything: they saturate rather than overflow.
+    fn count(&mut self, c: usize, n: u64) {
+        self.counters[c] = self.counters[c].saturating_add(n);
+    }
+
     fn touch(&mut self, id: &ChunkId) -> Option<Entry> {
         let seq = self.next_seq;
         let entry = self.lru.get_mut(id)?;
         entry.seq = seq;
         let entry = *entry;
-        self.next_seq += 1;
+        self.next_seq = seq.saturating_add(1);
         self.dirty.insert(*id);
         Some(entry)
     }
@@ -665,13 +674,15 @@ impl DiskCache {
             let mut st = self.lock();
             for (id, entry) in kept {
                 st.present += cost(u64::from(entry.size));
-                st.next_seq = st.next_seq.max(entry.seq + 1);
+                // Saturating: a damaged index can hold any seq (`u64::MAX` included); the
+                // recency order then only goes stale, as after a lost batch of updates.
+                st.next_seq = st.next_seq.max(entry.seq.saturating_add(1));
                 st.lru.push(id, entry);
                 *st.per_blob.entry(id.blob).or_insert(0) += 1;
                 indexed.entry(id.blob).or_default().insert(id.index);
             }
-            st.counters[RECOVERED_ORPHANS] += orphans;
-            st.counters[DROPPED_CORRUPT] += corrupt;
+            st.count(RECOVERED_ORPHANS, orphans);
+            st.count(DROPPED_CORRUPT, corrupt);
             // Before any eviction: what earlier processes' readers may still read stays.
             *self.holds.lock().unwrap_or_else(PoisonError::into_inner) =
                 hold::pin_held(&mut st, live_holds, &indexed);
@@ -711,7 +722,7 @@ impl DiskCache {
                 }
             }
         }
-        self.lock().counters[RECOVERED_ORPHANS] += removed;
+        self.lock().count(RECOVERED_ORPHANS, removed);
         if removed + orphans + corrupt > 0 {
             tracing::info!(dir = %self.dir.display(), removed, dropped_entries = orphans + corrupt, "chunk cache recovered");
         }
@@ -941,10 +952,11 @@ impl DiskCache {
 
         let entry = {
             let mut st = self.lock();
-            st.next_seq += 1;
+            let seq = st.next_seq;
+            st.next_seq = seq.saturating_add(1);
             Entry {
                 size: size as u32,
-                seq: st.next_seq - 1,
+                seq,
             }
         };
         let indexed = self.write_index(
@@ -1152,7 +1164,7 @@ impl DiskCache {
         let now = {
             let mut st = self.lock();
             if let Some(c) = counter {
-                st.counters[c] += n;
+                st.count(c, n);
             }
             let mut now = Vec::new();
             for (id, entry) in &victims {
@@ -1246,7 +1258,7 @@ impl DiskCache {
             };
             let (victims, bytes) = {
                 let mut st = self.lock();
-                st.counters[ENOSPC] += 1;
+                st.count(ENOSPC, 1);
                 let victims = st.doom_lru(if retried { 0 } else { ENOSPC_EVICT });
                 (victims, st.present)
             };
@@ -1351,7 +1363,7 @@ impl DiskCache {
         }
         self.db.write(batch).map_err(|e| {
             if is_rocks_nospace(&e) {
-                self.lock().counters[ENOSPC] += 1;
+                self.lock().count(ENOSPC, 1);
                 tracing::error!(error = %e, "chunk cache: RocksDB met a full disk");
             }
             (self.rocks_error(what, e), false)
@@ -1362,7 +1374,7 @@ impl DiskCache {
     fn index_room(&self) -> Result<()> {
         match free_bytes(&self.index_dir) {
             Some(free) if free < self.reserve / 2 => {
-                self.lock().counters[ENOSPC] += 1;
+                self.lock().count(ENOSPC, 1);
                 Err(self.error(format!(
                     "no space left on device for the index: {free} bytes free, {} kept for it",
                     self.reserve / 2
