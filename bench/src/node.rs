@@ -215,29 +215,41 @@ impl Drop for LocalNode {
                 .status();
         }
         let run = self.dir.path().join("run").to_string_lossy().into_owned();
-        for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
-                continue;
-            };
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-            if args.contains(&&b"fuse-holder"[..]) && args.contains(&run.as_bytes()) {
-                if let Some(p) = rustix::process::Pid::from_raw(pid) {
-                    let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
-                }
+        kill_fuse_holders(&[run]);
+        unmount_under(self.dir.path());
+    }
+}
+
+/// SIGKILLs every `strata fuse-holder` whose command line names one of `runs` (a run
+/// directory): what a test or bench node leaves behind when it is torn down after a failure.
+pub fn kill_fuse_holders(runs: &[String]) {
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+        if args.contains(&&b"fuse-holder"[..]) && runs.iter().any(|r| args.contains(&r.as_bytes()))
+        {
+            if let Some(p) = rustix::process::Pid::from_raw(pid) {
+                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
             }
         }
-        if let Ok(mi) = std::fs::read_to_string("/proc/self/mountinfo") {
-            let root = self.dir.path().to_string_lossy().into_owned();
-            let mut mps: Vec<&str> = mi
-                .lines()
-                .filter_map(|l| l.split(' ').nth(4))
-                .filter(|m| m.starts_with(&root))
-                .collect();
-            mps.sort_by_key(|m| std::cmp::Reverse(m.len()));
-            for m in mps {
-                let _ = rustix::mount::unmount(m, rustix::mount::UnmountFlags::DETACH);
-            }
+    }
+}
+
+/// Lazily unmounts every mount point under `root`, deepest first.
+pub fn unmount_under(root: &std::path::Path) {
+    if let Ok(mi) = std::fs::read_to_string("/proc/self/mountinfo") {
+        let root = root.to_string_lossy().into_owned();
+        let mut mps: Vec<&str> = mi
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4))
+            .filter(|m| m.starts_with(&root))
+            .collect();
+        mps.sort_by_key(|m| std::cmp::Reverse(m.len()));
+        for m in mps {
+            let _ = rustix::mount::unmount(m, rustix::mount::UnmountFlags::DETACH);
         }
     }
 }
