@@ -451,16 +451,8 @@ fn max_over_mean(xs: &[f64]) -> f64 {
     xs.iter().cloned().fold(0.0, f64::max) / mean
 }
 
-/// The two clusters run one after the other: run side by side on 2 vCPUs, the SDK's 3 MB
-/// command output through a front was cut short ("unexpected EOF during chunk size line"; a
-/// bug of the front under load, reported as an issue, not hidden: the flow alone passes).
-static ONE_CLUSTER_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 #[test]
 fn two_nodes_behind_a_front_serve_the_sdk_flows() {
-    let _one = ONE_CLUSTER_AT_A_TIME
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
     if !common::e2b_ready("two_nodes_behind_a_front_serve_the_sdk_flows") {
         return;
     }
@@ -487,9 +479,6 @@ fn burst_size() -> usize {
 
 #[test]
 fn a_burst_through_two_fronts_outlives_a_node_and_a_front() {
-    let _one = ONE_CLUSTER_AT_A_TIME
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
     if !common::e2b_ready("a_burst_through_two_fronts_outlives_a_node_and_a_front") {
         return;
     }

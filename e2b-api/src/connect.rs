@@ -193,6 +193,12 @@ impl Decoder {
     }
 }
 
+/// How much of a request body past its one message [`MessageReader::drain_in_background`]
+/// reads before it gives up on the connection.
+pub const DRAIN_BYTES: usize = 1 << 20;
+/// How long it waits for the body's end.
+pub const DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Reads a client stream's messages one at a time.
 #[derive(Debug)]
 pub struct MessageReader {
@@ -243,6 +249,31 @@ impl MessageReader {
                 }
             }
         }
+    }
+
+    /// Read the rest of the body in the background, throwing it away (at most
+    /// [`DRAIN_BYTES`] for at most [`DRAIN_TIME`]), for a request whose one message is all
+    /// the server needs. Dropped unread instead, the body's end (its chunked terminator, late
+    /// when a proxy forwards the body in pieces) would stay in the socket, and HTTP/1.1 closes
+    /// a connection with input unread by a reset, which throws away the unsent tail of the
+    /// answer: a long server stream to a slow reader arrives cut short.
+    pub fn drain_in_background(mut self) {
+        if self.done {
+            return;
+        }
+        tokio::spawn(async move {
+            let mut left = DRAIN_BYTES;
+            let _ = tokio::time::timeout(DRAIN_TIME, async {
+                while let Some(Ok(f)) = self.body.frame().await {
+                    let n = f.data_ref().map_or(0, |d| d.len());
+                    match left.checked_sub(n) {
+                        Some(l) => left = l,
+                        None => return,
+                    }
+                }
+            })
+            .await;
+        });
     }
 
     /// The next message decoded as `T`.

@@ -160,6 +160,7 @@ pub async fn request_message<T: serde::de::DeserializeOwned>(
     if connect::is_stream_content_type(ct) {
         let mut r = connect::MessageReader::new(body);
         let m: Option<T> = r.next_json().await?;
+        r.drain_in_background();
         m.ok_or_else(|| RpcError::new(Code::InvalidArgument, "the stream has no request message"))
     } else {
         let b = crate::http::read_body(body, crate::MAX_JSON_BODY)

@@ -39,6 +39,66 @@ def frames(chunks):
             buf = buf[5 + n :]
 
 
+def late_end_stream(h, size):
+    """Process/Start of `head -c size` over a raw HTTP/1.1 socket with a small receive
+    buffer: the body's terminator is sent 0.3 s after its one message, the answer read slowly
+    after a pause. The stdout bytes the stream carried (an error if it ends without its end
+    envelope)."""
+    import base64
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(URL)
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+    s.connect((u.hostname, u.port))
+    s.settimeout(30)
+    msg = envelope({"process": {"cmd": "/bin/sh", "args": ["-c", f"head -c {size} /dev/zero | tr '\\0' a"]}})
+    head = f"POST /process.Process/Start HTTP/1.1\r\nHost: {u.netloc}\r\n"
+    for k, v in {**h, "Content-Type": "application/connect+json", "Transfer-Encoding": "chunked"}.items():
+        head += f"{k}: {v}\r\n"
+    s.sendall(head.encode() + b"\r\n" + b"%x\r\n" % len(msg) + msg + b"\r\n")
+    time.sleep(0.3)
+    s.sendall(b"0\r\n\r\n")
+    time.sleep(1.0)
+    raw = b""
+    while True:
+        try:
+            b = s.recv(8192)
+        except ConnectionResetError as e:
+            raise AssertionError(f"the stream was reset after {len(raw)} bytes: {e}")
+        if not b:
+            break
+        raw += b
+        if raw.endswith(b"\r\n0\r\n\r\n"):
+            break
+    s.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        raise AssertionError(f"answer: {head[:200]!r}")
+    chunks, rest = [], body
+    while True:
+        line, sep, rest = rest.partition(b"\r\n")
+        if not sep:
+            raise AssertionError(f"the chunked body is cut short after {sum(map(len, chunks))} bytes")
+        n = int(line, 16)
+        if n == 0:
+            break
+        chunks.append(rest[:n])
+        rest = rest[n + 2 :]
+    got, ended = 0, False
+    for flags, m in frames(chunks):
+        if flags & 2:
+            if m.get("error"):
+                raise AssertionError(f"the stream ended with {m}")
+            ended = True
+        elif "data" in m.get("event", {}):
+            got += len(base64.b64decode(m["event"]["data"].get("stdout", "")))
+    if not ended:
+        raise AssertionError(f"no end envelope after {got} bytes")
+    return got
+
+
 sb = Sandbox.create(TEMPLATE, timeout=60)
 try:
     h = {"E2b-Sandbox-Id": sb.sandbox_id, "X-Access-Token": sb._envd_access_token}
@@ -86,6 +146,13 @@ try:
         r.status_code == 200 and fs[-1][0] == 2 and fs[-1][1]["error"]["code"] == "not_found",
         f"a stream's error is its end envelope: {fs}",
     )
+
+    # A server stream whose request body ends late (its chunked terminator after the server
+    # has read the one message, as when a proxy forwards the body in two writes) and whose
+    # client reads slowly: the whole output and the end envelope still arrive. (A server that
+    # drops the unread rest of the body closes the socket with input unread: the kernel
+    # answers with a reset and throws away the response's unsent tail.)
+    check(late_end_stream(h, 3_000_000) == 3_000_000, "a late request end and a slow reader lose nothing")
 
     with httpx.Client(http1=False, http2=True) as c:
         r = c.post(
