@@ -12,6 +12,7 @@
 //! The types are the wire format both sides share: a field added is optional (`serde`
 //! default); a field's meaning never changes.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use http::Method;
@@ -75,6 +76,39 @@ pub struct NodeStatus {
     pub layers: Vec<String>,
     #[serde(default)]
     pub templates: Vec<TemplateSummary>,
+    /// Per front instance (its [`FRONT_HEADER`]), how many of its creates this status counts
+    /// (in `sandboxes`): a front knows from it which of its creates in flight the status
+    /// shows. At most [`MAX_FRONTS_SEEN`] fronts, the newest.
+    #[serde(default)]
+    pub fronts_seen: BTreeMap<String, u64>,
+}
+
+/// The header a front names itself by on the creates it forwards (a random id per run).
+pub const FRONT_HEADER: &str = "x-strata-front";
+
+/// How long a status waits for the storage node's list of layers before it gives the last
+/// one it had.
+const LAYERS_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// How many fronts a node counts creates for (a front's restart is a new one).
+pub const MAX_FRONTS_SEEN: usize = 64;
+
+/// A create from `front` arrived (counted in the status from now on): `seen` is the node's
+/// count per front, in the same lock as its pending creates.
+pub(crate) fn count_front(seen: &mut Vec<(String, u64)>, front: &str) {
+    match seen.iter().position(|(f, _)| f == front) {
+        Some(i) => {
+            let mut e = seen.remove(i);
+            e.1 += 1;
+            seen.push(e);
+        }
+        None => {
+            if seen.len() >= MAX_FRONTS_SEEN {
+                seen.remove(0);
+            }
+            seen.push((front.to_owned(), 1));
+        }
+    }
 }
 
 /// `POST /strata/signed`: the method and the query of a signed `/files` request.
@@ -115,6 +149,15 @@ pub async fn status(api: &Arc<Api>) -> Result<NodeStatus> {
     let config = manager.config();
     let (total, available) = sandbox_runtime::admission::meminfo();
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+    // The pending creates first, the live sandboxes second: a create that ends between the
+    // two reads is then in the second (counted once), never in neither.
+    let (pending, fronts_seen): (Vec<(String, Amount)>, BTreeMap<String, u64>) = {
+        let p = api.pending.lock().unwrap_or_else(|p| p.into_inner());
+        (
+            p.creates.iter().map(|(id, a)| (id.clone(), *a)).collect(),
+            p.fronts.iter().cloned().collect(),
+        )
+    };
     let live = manager.list();
     let mut reserved = Amount::default();
     for s in &live {
@@ -125,15 +168,12 @@ pub async fn status(api: &Arc<Api>) -> Result<NodeStatus> {
     // Creates received that the runtime has not admitted yet (queued behind others): what
     // the front sent here counts from its arrival.
     let mut count = live.len();
-    {
-        let pending = api.pending.lock().unwrap_or_else(|p| p.into_inner());
-        for (id, a) in pending.iter() {
-            if live.binary_search_by(|s| s.id.as_str().cmp(id)).is_err() {
-                count += 1;
-                reserved.cpu_millis += a.cpu_millis;
-                reserved.mem_bytes += a.mem_bytes;
-                reserved.disk_bytes += a.disk_bytes;
-            }
+    for (id, a) in &pending {
+        if live.binary_search_by(|s| s.id.as_str().cmp(id)).is_err() {
+            count += 1;
+            reserved.cpu_millis += a.cpu_millis;
+            reserved.mem_bytes += a.mem_bytes;
+            reserved.disk_bytes += a.disk_bytes;
         }
     }
     let parent = sandbox_runtime::spec::cgroup_parent(config.node_name.as_deref());
@@ -144,14 +184,27 @@ pub async fn status(api: &Arc<Api>) -> Result<NodeStatus> {
     })
     .await
     .map_err(|e| Error::Runtime(format!("status task: {e}")))?;
-    let node_status = manager.node().status().await;
-    let mut layers: Vec<String> = node_status
-        .layers
-        .into_iter()
-        .flat_map(|l| l.refs)
-        .collect();
-    layers.sort();
-    layers.dedup();
+    // The storage node's lock is held by the mounts of a burst's creates, queued behind one
+    // another: the status does not wait for it (a front would take a late answer for a dead
+    // node's, and place on counts seconds old), it gives the layers it last saw.
+    let layers = match tokio::time::timeout(LAYERS_WAIT, manager.node().status()).await {
+        Ok(node_status) => {
+            let mut layers: Vec<String> = node_status
+                .layers
+                .into_iter()
+                .flat_map(|l| l.refs)
+                .collect();
+            layers.sort();
+            layers.dedup();
+            *api.last_layers.lock().unwrap_or_else(|p| p.into_inner()) = layers.clone();
+            layers
+        }
+        Err(_) => api
+            .last_layers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone(),
+    };
     let templates = api
         .templates
         .list()
@@ -176,6 +229,7 @@ pub async fn status(api: &Arc<Api>) -> Result<NodeStatus> {
         used_mem_bytes,
         cpu_usage_us,
         sandboxes: u32::try_from(count).unwrap_or(u32::MAX),
+        fronts_seen,
         max_sandboxes: u32::try_from(config.max_sandboxes).unwrap_or(u32::MAX),
         mem_overcommit: config.admission.mem_overcommit,
         cpu_overcommit: config.admission.cpu_overcommit,

@@ -137,12 +137,15 @@ pub async fn handle(
     method: &Method,
     path: &str,
     query: Option<&str>,
+    front: Option<String>,
     body: Incoming,
 ) -> Response {
     let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
     let r = match (method, segs.as_slice()) {
-        (&Method::POST, ["sandboxes"]) => create(api, body, DEFAULT_TIMEOUT_V1_S).await,
-        (&Method::POST, ["v2", "sandboxes"]) => create(api, body, DEFAULT_TIMEOUT_V2_S).await,
+        (&Method::POST, ["sandboxes"]) => create(api, body, DEFAULT_TIMEOUT_V1_S, front).await,
+        (&Method::POST, ["v2", "sandboxes"]) => {
+            create(api, body, DEFAULT_TIMEOUT_V2_S, front).await
+        }
         (&Method::GET, ["sandboxes"] | ["v2", "sandboxes"]) => list(api, query),
         (&Method::GET, ["sandboxes", "metrics"]) => all_metrics(api, query).await,
         (&Method::GET, ["sandboxes", id]) => get(api, id),
@@ -172,9 +175,15 @@ fn sandbox_meta(api: &Api, id: &str) -> Result<SandboxMeta> {
         .ok_or_else(|| Error::NotFound(format!("sandbox {id} was not found")))
 }
 
-async fn create(api: &Arc<Api>, body: Incoming, default_timeout: u64) -> Result<Response> {
+/// `front`: the cluster front that forwarded it (its `x-strata-front`), if one did.
+async fn create(
+    api: &Arc<Api>,
+    body: Incoming,
+    default_timeout: u64,
+    front: Option<String>,
+) -> Result<Response> {
     let req: NewSandbox = crate::http::read_json(body).await?;
-    let (id, meta) = start(api, req, default_timeout).await?;
+    let (id, meta) = start(api, req, default_timeout, front.as_deref()).await?;
     Ok(json(201, &created(&id, &meta)))
 }
 
@@ -184,6 +193,7 @@ pub(crate) async fn start(
     api: &Arc<Api>,
     req: NewSandbox,
     default_timeout: u64,
+    front: Option<&str>,
 ) -> Result<(String, SandboxMeta)> {
     let timeout = req.timeout.unwrap_or(default_timeout);
     if timeout == 0 || timeout > MAX_TIMEOUT_S {
@@ -245,6 +255,11 @@ pub(crate) async fn start(
             })
             .await
             .map_err(|e| create_error(&template.name, e))?;
+        // A pool's sandbox is live already: the status counts it from now on.
+        if let Some(f) = front {
+            let mut p = api.pending.lock().unwrap_or_else(|p| p.into_inner());
+            crate::cluster::count_front(&mut p.fronts, f);
+        }
         api.remember(&info.id, meta);
         info.id
     } else {
@@ -259,6 +274,7 @@ pub(crate) async fn start(
                 mem_bytes: template.memory.unwrap_or(0),
                 disk_bytes: 0,
             },
+            front,
         );
         api.remember(&id, meta);
         let r = api
@@ -293,11 +309,14 @@ struct Pending<'a> {
 }
 
 impl<'a> Pending<'a> {
-    fn new(api: &'a Api, id: &str, amount: crate::cluster::Amount) -> Self {
-        api.pending
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id.to_owned(), amount);
+    /// `from`: the front that sent the create, which the status then counts it for.
+    fn new(api: &'a Api, id: &str, amount: crate::cluster::Amount, from: Option<&str>) -> Self {
+        let mut p = api.pending.lock().unwrap_or_else(|p| p.into_inner());
+        p.creates.insert(id.to_owned(), amount);
+        if let Some(f) = from {
+            crate::cluster::count_front(&mut p.fronts, f);
+        }
+        drop(p);
         Pending {
             api,
             id: id.to_owned(),
@@ -311,6 +330,7 @@ impl Drop for Pending<'_> {
             .pending
             .lock()
             .unwrap_or_else(|p| p.into_inner())
+            .creates
             .remove(&self.id);
     }
 }

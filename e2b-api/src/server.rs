@@ -84,9 +84,10 @@ async fn route(api: &Arc<Api>, req: hyper::Request<Incoming>) -> Response {
     if !api.key_ok(key) {
         return error_with(401, "Invalid API key");
     }
+    let front = header(crate::cluster::FRONT_HEADER).filter(|f| f.len() <= 64);
     let body = req.into_body();
     if path.starts_with("/strata/") {
         return crate::cluster::handle(api, &method, &path, body).await;
     }
-    crate::control::handle(api, &method, &path, query.as_deref(), body).await
+    crate::control::handle(api, &method, &path, query.as_deref(), front, body).await
 }

@@ -223,7 +223,7 @@ pub async fn fork(api: &Arc<Api>, id: &str, body: Incoming) -> Result<Response> 
             env_vars: Some(source.env_vars.clone()),
             ..NewSandbox::default()
         };
-        set.spawn(async move { (i, start(&api, req, FORK_TIMEOUT_S).await) });
+        set.spawn(async move { (i, start(&api, req, FORK_TIMEOUT_S, None).await) });
     }
     let mut results: Vec<(u32, ForkResult)> = Vec::new();
     while let Some(r) = set.join_next().await {

@@ -199,7 +199,19 @@ pub struct Api {
     /// Creates received and not yet answered by the runtime, with what each reserves: the
     /// node's status counts those the runtime does not have yet (`crate::cluster`), so that
     /// a front sees every create it sent as soon as it arrives, queued or not.
-    pub pending: Mutex<BTreeMap<String, crate::cluster::Amount>>,
+    pub pending: Mutex<Pending>,
+    /// The layers the storage node had registered when the status last asked it in time.
+    pub last_layers: Mutex<Vec<String>>,
+}
+
+/// Creates received, not answered yet, and whence the creates came (one lock: a node's
+/// status reads both at one instant).
+#[derive(Debug, Default)]
+pub struct Pending {
+    pub creates: BTreeMap<String, crate::cluster::Amount>,
+    /// Per front (its `x-strata-front`), the creates from it counted so far, the most
+    /// recently seen front last.
+    pub fronts: Vec<(String, u64)>,
 }
 
 impl Api {
@@ -254,6 +266,7 @@ impl Api {
             procs: Default::default(),
             watchers: Default::default(),
             pending: Default::default(),
+            last_layers: Default::default(),
         }))
     }
 
@@ -399,6 +412,7 @@ impl Api {
                     .pending
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
+                    .creates
                     .clone();
                 let live: std::collections::BTreeSet<String> =
                     api.manager.list().into_iter().map(|s| s.id).collect();

@@ -74,7 +74,7 @@ pub mod workload;
 
 pub use admission::{Edge, Limits, Refusal, RefusalReason};
 pub use model::{Layer, LayerId, NodeId, NodeState, Request, Resources, Snapshot, Time};
-pub use overlay::Delta;
+pub use overlay::{Delta, Ticket};
 pub use placer::{Placement, Placer, PlacerConfig};
 pub use policy::{LeastLoaded, Locality, Policy, PolicyKind, PolicyParams, PowerOfK, Random, View};
 

@@ -7,6 +7,15 @@
 //! after admission, say). A snapshot whose nodes were taken at different times
 //! ([`Snapshot::new_per_node`]) drops an entry by its node's time. Entries are kept in time
 //! order: the cost is O(1) amortised per placement, plus O(entries) when a snapshot arrives.
+//!
+//! A placement sent to a real node (a front's create) is *in flight* until the snapshot is
+//! known to show it. The time rule cannot know that: a busy node may count a create seconds
+//! after it was sent. So each node's status may say how many of this instance's sends it has
+//! counted (`seen`, given with the snapshot): sends are numbered per node, and the first
+//! `seen` of them (sends arrive about in order) are in the snapshot, the rest are not,
+//! whatever the times. Without `seen` for a node (a node that does not count them, or
+//! restarted), an admitted send counts until a snapshot of its node taken `settle` after the
+//! answer; a refused or failed one stops counting at its answer; the TTL bounds them all.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -36,11 +45,29 @@ struct Entry {
     n_layers: u8,
 }
 
+/// A placement in flight, named by [`Overlay::send`]'s answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Ticket(u64);
+
+/// A send: its ticket, its number among the sends to its node, when its node admitted it.
+#[derive(Clone, Copy, Debug)]
+struct Sent {
+    ticket: Ticket,
+    seq: u64,
+    admitted_at: Option<Time>,
+    e: Entry,
+}
+
 #[derive(Debug)]
 pub(crate) struct Overlay {
     ttl: Duration,
     settle: Duration,
     entries: VecDeque<Entry>,
+    /// Sends not known to be in the snapshot yet, oldest first.
+    in_flight: VecDeque<Sent>,
+    next_ticket: u64,
+    /// Sends so far, per node.
+    sends: std::collections::HashMap<NodeId, u64>,
     /// Aligned with the snapshot's nodes.
     pub(crate) delta: Vec<Delta>,
     /// Layers this instance sent to each node since the snapshot (hints for locality:
@@ -55,17 +82,22 @@ impl Overlay {
             ttl,
             settle,
             entries: VecDeque::new(),
+            in_flight: VecDeque::new(),
+            next_ticket: 0,
+            sends: Default::default(),
             delta: vec![Delta::default(); n],
             recent: vec![Vec::new(); n],
         }
     }
 
+    /// Entries held, those in flight included.
     pub(crate) fn len(&self) -> usize {
-        self.entries.len()
+        self.entries.len() + self.in_flight.len()
     }
 
-    /// A new snapshot: drop what it already shows, realign the rest with its nodes.
-    pub(crate) fn rebase(&mut self, snapshot: &Snapshot) {
+    /// A new snapshot: drop what it already shows (by time, and by `seen`: per node, how
+    /// many of this instance's sends its state counts), realign the rest with its nodes.
+    pub(crate) fn rebase(&mut self, snapshot: &Snapshot, seen: &[(NodeId, u64)]) {
         let taken = snapshot.taken_at();
         while let Some(e) = self.entries.front() {
             if e.at.saturating_add(self.settle) < taken {
@@ -80,12 +112,27 @@ impl Overlay {
             let pos = snapshot.position(e.node);
             pos.is_none_or(|p| e.at.saturating_add(settle) >= snapshot.taken_at_of(p))
         });
+        self.in_flight.retain(|f| {
+            let shown = seen
+                .iter()
+                .find(|(n, _)| *n == f.e.node)
+                .is_some_and(|&(_, k)| f.seq < k);
+            let settled = match (f.admitted_at, snapshot.position(f.e.node)) {
+                (Some(at), Some(p)) => at.saturating_add(settle) < snapshot.taken_at_of(p),
+                _ => false,
+            };
+            !shown && !settled
+        });
         let n = snapshot.nodes().len();
         self.delta.clear();
         self.delta.resize(n, Delta::default());
         self.recent.iter_mut().for_each(Vec::clear);
         self.recent.resize_with(n, Vec::new);
-        for e in self.entries.iter_mut() {
+        let all = self
+            .entries
+            .iter_mut()
+            .chain(self.in_flight.iter_mut().map(|f| &mut f.e));
+        for e in all {
             e.pos = snapshot.position(e.node).map(|p| p as u32);
             if let Some(p) = e.pos {
                 let p = p as usize;
@@ -95,24 +142,31 @@ impl Overlay {
         }
     }
 
-    /// Drop entries `ttl` old at `now`. Their layer hints stay until the next snapshot.
+    /// Drop entries `ttl` old at `now`, in flight or not. Their layer hints stay until the
+    /// next snapshot.
     pub(crate) fn expire(&mut self, now: Time) {
-        while let Some(e) = self.entries.front() {
-            if e.at.saturating_add(self.ttl) <= now {
-                if let Some(p) = e.pos {
-                    let d = &mut self.delta[p as usize];
-                    d.reserved = d.reserved.minus(e.reserved);
-                    d.sandboxes = d.sandboxes.saturating_sub(1);
-                }
-                self.entries.pop_front();
-            } else {
-                break;
-            }
+        let ttl = self.ttl;
+        let old = |e: &Entry| e.at.saturating_add(ttl) <= now;
+        while let Some(e) = self.entries.front().copied().filter(old) {
+            self.subtract(&e);
+            self.entries.pop_front();
+        }
+        while let Some(f) = self.in_flight.front().copied().filter(|f| old(&f.e)) {
+            self.subtract(&f.e);
+            self.in_flight.pop_front();
         }
     }
 
-    /// This instance placed `req` on `node` (at position `pos` of the snapshot) at `at`.
-    pub(crate) fn record(&mut self, at: Time, node: NodeId, pos: Option<usize>, req: &Request) {
+    fn subtract(&mut self, e: &Entry) {
+        if let Some(p) = e.pos {
+            let d = &mut self.delta[p as usize];
+            d.reserved = d.reserved.minus(e.reserved);
+            d.sandboxes = d.sandboxes.saturating_sub(1);
+        }
+    }
+
+    /// `req` on `node` (at position `pos` of the snapshot) at `at`, counted from now on.
+    fn entry(&mut self, at: Time, node: NodeId, pos: Option<usize>, req: &Request) -> Entry {
         let mut layers = [LayerId(0); LAYERS_KEPT];
         let top = &req.layers[req.layers.len().saturating_sub(LAYERS_KEPT)..];
         for (slot, l) in layers.iter_mut().zip(top) {
@@ -122,14 +176,73 @@ impl Overlay {
             add(&mut self.delta[p], &req.resources);
             remember(&mut self.recent[p], &layers[..top.len()]);
         }
-        self.entries.push_back(Entry {
+        Entry {
             at,
             node,
             pos: pos.map(|p| p as u32),
             reserved: req.resources,
             layers,
             n_layers: top.len() as u8,
+        }
+    }
+
+    /// This instance placed `req` on `node` (at position `pos` of the snapshot) at `at`,
+    /// and the node admitted it then.
+    pub(crate) fn record(&mut self, at: Time, node: NodeId, pos: Option<usize>, req: &Request) {
+        let e = self.entry(at, node, pos, req);
+        self.push(e);
+    }
+
+    /// Entries stay in time order (an answer's time is never before the newest entry's).
+    fn push(&mut self, mut e: Entry) {
+        if let Some(last) = self.entries.back() {
+            e.at = e.at.max(last.at);
+        }
+        self.entries.push_back(e);
+    }
+
+    /// This instance sent `req` to `node` at `at`; its answer is to come
+    /// ([`Overlay::answered`]).
+    pub(crate) fn send(
+        &mut self,
+        at: Time,
+        node: NodeId,
+        pos: Option<usize>,
+        req: &Request,
+    ) -> Ticket {
+        let ticket = Ticket(self.next_ticket);
+        self.next_ticket += 1;
+        let n = self.sends.entry(node).or_insert(0);
+        let seq = *n;
+        *n += 1;
+        let e = self.entry(at, node, pos, req);
+        self.in_flight.push_back(Sent {
+            ticket,
+            seq,
+            admitted_at: None,
+            e,
         });
+        ticket
+    }
+
+    /// The answer to `ticket` came at `at`: admitted, it counts until a snapshot shows it;
+    /// not, it no longer counts. An unknown ticket (expired, shown, answered before) changes
+    /// nothing.
+    pub(crate) fn answered(&mut self, ticket: Ticket, at: Time, admitted: bool) {
+        let Some(i) = self.in_flight.iter().position(|f| f.ticket == ticket) else {
+            return;
+        };
+        if admitted {
+            let f = &mut self.in_flight[i];
+            f.admitted_at.get_or_insert(at);
+        } else if let Some(f) = self.in_flight.remove(i) {
+            self.subtract(&f.e);
+        }
+    }
+
+    /// How many sends to `node` this instance made.
+    pub(crate) fn sends_to(&self, node: NodeId) -> u64 {
+        self.sends.get(&node).copied().unwrap_or(0)
     }
 }
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use crate::admission::Refusal;
 use crate::model::{NodeId, Request, Snapshot, Time};
-use crate::overlay::Overlay;
+use crate::overlay::{Overlay, Ticket};
 use crate::policy::{Policy, Prepared, View};
 use crate::Error;
 
@@ -124,6 +124,13 @@ impl Placer {
     /// The watcher published a new snapshot: the overlay drops what it shows, refusals older
     /// than it are forgotten.
     pub fn set_snapshot(&mut self, snapshot: Arc<Snapshot>) {
+        self.set_snapshot_seen(snapshot, &[]);
+    }
+
+    /// [`Placer::set_snapshot`], with what its nodes say of this instance's sends: `seen`
+    /// holds, for nodes that count them, how many of the placements this instance
+    /// [`Placer::sent`] there their state counts.
+    pub fn set_snapshot_seen(&mut self, snapshot: Arc<Snapshot>, seen: &[(NodeId, u64)]) {
         let taken = snapshot.taken_at();
         // Positions change with the node list: map refusals through the ids.
         let old = Arc::clone(&self.snapshot);
@@ -139,7 +146,7 @@ impl Placer {
                 None => false,
             }
         });
-        self.overlay.rebase(&snapshot);
+        self.overlay.rebase(&snapshot, seen);
         self.skip.clear();
         self.skip.resize(snapshot.nodes().len(), false);
         self.prep.clear();
@@ -197,6 +204,30 @@ impl Placer {
         if self.cfg.overlay {
             let pos = self.snapshot.position(node);
             self.overlay.record(now, node, pos, req);
+        }
+    }
+
+    /// `req` was sent to `node` at `now`, its answer yet to come (a create on its way to a
+    /// real node): it counts in the overlay until a snapshot is known to show it (see
+    /// [`Placer::set_snapshot_seen`]), or, once admitted, until a snapshot taken `settle`
+    /// after [`Placer::answered`]; or the overlay's TTL. `None` without an overlay.
+    pub fn sent(&mut self, node: NodeId, req: &Request<'_>, now: Time) -> Option<Ticket> {
+        self.cfg.overlay.then(|| {
+            let pos = self.snapshot.position(node);
+            self.overlay.send(now, node, pos, req)
+        })
+    }
+
+    /// How many placements this instance [`Placer::sent`] to `node`.
+    pub fn sends_to(&self, node: NodeId) -> u64 {
+        self.overlay.sends_to(node)
+    }
+
+    /// The node answered the request of `ticket` at `now`: `admitted`, it counts until a
+    /// snapshot shows it; not (refused, failed), it no longer counts.
+    pub fn answered(&mut self, ticket: Option<Ticket>, now: Time, admitted: bool) {
+        if let Some(t) = ticket {
+            self.overlay.answered(t, now, admitted);
         }
     }
 

@@ -112,6 +112,81 @@ fn a_newer_snapshot_and_the_ttl_retire_overlay_entries() {
 }
 
 #[test]
+fn a_placement_in_flight_counts_until_its_answer_whatever_the_snapshots() {
+    let cfg = PlacerConfig {
+        overlay_ttl: ms(10_000),
+        settle: ms(50),
+        ..PlacerConfig::default()
+    };
+    let s = snap(0, (0..2).map(|i| node(i, 0, &[])).collect());
+    let mut p = placer(PolicyKind::PowerOfKOverlay, cfg, s, 4);
+    // Two creates on their way to node 0 (a busy node, slow to even count them), one to 1.
+    let a = p.sent(NodeId(0), &REQ, ms(10));
+    let b = p.sent(NodeId(0), &REQ, ms(20));
+    let c = p.sent(NodeId(1), &REQ, ms(30));
+    assert!(a.is_some() && b.is_some() && c.is_some());
+    // Snapshots long after them that do not show them: they still count, so the next
+    // placement, with both nodes compared (k = 2 of 2), goes to node 1.
+    for t in [500, 1000, 2000] {
+        p.set_snapshot(snap(t, (0..2).map(|i| node(i, 0, &[])).collect()));
+        assert_eq!(p.overlay_len(), 3);
+    }
+    assert_eq!(p.choose(&REQ, ms(2001), &[]).unwrap(), NodeId(1));
+    // Node 0 admitted `a` at 2100 ms, refused `b`; node 1 admitted `c` at 2100 ms. `b` no
+    // longer counts; the others until a snapshot taken after their answer (+ settle).
+    p.answered(a, ms(2100), true);
+    p.answered(b, ms(2100), false);
+    p.answered(b, ms(2100), true);
+    assert_eq!(p.overlay_len(), 2);
+    p.set_snapshot(snap(2120, (0..2).map(|i| node(i, 0, &[])).collect()));
+    assert_eq!(p.overlay_len(), 2, "within settle of the answer");
+    p.answered(c, ms(2130), true);
+    p.set_snapshot(snap(2160, (0..2).map(|i| node(i, 0, &[])).collect()));
+    assert_eq!(
+        p.overlay_len(),
+        1,
+        "a's answer (2100) + settle < 2160; c's is not"
+    );
+    p.set_snapshot(snap(2200, (0..2).map(|i| node(i, 0, &[])).collect()));
+    assert_eq!(p.overlay_len(), 0);
+    // A node that counts this instance's sends: the first `seen` of them are in its state,
+    // however recent, the others not, however old.
+    let e = p.sent(NodeId(0), &REQ, ms(2300));
+    let f = p.sent(NodeId(0), &REQ, ms(2310));
+    assert_eq!(p.sends_to(NodeId(0)), 4);
+    assert_eq!(p.overlay_len(), 2);
+    let fresh = || snap(9000, (0..2).map(|i| node(i, 0, &[])).collect());
+    p.set_snapshot_seen(fresh(), &[(NodeId(0), 3)]);
+    assert_eq!(
+        p.overlay_len(),
+        1,
+        "sends 0..3 of node 0 are shown, send 3 (f) is not"
+    );
+    p.answered(e, ms(9001), true);
+    assert_eq!(p.overlay_len(), 1, "e's answer changes nothing: it is gone");
+    p.set_snapshot_seen(fresh(), &[(NodeId(0), 4)]);
+    assert_eq!(p.overlay_len(), 0);
+    assert!(f.is_some());
+    // An answer that never comes: the TTL ends it.
+    let d = p.sent(NodeId(1), &REQ, ms(3000));
+    assert!(d.is_some());
+    p.choose(&REQ, ms(12_999), &[]).unwrap();
+    assert_eq!(p.overlay_len(), 1);
+    p.choose(&REQ, ms(13_000), &[]).unwrap();
+    assert_eq!(p.overlay_len(), 0);
+    p.answered(d, ms(13_001), true);
+    assert_eq!(
+        p.overlay_len(),
+        0,
+        "an expired ticket's answer changes nothing"
+    );
+    // Without an overlay, nothing is in flight.
+    let s = snap(0, (0..2).map(|i| node(i, 0, &[])).collect());
+    let mut plain = placer(PolicyKind::PowerOfK, PlacerConfig::default(), s, 5);
+    assert!(plain.sent(NodeId(0), &REQ, ms(1)).is_none());
+}
+
+#[test]
 fn a_snapshot_taken_node_by_node_retires_entries_by_each_nodes_time() {
     let cfg = PlacerConfig {
         settle: ms(50),

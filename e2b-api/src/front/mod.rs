@@ -24,6 +24,13 @@
 //! - **The watcher** (`watcher.rs`) polls every node's `GET /strata/node` every `poll`
 //!   (concurrently, with a timeout) and publishes a [`placement::Snapshot`] of those that
 //!   answered; the placer rebases on each.
+//! - **A create counts in the overlay while in flight** (`placement::Placer::sent`): a node
+//!   busy with a burst counts a create seconds after it was sent, and answers polls late (a
+//!   slow node's last status is kept, as old as it is). So the front names itself on every
+//!   create it forwards (`x-strata-front`, a random id per run), each node's status says how
+//!   many creates of each front it counts, and the overlay drops exactly those; the others
+//!   count until shown, or until a poll `settle` after their answer (a node that restarted),
+//!   a refused or failed one at its answer.
 //!
 //! ## Invariants
 //! - The front keeps nothing a restart loses: the snapshot is rebuilt by the first poll
@@ -90,6 +97,8 @@ impl Default for FrontConfig {
 
 /// One front instance.
 pub struct Front {
+    /// This run's name on the creates it forwards ([`crate::cluster::FRONT_HEADER`]).
+    id: String,
     keys: Vec<String>,
     client: proxy::Client,
     watcher: Arc<watcher::Watcher>,
@@ -137,9 +146,12 @@ impl Front {
             placement::PlacerConfig {
                 overlay: true,
                 overlay_weight: cfg.overlay_weight,
-                // A create shows in the node's status from its arrival there
-                // (`crate::cluster`), which a node busy with a burst can be slow to read.
-                settle: Duration::from_secs(3),
+                // A create counts in the overlay until its node's answer (in flight, see
+                // `place`), then until a poll sent `settle` after it: the node counts it
+                // from its arrival (`crate::cluster`), so by its answer at the latest.
+                settle: Duration::from_secs(1),
+                // An unanswered create counts as long as the front waits for its answer.
+                overlay_ttl: place::CREATE_TIMEOUT + Duration::from_secs(1),
                 max_attempts: cfg.max_attempts,
                 ..Default::default()
             },
@@ -148,6 +160,7 @@ impl Front {
         )
         .map_err(|e| Error::BadRequest(e.to_string()))?;
         let front = Arc::new(Front {
+            id: crate::state::random_token(16),
             keys,
             client,
             watcher,
@@ -161,7 +174,19 @@ impl Front {
             .clone()
             .spawn(move |snapshot| match weak.upgrade() {
                 Some(f) => {
-                    f.placer().set_snapshot(snapshot);
+                    // What each node's status (the same poll's) counts of this front's
+                    // creates: those in flight it shows leave the overlay.
+                    let view = f.watcher.view();
+                    let seen: Vec<(placement::NodeId, u64)> = view
+                        .status
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(i, s)| {
+                            let n = *s.as_ref()?.fronts_seen.get(&f.id)?;
+                            Some((placement::NodeId(i as u32), n))
+                        })
+                        .collect();
+                    f.placer().set_snapshot_seen(snapshot, &seen);
                     true
                 }
                 None => false,

@@ -27,7 +27,7 @@ struct NewSandbox {
 
 /// A create that has waited this long for its node's answer is the client's to retry: it
 /// may have happened.
-const CREATE_TIMEOUT: Duration = Duration::from_secs(300);
+pub(crate) const CREATE_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Which limit a refusal's message names (the node's `admission` wording).
 fn reason_of(message: &str) -> RefusalReason {
@@ -96,26 +96,31 @@ pub async fn create(front: &Arc<Front>, req: hyper::Request<Incoming>) -> Respon
     for _ in 0..front.max_attempts {
         // Chosen and counted in the overlay at once: the creates of a burst arrive together,
         // and each must see the ones chosen before it (not only those answered).
-        let node = {
+        // In flight until the node answers: a busy node may count it only seconds later,
+        // and no snapshot before its answer can be known to show it.
+        let (node, ticket) = {
             let mut placer = front.placer();
             let now = front.now();
             match placer.choose(&request, now, &excluded) {
-                Ok(n) => {
-                    placer.placed(n, &request, now);
-                    n
-                }
+                Ok(n) => (n, placer.sent(n, &request, now)),
                 Err(_) => break,
             }
         };
+        let answered = |admitted: bool| front.placer().answered(ticket, front.now(), admitted);
         let n = node.0 as usize;
+        tracing::debug!("front: create {ticket:?} sent to node {n}");
         let out = match forward_create(front, n, &parts, bytes.clone()) {
             Ok(r) => r,
-            Err(e) => return error(&e),
+            Err(e) => {
+                answered(false);
+                return error(&e);
+            }
         };
         let answer = tokio::time::timeout(CREATE_TIMEOUT, proxy::send(front, n, out)).await;
         excluded.push(node);
         match answer {
             Ok(Ok(resp)) if resp.status() == http::StatusCode::TOO_MANY_REQUESTS => {
+                answered(false);
                 let (p, b) = resp.into_parts();
                 let b = crate::http::read_body(b, crate::MAX_JSON_BODY)
                     .await
@@ -136,8 +141,14 @@ pub async fn create(front: &Arc<Front>, req: hyper::Request<Incoming>) -> Respon
                 );
                 last = Some(hyper::Response::from_parts(p, Body::full(b)));
             }
-            Ok(Ok(resp)) => return resp.map(Body::proxied),
+            Ok(Ok(resp)) => {
+                // Any other answer is the node's last word on this create: admitted (2xx)
+                // it counts there; a client error (a bad request, say) made nothing.
+                answered(resp.status().is_success());
+                return resp.map(Body::proxied);
+            }
             Ok(Err(e)) => {
+                answered(false);
                 tracing::info!(
                     "front: create on {} failed ({e}); trying another node",
                     front.watcher.nodes()[n].url
@@ -158,6 +169,7 @@ pub async fn create(front: &Arc<Front>, req: hyper::Request<Incoming>) -> Respon
                 ));
             }
             Err(_) => {
+                // It may yet happen: it stays in flight until the overlay's TTL.
                 return error_with(
                     504,
                     &format!(
@@ -165,7 +177,7 @@ pub async fn create(front: &Arc<Front>, req: hyper::Request<Incoming>) -> Respon
                         front.watcher.nodes()[n].url,
                         CREATE_TIMEOUT.as_secs()
                     ),
-                )
+                );
             }
         }
     }
@@ -199,6 +211,7 @@ fn forward_create(
             b = b.header(k, v);
         }
     }
+    b = b.header(crate::cluster::FRONT_HEADER, &front.id);
     b.body(proxy::full(body))
         .map_err(|e| Error::BadRequest(format!("create: {e}")))
 }

@@ -367,6 +367,22 @@ impl Watcher {
                 self.view().snapshot.clone()
             }
         };
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            let seen: Vec<String> = snapshot
+                .nodes()
+                .iter()
+                .enumerate()
+                .map(|(p, n)| {
+                    format!(
+                        "{}: {} sandboxes as of {:?}",
+                        n.id.0,
+                        n.sandboxes,
+                        snapshot.taken_at_of(p)
+                    )
+                })
+                .collect();
+            tracing::debug!("front: poll at {taken:?}: {}", seen.join(", "));
+        }
         self.polls.send_modify(|n| *n += 1);
         snapshot
     }
