@@ -13,7 +13,14 @@
 //! * identical chunks (same blake3 of their block-padded bytes) are stored once and
 //!   referenced by several chunk indexes;
 //! * chunks that are all zero, or lie in a hole of the source file, are not stored: their
-//!   index is the hole marker (`NULL_ADDR`) and they read as zeros.
+//!   index is the hole marker (`NULL_ADDR`) and they read as zeros;
+//! * with a [`ChunkDictionary`] (the chunks of blobs already stored: earlier versions of the
+//!   layer, its kind's other layers), a full chunk the dictionary holds is not stored again:
+//!   its index points into that blob, an extra device (ids 2.. in order of first use, at most
+//!   [`MAX_DICT_DEVICES`]); the layer then needs those blobs too ([`LayerStats::devices`]).
+//!   A dictionary blob's chunk `j` is 256 KiB at blob offset `j × 256 KiB`, so an index at
+//!   block `j × 64` of its device reads exactly the chunk the dictionary's digest names,
+//!   whatever the blob held there (a full chunk, or packed tails that happen to be equal).
 //!
 //! File data is streamed through one 256 KiB buffer. The blob's blake3 digest is computed
 //! after it is complete (a second, sequential read) and becomes the device tag (unless the
@@ -41,6 +48,89 @@ pub const CHUNK_FORMAT: u16 = CHUNK_FORMAT_INDEXES | CHUNK_BLKBITS;
 /// The device id chunk indexes use for the blob.
 pub const BLOB_DEVICE_ID: u16 = 1;
 
+/// At most this many blobs besides its own a layer's chunks point into (the device table's
+/// extra slots reserved when a dictionary is given).
+pub const MAX_DICT_DEVICES: usize = 31;
+
+/// At most this many chunks a [`ChunkDictionary`] holds (about 64 MiB of memory; 256 GiB of
+/// chunks).
+pub const MAX_DICT_CHUNKS: usize = 1 << 20;
+
+/// The chunks of stored blobs a build may point into instead of storing them again: per
+/// blob its device tag and size, and each full 256 KiB chunk's blake3. Bounded: at most
+/// [`MAX_DICT_DEVICES`] blobs and [`MAX_DICT_CHUNKS`] chunks; a chunk held twice keeps its
+/// first blob.
+#[derive(Debug, Default, Clone)]
+pub struct ChunkDictionary {
+    blobs: Vec<DictBlob>,
+    chunks: HashMap<[u8; 32], (u32, u32)>,
+}
+
+#[derive(Debug, Clone)]
+struct DictBlob {
+    tag: Vec<u8>,
+    blocks: u64,
+}
+
+impl ChunkDictionary {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a blob of `size` bytes (a multiple of 4 KiB: a layer's data blob), tagged `tag`
+    /// (what the device table names it by: Strata's blob digest in hex), whose chunks have
+    /// the blake3 digests `digests` (one per 256 KiB chunk, the last possibly shorter). Its
+    /// index among the added blobs, or `None` if the dictionary is full or the blob is not a
+    /// layer blob (size not whole blocks, too large, a tag over 64 bytes, digests that do not
+    /// match the size).
+    pub fn add_blob(&mut self, tag: &[u8], size: u64, digests: &[[u8; 32]]) -> Option<usize> {
+        let blocks = size / BLOCK_SIZE;
+        if self.blobs.len() >= MAX_DICT_DEVICES
+            || tag.len() > 64
+            || size % BLOCK_SIZE != 0
+            || blocks > u64::from(u32::MAX)
+            || digests.len() as u64 != size.div_ceil(CHUNK_SIZE)
+        {
+            return None;
+        }
+        let b = self.blobs.len() as u32;
+        let zero = zero_chunk_digest();
+        for (j, d) in digests.iter().enumerate().take((size / CHUNK_SIZE) as usize) {
+            if self.chunks.len() >= MAX_DICT_CHUNKS {
+                break;
+            }
+            if *d != zero {
+                self.chunks.entry(*d).or_insert((b, j as u32));
+            }
+        }
+        self.blobs.push(DictBlob {
+            tag: tag.to_vec(),
+            blocks,
+        });
+        Some(b as usize)
+    }
+
+    /// Blobs added.
+    pub fn blobs(&self) -> usize {
+        self.blobs.len()
+    }
+
+    /// Distinct chunks held.
+    pub fn chunks(&self) -> usize {
+        self.chunks.len()
+    }
+
+    fn lookup(&self, digest: &[u8; 32]) -> Option<(u32, u32)> {
+        self.chunks.get(digest).copied()
+    }
+}
+
+/// blake3 of 256 KiB of zeros (such chunks are holes, never looked up).
+fn zero_chunk_digest() -> [u8; 32] {
+    static ZERO: std::sync::OnceLock<[u8; 32]> = std::sync::OnceLock::new();
+    *ZERO.get_or_init(|| *blake3::hash(&vec![0u8; CHUNK_SIZE as usize]).as_bytes())
+}
+
 /// Options for [`build_layer`].
 #[derive(Debug, Clone, Default)]
 #[non_exhaustive]
@@ -50,6 +140,9 @@ pub struct LayerOptions {
     /// The blob's device tag (at most 64 bytes). `None`: the blob's blake3 digest as 64
     /// lowercase hex characters (filling the tag, no NUL), which is what Strata names blobs by.
     pub tag: Option<Vec<u8>>,
+    /// Chunks already stored elsewhere, pointed at instead of stored again (`None`: the
+    /// layer's data is all in its own blob).
+    pub dictionary: Option<std::sync::Arc<ChunkDictionary>>,
 }
 
 /// What [`build_layer`] wrote.
@@ -70,6 +163,11 @@ pub struct LayerStats {
     pub hole_chunks: u64,
     /// Blob bytes occupied by stored chunks (the rest is alignment padding).
     pub stored_bytes: u64,
+    /// The dictionary's blobs the meta image points into, in device order (device id 2 is
+    /// `devices[0]`): indexes of [`ChunkDictionary::add_blob`]. Empty without a dictionary.
+    pub devices: Vec<usize>,
+    /// Chunk indexes that point into a dictionary's blob (not stored in this blob).
+    pub dict_chunks: u64,
 }
 
 impl LayerStats {
@@ -143,6 +241,8 @@ pub fn build_layer_from(
         unique_chunks: blob.unique_chunks,
         hole_chunks: blob.hole_chunks,
         stored_bytes: blob.stored_blocks * BLOCK_SIZE,
+        devices: blob.used.clone(),
+        dict_chunks: blob.dict_chunks,
     })
 }
 
@@ -165,6 +265,12 @@ pub(crate) struct BlobWriter {
     unique_chunks: u64,
     hole_chunks: u64,
     stored_blocks: u64,
+    dict: Option<std::sync::Arc<ChunkDictionary>>,
+    /// Dictionary blobs pointed into, in order of first use (device id = 2 + position).
+    used: Vec<usize>,
+    /// Dictionary blob → its device id here.
+    device_of: HashMap<u32, u16>,
+    dict_chunks: u64,
 }
 
 impl BlobWriter {
@@ -193,7 +299,16 @@ impl BlobWriter {
             unique_chunks: 0,
             hole_chunks: 0,
             stored_blocks: 0,
+            dict: opts.dictionary.clone(),
+            used: Vec::new(),
+            device_of: HashMap::new(),
+            dict_chunks: 0,
         })
+    }
+
+    /// Device table slots the meta image reserves: the blob's, and one per dictionary blob.
+    pub(crate) fn device_slots(&self) -> usize {
+        1 + self.dict.as_ref().map_or(0, |d| d.blobs())
     }
 
     /// Streams one regular file into the blob and appends its `ceil(size / CHUNK_SIZE)`
@@ -256,10 +371,10 @@ impl BlobWriter {
     fn add_chunk(&mut self, data: &[u8], idx: &mut Vec<u8>) -> Result<()> {
         match self.store(data)? {
             None => self.add_holes(1, idx),
-            Some(blk) => {
+            Some((device, blk)) => {
                 let e = ChunkIndex {
                     startblk_hi: 0.into(),
-                    device_id: BLOB_DEVICE_ID.into(),
+                    device_id: device.into(),
                     startblk_lo: blk.into(),
                 };
                 idx.extend_from_slice(e.as_bytes());
@@ -281,8 +396,9 @@ impl BlobWriter {
         self.hole_chunks += n;
     }
 
-    /// Stores one chunk's bytes (unless all zero: `None`) and returns its start block.
-    fn store(&mut self, data: &[u8]) -> Result<Option<u32>> {
+    /// Stores one chunk's bytes (unless all zero: `None`) and returns its device and start
+    /// block: in this blob, or in a dictionary blob that holds it already.
+    fn store(&mut self, data: &[u8]) -> Result<Option<(u16, u32)>> {
         if data.iter().all(|&b| b == 0) {
             return Ok(None);
         }
@@ -293,7 +409,22 @@ impl BlobWriter {
         h.update(&[0u8; BLOCK_SIZE as usize][..pad]);
         let key = (blocks, *h.finalize().as_bytes());
         if let Some(&blk) = self.stored.get(&key) {
-            return Ok(Some(blk));
+            return Ok(Some((BLOB_DEVICE_ID, blk)));
+        }
+        if blocks == CHUNK_BLOCKS {
+            if let Some((b, j)) = self.dict.as_ref().and_then(|d| d.lookup(&key.1)) {
+                let device = match self.device_of.get(&b) {
+                    Some(&d) => d,
+                    None => {
+                        let d = BLOB_DEVICE_ID + 1 + self.used.len() as u16;
+                        self.used.push(b as usize);
+                        self.device_of.insert(b, d);
+                        d
+                    }
+                };
+                self.dict_chunks += 1;
+                return Ok(Some((device, j << CHUNK_BLKBITS)));
+            }
         }
         let start = self.place(blocks);
         let blk = u32::try_from(start)
@@ -305,7 +436,7 @@ impl BlobWriter {
         self.stored.insert(key, blk);
         self.unique_chunks += 1;
         self.stored_blocks += blocks;
-        Ok(Some(blk))
+        Ok(Some((BLOB_DEVICE_ID, blk)))
     }
 
     /// Chooses the start block of a new chunk of `blocks` blocks (see the module docs).
@@ -334,9 +465,10 @@ impl BlobWriter {
         start
     }
 
-    /// Completes the blob (length, fsync, digest) and returns its device slot;
-    /// `meta_blocks` is the meta image's size (the blob's place in the flat address space).
-    pub(crate) fn finish(&mut self, meta_blocks: u32) -> Result<DeviceSlot> {
+    /// Completes the blob (length, fsync, digest) and returns the device table: the blob's
+    /// slot, then the dictionary blobs pointed into; `meta_blocks` is the meta image's size
+    /// (the blob's place in the flat address space, the others' after it).
+    pub(crate) fn finish(&mut self, meta_blocks: u32) -> Result<Vec<DeviceSlot>> {
         let ctx = || format!("write {}", self.path.display());
         self.file
             .set_len(self.blocks * BLOCK_SIZE)
@@ -369,7 +501,22 @@ impl BlobWriter {
             .into();
         // Where the blob would start if appended to the meta image (flat addressing).
         slot.mapped_blkaddr_lo = meta_blocks.into();
-        Ok(slot)
+        let mut slots = vec![slot];
+        let mut next = u64::from(meta_blocks) + self.blocks;
+        if let Some(dict) = &self.dict {
+            for &b in &self.used {
+                let d = &dict.blobs[b];
+                let mut slot = DeviceSlot::default();
+                slot.tag[..d.tag.len()].copy_from_slice(&d.tag);
+                slot.blocks_lo = (d.blocks as u32).into();
+                slot.mapped_blkaddr_lo = u32::try_from(next)
+                    .map_err(|_| Error::TooLarge("devices of 2^32 blocks or more".into()))?
+                    .into();
+                next += d.blocks;
+                slots.push(slot);
+            }
+        }
+        Ok(slots)
     }
 }
 

@@ -68,7 +68,7 @@ mod source;
 pub mod tar;
 mod writer;
 
-pub use layer::{build_layer, build_layer_from, LayerOptions, LayerStats};
+pub use layer::{build_layer, build_layer_from, ChunkDictionary, LayerOptions, LayerStats};
 pub use reader::{DeviceInfo, DirEntry, Extent, FileType, Image, Inode, Location};
 pub use source::{Phase, Progress, ProgressSnapshot, Source, TarOptions};
 pub use writer::{build_image, build_image_from, BuildOptions, BuildStats};

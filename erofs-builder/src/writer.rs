@@ -271,7 +271,8 @@ pub(crate) fn build(
         }
     };
     let (epoch, epoch_nsec) = opts.epoch.unwrap_or((nodes[0].mtime, nodes[0].mtime_nsec));
-    let total_blocks = layout(&mut nodes, epoch, epoch_nsec, blob.is_some())?;
+    let device_slots = blob.as_ref().map_or(0, |b| b.device_slots());
+    let total_blocks = layout(&mut nodes, epoch, epoch_nsec, device_slots)?;
     let regular = nodes.iter().filter(|n| matches!(n.kind, Kind::Reg));
     let (files, bytes) = regular.fold((0, 0), |(f, b), n| (f + 1, b + n.size));
     progress.totals(files, bytes);
@@ -704,14 +705,15 @@ impl MetaAllocator {
 }
 
 /// Assigns inode forms, inline tails, positions and block addresses; returns total blocks.
-fn layout(nodes: &mut [Node], epoch: i64, epoch_nsec: u32, layer: bool) -> Result<u32> {
+fn layout(nodes: &mut [Node], epoch: i64, epoch_nsec: u32, device_slots: usize) -> Result<u32> {
     for i in 0..nodes.len() {
         if matches!(nodes[i].kind, Kind::Dir { .. }) {
             nodes[i].size = dir_size(nodes, i);
         }
     }
-    // Layer images keep the one-slot device table right after the superblock.
-    let meta_start = SUPER_OFFSET + 128 + if layer { DEVT_SLOT_SIZE } else { 0 };
+    // Layer images keep their device table right after the superblock (one slot, or one
+    // more per blob a chunk dictionary may make it point into).
+    let meta_start = SUPER_OFFSET + 128 + device_slots as u64 * DEVT_SLOT_SIZE;
     let mut slots = MetaAllocator::new(meta_start);
     for n in nodes.iter_mut() {
         n.extended = n.uid > 0xffff
@@ -728,7 +730,7 @@ fn layout(nodes: &mut [Node], epoch: i64, epoch_nsec: u32, layer: bool) -> Resul
             });
         }
         let head = n.inode_size() + xsize;
-        n.chunked = layer && matches!(n.kind, Kind::Reg) && n.size > 0;
+        n.chunked = device_slots > 0 && matches!(n.kind, Kind::Reg) && n.size > 0;
         if n.chunked {
             // Chunk indexes follow the inode and xattrs, 8-byte aligned.
             let chunks = n.size.div_ceil(crate::layer::CHUNK_SIZE);
@@ -853,13 +855,15 @@ fn write_image(
     out.set_len(stats.image_bytes).map_err(io_err(ctx()))?;
     if let Some(blob) = blob {
         // The blob is complete: its size and digest (the default tag) are known now.
-        let slot = blob.finish(total_blocks)?;
+        let slots = blob.finish(total_blocks)?;
         sb.feature_incompat =
             (ondisk::FEATURE_INCOMPAT_CHUNKED_FILE | ondisk::FEATURE_INCOMPAT_DEVICE_TABLE).into();
-        sb.extra_devices = 1.into();
+        sb.extra_devices = (slots.len() as u16).into();
         sb.devt_slotoff = (((SUPER_OFFSET + 128) / DEVT_SLOT_SIZE) as u16).into();
-        out.write_all_at(slot.as_bytes(), SUPER_OFFSET + 128)
-            .map_err(io_err(ctx()))?;
+        for (i, slot) in slots.iter().enumerate() {
+            out.write_all_at(slot.as_bytes(), SUPER_OFFSET + 128 + i as u64 * DEVT_SLOT_SIZE)
+                .map_err(io_err(ctx()))?;
+        }
     }
     // The checksum covers the rest of block 0 (first inodes included): read it back.
     let mut block0 = vec![0u8; (BLOCK_SIZE - SUPER_OFFSET) as usize];

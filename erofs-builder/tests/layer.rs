@@ -343,3 +343,100 @@ fn reader_never_panics_on_mutated_layers() {
         erofs_builder::reader::fuzz_read_all(&base[..cut.min(base.len())]);
     }
 }
+
+/// The blake3 of each 256 KiB chunk of `blob` (what a store's chunk table holds).
+fn chunk_digests(blob: &Path) -> Vec<[u8; 32]> {
+    std::fs::read(blob)
+        .unwrap()
+        .chunks(CHUNK_SIZE as usize)
+        .map(|c| *blake3::hash(c).as_bytes())
+        .collect()
+}
+
+#[test]
+fn a_layer_deduped_against_stored_blobs_points_into_them_and_reads_exactly() {
+    if !require_root("a_layer_deduped_against_stored_blobs_points_into_them_and_reads_exactly") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // Version 1: multi-chunk files, small files.
+    let v1 = dir.path().join("v1");
+    std::fs::create_dir(&v1).unwrap();
+    for i in 0..6u64 {
+        write(
+            &v1.join(format!("big{i}")),
+            &common::bytes(100 + i, 3 * CHUNK_SIZE as usize + 777),
+        );
+    }
+    write(&v1.join("small"), b"v1 small");
+    let (m1, b1) = (dir.path().join("m1"), dir.path().join("b1"));
+    let s1 = build_layer(&v1, &m1, &b1, &LayerOptions::default()).unwrap();
+    // An unrelated blob in the dictionary too (nothing of it is used).
+    let other = dir.path().join("other");
+    std::fs::create_dir(&other).unwrap();
+    write(&other.join("x"), &common::bytes(999, 2 * CHUNK_SIZE as usize));
+    let (mo, bo) = (dir.path().join("mo"), dir.path().join("bo"));
+    let so = build_layer(&other, &mo, &bo, &LayerOptions::default()).unwrap();
+    // Version 2: one chunk of big2 changed, big5 gone, a new file, small changed.
+    let v2 = dir.path().join("v2");
+    std::fs::create_dir(&v2).unwrap();
+    for i in 0..5u64 {
+        let mut data = common::bytes(100 + i, 3 * CHUNK_SIZE as usize + 777);
+        if i == 2 {
+            data[CHUNK_SIZE as usize + 5] ^= 0xff;
+        }
+        write(&v2.join(format!("big{i}")), &data);
+    }
+    write(&v2.join("new"), &common::bytes(500, 2 * CHUNK_SIZE as usize));
+    write(&v2.join("small"), b"v2 small");
+    let mut dict = erofs_builder::ChunkDictionary::new();
+    assert_eq!(
+        dict.add_blob(
+            so.blob_blake3_hex().as_bytes(),
+            so.blob_bytes,
+            &chunk_digests(&bo)
+        ),
+        Some(0)
+    );
+    assert_eq!(
+        dict.add_blob(
+            s1.blob_blake3_hex().as_bytes(),
+            s1.blob_bytes,
+            &chunk_digests(&b1)
+        ),
+        Some(1)
+    );
+    // Not a layer blob: refused.
+    assert_eq!(dict.add_blob(b"x", 4097, &[[0; 32]; 2]), None);
+    assert_eq!(dict.add_blob(b"x", 4096, &[]), None);
+    let mut opts = LayerOptions::default();
+    opts.dictionary = Some(std::sync::Arc::new(dict));
+    let (m2, b2) = (dir.path().join("m2"), dir.path().join("b2"));
+    let s2 = build_layer(&v2, &m2, &b2, &opts).unwrap();
+    // 5 files × 3 full chunks, one changed: 14 point into v1's blob; the new file's 2
+    // chunks, the changed one and the tails are stored.
+    assert_eq!(s2.dict_chunks, 14, "{s2:?}");
+    assert_eq!(s2.devices, vec![1], "only v1's blob is a device");
+    assert!(s2.blob_bytes <= 4 * CHUNK_SIZE, "{s2:?}");
+    let img = Image::open(&m2).unwrap();
+    let dt = img.device_table();
+    assert_eq!(dt.len(), 2);
+    assert_eq!(dt[1].tag, s1.blob_blake3_hex().into_bytes());
+    assert_eq!(u64::from(dt[1].blocks) * 4096, s1.blob_bytes);
+    // The kernel, fsck.erofs and our reader, with both devices in table order.
+    let mnt = tempfile::tempdir().unwrap();
+    {
+        let _guard = mount_erofs(&m2, &[&b2, &b1], mnt.path());
+        let n = compare_trees(&v2, mnt.path(), EXACT);
+        assert_eq!(n, 7, "compared {n} entries");
+    }
+    fsck(Path::new("fsck.erofs"), &m2, &[&b2, &b1], &[]);
+    let reader = Image::open_with_devices(&m2, &[&b2, &b1]).unwrap();
+    compare_image(&v2, &reader, true);
+    assert!(Image::open_with_devices(&m2, &[&b2]).is_err());
+    // Deterministic given the same dictionary.
+    let (m3, b3) = (dir.path().join("m3"), dir.path().join("b3"));
+    let s3 = build_layer(&v2, &m3, &b3, &opts).unwrap();
+    assert_eq!(s3, s2);
+    assert!(std::fs::read(&m3).unwrap() == std::fs::read(&m2).unwrap());
+}
