@@ -127,7 +127,9 @@ fn draw(s: &ProgressSnapshot, elapsed: Duration) {
     let _ = std::io::stderr().flush();
 }
 
-/// Build a lazy layer (meta image + data blob) from `source`.
+/// Build a lazy layer (meta image + data blob) from `source`, against `dictionary` if given
+/// (`crate::dedup`).
+#[allow(clippy::too_many_arguments)]
 pub async fn build_layer(
     input: &InputArgs,
     source: &Path,
@@ -136,10 +138,12 @@ pub async fn build_layer(
     timestamp: Option<i64>,
     no_xattrs: bool,
     json: bool,
+    dictionary: Option<std::sync::Arc<erofs_builder::ChunkDictionary>>,
 ) -> Result<erofs_builder::LayerStats> {
     input.check_chunk_size()?;
     let progress = Progress::new();
     let mut opts = erofs_builder::LayerOptions::default();
+    opts.dictionary = dictionary;
     opts.build.epoch = timestamp.map(|t| (t, 0));
     opts.build.xattrs = !no_xattrs;
     opts.build.progress = Some(progress.clone());

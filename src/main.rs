@@ -7,6 +7,7 @@ mod api_cmd;
 mod bd_cmd;
 mod build_cmd;
 mod cache_cmd;
+mod dedup;
 mod image_cmd;
 mod metrics_cmd;
 mod node_cmd;
@@ -212,6 +213,15 @@ enum LayerCmd {
         /// Nodes read either the same way; their caches hold plain chunks.
         #[arg(long, default_value = "zstd")]
         compress: fs_cache::Compression,
+        /// Store every chunk in the layer's own blob, even those the store holds already (by
+        /// default a full 256 KiB chunk that a stored layer of the same kind has is pointed
+        /// at in that layer's blob, not uploaded again).
+        #[arg(long)]
+        no_dedup: bool,
+        /// Dedup against these layers first (then the other versions of KIND/NAME, then the
+        /// kind's other layers, newest first; at most 31 blobs).
+        #[arg(long = "dedup-from", conflicts_with = "no_dedup")]
+        dedup_from: Vec<String>,
     },
     /// Export a stack of layers (REFs lowest first, each with its parents) as an OCI image
     /// layout (--oci DIR or FILE.tar; one gzip/zstd layer tar per layer, whiteouts as OCI
@@ -687,8 +697,19 @@ async fn run(cli: Cli) -> Result<()> {
             timestamp,
             no_xattrs,
             compress,
+            no_dedup,
+            dedup_from,
         }) => {
             let layer: LayerRef = name.parse()?;
+            let dedup = if no_dedup {
+                None
+            } else {
+                let from = dedup_from
+                    .iter()
+                    .map(|p| p.parse::<LayerRef>())
+                    .collect::<Result<Vec<_>, _>>()?;
+                Some(dedup::dictionary(&store, &layer, &from).await?)
+            };
             let parents = parents
                 .iter()
                 .map(|p| p.parse::<LayerRef>())
@@ -700,7 +721,14 @@ async fn run(cli: Cli) -> Result<()> {
             let (meta_path, blob_path) = (tmp.path().join("meta.erofs"), tmp.path().join("blob"));
             let started = Instant::now();
             let stats = build_cmd::build_layer(
-                &input, &source, &meta_path, &blob_path, timestamp, no_xattrs, cli.json,
+                &input,
+                &source,
+                &meta_path,
+                &blob_path,
+                timestamp,
+                no_xattrs,
+                cli.json,
+                dedup.as_ref().map(|d| std::sync::Arc::new(d.dict.clone())),
             )
             .await?;
             let built = started.elapsed().as_secs_f64();
@@ -715,10 +743,16 @@ async fn run(cli: Cli) -> Result<()> {
             if blob.digest.0 != stats.blob_blake3 {
                 anyhow::bail!("the data blob changed between build and upload");
             }
+            // The layer's own blob, then the stored blobs its meta image points into (its
+            // device table's order).
+            let mut blobs = vec![blob.blob_ref()];
+            if let Some(d) = &dedup {
+                blobs.extend(stats.devices.iter().map(|&i| d.blobs[i].clone()));
+            }
             let mut manifest = Manifest::new(
                 layer.clone(),
                 Some(meta.blob_ref()),
-                vec![blob.blob_ref()],
+                blobs,
                 input.describe(&source),
             );
             manifest.parents = parents;
@@ -732,6 +766,13 @@ async fn run(cli: Cli) -> Result<()> {
                 v["meta_stored_bytes"] = serde_json::json!(meta.stored_size);
                 v["blob_stored_bytes"] = serde_json::json!(blob.stored_size);
                 v["compression"] = serde_json::json!(compress.to_string());
+                v["uploaded_bytes"] = serde_json::json!([&meta, &blob]
+                    .iter()
+                    .filter(|p| !p.existed)
+                    .map(|p| p.stored_size)
+                    .sum::<u64>());
+                v["dedup_chunks"] = serde_json::json!(stats.dict_chunks);
+                v["dedup_blobs"] = serde_json::json!(stats.devices.len());
                 v["build_seconds"] = serde_json::json!(built);
                 v["seconds"] = serde_json::json!(seconds);
                 print_json(&v)?;
@@ -743,14 +784,23 @@ async fn run(cli: Cli) -> Result<()> {
                         String::new()
                     }
                 };
+                let deduped = if stats.dict_chunks > 0 {
+                    format!(
+                        ", {} chunks in {} stored blob(s)",
+                        stats.dict_chunks,
+                        stats.devices.len()
+                    )
+                } else {
+                    String::new()
+                };
                 println!(
-                    "{layer}: {outcome:?}; meta image {}{} + blob {}{} ({} of {} chunks stored) from {} files, in {:.2} s",
+                    "{layer}: {outcome:?}; meta image {}{} + blob {}{} ({} of {} chunks stored{deduped}) from {} files, in {:.2} s",
                     human(meta.size),
                     stored(&meta),
                     human(blob.size),
                     stored(&blob),
                     stats.unique_chunks,
-                    stats.chunks,
+                    stats.chunks + stats.dict_chunks,
                     stats.meta.files,
                     seconds
                 );
@@ -785,7 +835,7 @@ async fn run(cli: Cli) -> Result<()> {
             no_xattrs,
         } => {
             let stats = build_cmd::build_layer(
-                &input, &source, &image, &blob, timestamp, no_xattrs, cli.json,
+                &input, &source, &image, &blob, timestamp, no_xattrs, cli.json, None,
             )
             .await?;
             if cli.json {

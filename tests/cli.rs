@@ -372,6 +372,7 @@ fn layer_build_pushes_a_lazy_layer_that_reads_back() {
         "1700000001",
         "--compress",
         "none",
+        "--no-dedup",
     ]));
     assert_eq!(plain["compression"], "none", "{plain}");
     let m2 = json(run(&["--json", "layer", "inspect", "workspace/w:2"]));
@@ -1155,4 +1156,164 @@ fn blob_cat_goes_through_a_running_daemon() {
         .output()
         .unwrap());
     stop_daemon(&guard);
+}
+
+/// Compare every regular file under `src` with its copy under `dst`; the count.
+fn same_files(src: &Path, dst: &Path) -> usize {
+    let mut n = 0;
+    for e in std::fs::read_dir(src).unwrap() {
+        let e = e.unwrap();
+        let (s, d) = (e.path(), dst.join(e.file_name()));
+        if e.file_type().unwrap().is_dir() {
+            n += same_files(&s, &d);
+        } else {
+            assert!(
+                std::fs::read(&s).unwrap() == std::fs::read(&d).unwrap(),
+                "{} differs",
+                d.display()
+            );
+            n += 1;
+        }
+    }
+    n
+}
+
+#[test]
+fn a_deduped_layer_reads_exactly_after_its_sources_and_unrelated_layers_are_gone() {
+    if !common::require_root(
+        "a_deduped_layer_reads_exactly_after_its_sources_and_unrelated_layers_are_gone",
+    ) {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let home = tmp.path().join("home");
+    let run_dir = tmp.path().join("run");
+    let mnt = tmp.path().join("mnt");
+    std::fs::create_dir_all(&mnt).unwrap();
+    let _guard = DaemonGuard {
+        run_dir: run_dir.clone(),
+        child: None,
+        mountpoints: vec![mnt.clone()],
+    };
+    let cmd = || {
+        let mut c = strata_cmd(&home, &store);
+        c.env("STRATA_RUN_DIR", &run_dir);
+        c
+    };
+    let chunk = 256 << 10;
+    let file = |seed: u32, len: usize| -> Vec<u8> {
+        let mut x = seed.wrapping_mul(2_654_435_761) | 1;
+        (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                x as u8
+            })
+            .collect()
+    };
+    // v1: ten files of four chunks and a tail; an unrelated layer of another kind.
+    let v1 = tmp.path().join("v1");
+    std::fs::create_dir_all(v1.join("lib")).unwrap();
+    for i in 0..10 {
+        std::fs::write(v1.join(format!("lib/f{i}")), file(i, 4 * chunk + 100)).unwrap();
+    }
+    let build = |src: &Path, name: &str, extra: &[&str]| {
+        json(
+            cmd()
+                .args(["--json", "layer", "build"])
+                .arg(src)
+                .args(["--name", name])
+                .args(extra)
+                .output()
+                .unwrap(),
+        )
+    };
+    let b1 = build(&v1, "toolkit/t:1", &[]);
+    assert_eq!(b1["dedup_chunks"], 0, "{b1}");
+    let other = tmp.path().join("other");
+    std::fs::create_dir_all(&other).unwrap();
+    std::fs::write(other.join("x"), file(99, 3 * chunk)).unwrap();
+    build(&other, "workspace/unrelated:1", &[]);
+    // v2: one file changed in one chunk, one removed, one added.
+    let v2 = tmp.path().join("v2");
+    std::fs::create_dir_all(v2.join("lib")).unwrap();
+    for i in 0..9 {
+        let mut d = file(i, 4 * chunk + 100);
+        if i == 3 {
+            d[2 * chunk + 7] ^= 1;
+        }
+        std::fs::write(v2.join(format!("lib/f{i}")), d).unwrap();
+    }
+    std::fs::write(v2.join("lib/new"), file(50, 2 * chunk)).unwrap();
+    let b2 = build(&v2, "toolkit/t:2", &[]);
+    // 9 files × 4 chunks, one changed: 35 in v1's blob; stored: 1 + 2 new chunks + tails.
+    assert_eq!(b2["dedup_chunks"], 35, "{b2}");
+    assert_eq!(b2["dedup_blobs"], 1, "{b2}");
+    assert!(
+        b2["uploaded_bytes"].as_u64().unwrap() < b1["uploaded_bytes"].as_u64().unwrap() / 4,
+        "v2 uploaded {} against v1's {}",
+        b2["uploaded_bytes"],
+        b1["uploaded_bytes"]
+    );
+    let m2 = json(
+        cmd()
+            .args(["--json", "layer", "inspect", "toolkit/t:2"])
+            .output()
+            .unwrap(),
+    );
+    let blobs: Vec<&str> = m2["blobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["digest"].as_str().unwrap())
+        .collect();
+    assert_eq!(blobs.len(), 2, "{m2}");
+    assert_eq!(blobs[1], b1["blob_digest"].as_str().unwrap());
+    // Without dedup: one blob holding everything.
+    let b3 = build(&v2, "toolkit/t:3", &["--no-dedup"]);
+    assert_eq!(b3["dedup_chunks"], 0, "{b3}");
+    // v1 removed and the unrelated layer too; gc keeps v1's blob (t:2 needs it).
+    ok(cmd().args(["layer", "rm", "toolkit/t:1"]).output().unwrap());
+    ok(cmd()
+        .args(["layer", "rm", "workspace/unrelated:1"])
+        .output()
+        .unwrap());
+    let report = json(
+        cmd()
+            .args(["--json", "gc", "--grace", "0s"])
+            .output()
+            .unwrap(),
+    );
+    let removed = report["removed"].as_array().unwrap();
+    assert!(
+        !removed.iter().any(|r| r
+            .as_str()
+            .unwrap()
+            .contains(b1["blob_digest"].as_str().unwrap())),
+        "v1's blob is still needed: {report}"
+    );
+    assert!(
+        removed.len() >= 3,
+        "v1's meta, the unrelated layer's: {report}"
+    );
+    // Mounted by the node (EROFS with both blobs as devices): every byte as built.
+    ok(cmd()
+        .args(["mount", "toolkit/t:2"])
+        .arg(&mnt)
+        .output()
+        .unwrap());
+    assert_eq!(same_files(&v2, &mnt), 10);
+    ok(cmd().arg("umount").arg(&mnt).output().unwrap());
+    // `layer export` reads it through the cache, both blobs.
+    let out = tmp.path().join("t2.erofs");
+    ok(cmd()
+        .args(["layer", "export", "toolkit/t:2", "--erofs"])
+        .arg(&out)
+        .output()
+        .unwrap());
+    let img = erofs_builder::Image::open(&out).unwrap();
+    let f3 = img.lookup("/lib/f3").unwrap();
+    assert!(img.read_data(&f3).unwrap() == std::fs::read(v2.join("lib/f3")).unwrap());
 }

@@ -95,7 +95,11 @@ impl ChunkDictionary {
         }
         let b = self.blobs.len() as u32;
         let zero = zero_chunk_digest();
-        for (j, d) in digests.iter().enumerate().take((size / CHUNK_SIZE) as usize) {
+        for (j, d) in digests
+            .iter()
+            .enumerate()
+            .take((size / CHUNK_SIZE) as usize)
+        {
             if self.chunks.len() >= MAX_DICT_CHUNKS {
                 break;
             }
@@ -378,7 +382,9 @@ impl BlobWriter {
                     startblk_lo: blk.into(),
                 };
                 idx.extend_from_slice(e.as_bytes());
-                self.chunks += 1;
+                if device == BLOB_DEVICE_ID {
+                    self.chunks += 1;
+                }
             }
         }
         Ok(())

@@ -861,8 +861,11 @@ fn write_image(
         sb.extra_devices = (slots.len() as u16).into();
         sb.devt_slotoff = (((SUPER_OFFSET + 128) / DEVT_SLOT_SIZE) as u16).into();
         for (i, slot) in slots.iter().enumerate() {
-            out.write_all_at(slot.as_bytes(), SUPER_OFFSET + 128 + i as u64 * DEVT_SLOT_SIZE)
-                .map_err(io_err(ctx()))?;
+            out.write_all_at(
+                slot.as_bytes(),
+                SUPER_OFFSET + 128 + i as u64 * DEVT_SLOT_SIZE,
+            )
+            .map_err(io_err(ctx()))?;
         }
     }
     // The checksum covers the rest of block 0 (first inodes included): read it back.

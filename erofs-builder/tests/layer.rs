@@ -374,7 +374,10 @@ fn a_layer_deduped_against_stored_blobs_points_into_them_and_reads_exactly() {
     // An unrelated blob in the dictionary too (nothing of it is used).
     let other = dir.path().join("other");
     std::fs::create_dir(&other).unwrap();
-    write(&other.join("x"), &common::bytes(999, 2 * CHUNK_SIZE as usize));
+    write(
+        &other.join("x"),
+        &common::bytes(999, 2 * CHUNK_SIZE as usize),
+    );
     let (mo, bo) = (dir.path().join("mo"), dir.path().join("bo"));
     let so = build_layer(&other, &mo, &bo, &LayerOptions::default()).unwrap();
     // Version 2: one chunk of big2 changed, big5 gone, a new file, small changed.
@@ -387,7 +390,10 @@ fn a_layer_deduped_against_stored_blobs_points_into_them_and_reads_exactly() {
         }
         write(&v2.join(format!("big{i}")), &data);
     }
-    write(&v2.join("new"), &common::bytes(500, 2 * CHUNK_SIZE as usize));
+    write(
+        &v2.join("new"),
+        &common::bytes(500, 2 * CHUNK_SIZE as usize),
+    );
     write(&v2.join("small"), b"v2 small");
     let mut dict = erofs_builder::ChunkDictionary::new();
     assert_eq!(

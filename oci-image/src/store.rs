@@ -145,12 +145,13 @@ pub async fn resolve_stack(store: &Store, refs: &[LayerRef]) -> Result<Vec<Manif
     Ok(out)
 }
 
-/// A layer's data read through the chunk cache (device 1 = its blob). Blocking: call from a
-/// thread outside the async runtime (e.g. `spawn_blocking`).
+/// A layer's data read through the chunk cache (device `d` = the manifest's blob `d - 1`:
+/// its own, then those a deduped layer points into). Blocking: call from a thread outside
+/// the async runtime (e.g. `spawn_blocking`).
 #[derive(Debug)]
 pub struct CacheData {
     cache: ChunkCache,
-    blob: Digest,
+    blobs: Vec<Digest>,
     rt: tokio::runtime::Handle,
 }
 
@@ -159,21 +160,24 @@ const READ_MAX: u64 = 4 << 20;
 
 impl LayerData for CacheData {
     fn read_at(&self, device: u16, offset: u64, buf: &mut [u8]) -> Result<()> {
-        if device != 1 {
-            return Err(Error::Unsupported(format!(
-                "chunk on device {device}; Strata layers have one blob (device 1)"
-            )));
-        }
+        let blob = usize::from(device)
+            .checked_sub(1)
+            .and_then(|i| self.blobs.get(i))
+            .ok_or_else(|| {
+                erofs_builder::Error::Corrupt(format!(
+                    "chunk on device {device}, not in the layer's {} blob(s)",
+                    self.blobs.len()
+                ))
+            })?;
         let mut done = 0usize;
         while done < buf.len() {
             let want = ((buf.len() - done) as u64).min(READ_MAX);
             let b = self
                 .rt
-                .block_on(self.cache.read(&self.blob, offset + done as u64, want))?;
+                .block_on(self.cache.read(blob, offset + done as u64, want))?;
             if b.is_empty() {
                 return Err(erofs_builder::Error::Corrupt(format!(
-                    "chunk index points past the end of blob {}",
-                    self.blob
+                    "chunk index points past the end of blob {blob}"
                 ))
                 .into());
             }
@@ -197,7 +201,7 @@ pub struct StoredLayer {
 
 impl StoredLayer {
     /// Fetches the meta image (verified whole) and checks that its device table names the
-    /// layer's blob.
+    /// layer's blobs, in order.
     pub async fn open(store: &Store, cache: &ChunkCache, manifest: Manifest) -> Result<Self> {
         let meta = manifest.meta.as_ref().ok_or_else(|| {
             Error::Unsupported(format!(
@@ -207,22 +211,25 @@ impl StoredLayer {
         })?;
         let bytes = store.get_blob(&meta.digest).await?;
         let image = Image::from_bytes(bytes.to_vec())?;
-        let blob = match (manifest.blobs.as_slice(), image.device_table()) {
-            ([b], [d]) if d.tag == b.digest.to_hex().as_bytes() => b.digest,
-            ([], []) => Digest::of(b""),
-            _ => {
-                return Err(Error::Unsupported(format!(
-                    "{}: the meta image's device table does not name the layer's one blob",
-                    manifest.layer
-                )))
-            }
-        };
+        let table = image.device_table();
+        let named = table.len() == manifest.blobs.len()
+            && table
+                .iter()
+                .zip(&manifest.blobs)
+                .all(|(d, b)| d.tag == b.digest.to_hex().as_bytes());
+        if !named {
+            return Err(Error::Unsupported(format!(
+                "{}: the meta image's device table does not name the layer's blobs",
+                manifest.layer
+            )));
+        }
+        let blobs = manifest.blobs.iter().map(|b| b.digest).collect();
         Ok(StoredLayer {
             manifest,
             image,
             data: CacheData {
                 cache: cache.clone(),
-                blob,
+                blobs,
                 rt: tokio::runtime::Handle::current(),
             },
         })
