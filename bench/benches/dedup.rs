@@ -156,7 +156,15 @@ fn check_export(node: &LocalNode, name: &str, tree: &Path) {
     println!("  {name}: all {n} files read back exactly through the cache");
 }
 
-fn report(what: &str, layers: usize, data: u64, on: &LocalNode, off: &LocalNode, d: &Side, p: &Side) {
+fn report(
+    what: &str,
+    layers: usize,
+    data: u64,
+    on: &LocalNode,
+    off: &LocalNode,
+    d: &Side,
+    p: &Side,
+) {
     let stored = |n: &LocalNode| du(&Path::new(&n.store).join("blobs"));
     let (s_on, s_off) = (stored(on), stored(off));
     println!(
@@ -221,7 +229,9 @@ fn main() {
                 if h.as_bytes()[0] % 20 != 0 {
                     continue;
                 }
-                let Ok(mut b) = std::fs::read(f) else { continue };
+                let Ok(mut b) = std::fs::read(f) else {
+                    continue;
+                };
                 if b.is_empty() {
                     continue;
                 }

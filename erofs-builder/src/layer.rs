@@ -21,6 +21,13 @@
 //!   A dictionary blob's chunk `j` is 256 KiB at blob offset `j × 256 KiB`, so an index at
 //!   block `j × 64` of its device reads exactly the chunk the dictionary's digest names,
 //!   whatever the blob held there (a full chunk, or packed tails that happen to be equal).
+//! * packed tails dedup too, in a second pass (sources that can be read twice: a directory
+//!   or an upper): the first pass's blob chunks that the dictionary holds (a run of small
+//!   files packed as in an earlier version) are remembered; the second pass, laying out
+//!   exactly the same way, points each tail that falls wholly inside one of them at the same
+//!   offset of the dictionary's chunk instead of writing it, after checking its bytes equal
+//!   the first pass's there (a source changed between the passes is written, never
+//!   mis-pointed). The space stays in the blob, as zeros (stored as an almost empty frame).
 //!
 //! File data is streamed through one 256 KiB buffer. The blob's blake3 digest is computed
 //! after it is complete (a second, sequential read) and becomes the device tag (unless the
@@ -213,6 +220,11 @@ pub fn build_layer_from(
             reason: "device tag longer than 64 bytes".into(),
         });
     }
+    let again = match (&source, &opts.dictionary) {
+        (Source::Dir(p), Some(_)) => Some(Source::Dir(p.clone())),
+        (Source::OverlayUpper(p), Some(_)) => Some(Source::OverlayUpper(p.clone())),
+        _ => None,
+    };
     let blob_tmp = tmp_path(blob_out);
     let mut blob = match BlobWriter::create(&blob_tmp, opts) {
         Ok(b) => b,
@@ -221,7 +233,17 @@ pub fn build_layer_from(
             return Err(e);
         }
     };
-    let meta = build(source, meta_out, &opts.build, Some(&mut blob));
+    let mut meta = build(source, meta_out, &opts.build, Some(&mut blob));
+    if let (Some(src), Ok(_)) = (again, &meta) {
+        match second_pass(src, meta_out, &blob_tmp, opts, &blob) {
+            Ok(Some((m, b))) => {
+                meta = Ok(m);
+                blob = b;
+            }
+            Ok(None) => {}
+            Err(e) => meta = Err(e),
+        }
+    }
     let done = meta.and_then(|meta| {
         std::fs::rename(&blob_tmp, blob_out).map_err(io_err(format!(
             "rename {} to {}",
@@ -250,6 +272,63 @@ pub fn build_layer_from(
     })
 }
 
+/// The second pass of a dictionary build (see the module docs): `None` if no chunk of the
+/// first pass's blob at `blob_tmp` is in the dictionary; else the meta image rebuilt at
+/// `meta_out` and the new blob's writer (its file at `blob_tmp`, the first pass's removed).
+fn second_pass(
+    source: Source,
+    meta_out: &Path,
+    blob_tmp: &Path,
+    opts: &LayerOptions,
+    first: &BlobWriter,
+) -> Result<Option<(BuildStats, BlobWriter)>> {
+    let Some(dict) = &opts.dictionary else {
+        return Ok(None);
+    };
+    let ctx = || format!("read {}", blob_tmp.display());
+    let mut remap = HashMap::new();
+    let mut buf = vec![0u8; CHUNK_SIZE as usize];
+    let full = first.blocks / CHUNK_BLOCKS;
+    for c in 0..full {
+        first
+            .file
+            .read_exact_at(&mut buf, c * CHUNK_SIZE)
+            .map_err(io_err(ctx()))?;
+        if let Some(hit) = dict.lookup(blake3::hash(&buf).as_bytes()) {
+            remap.insert(c, hit);
+        }
+    }
+    if remap.is_empty() {
+        return Ok(None);
+    }
+    let pass1 = blob_tmp.with_extension("pass1");
+    std::fs::rename(blob_tmp, &pass1).map_err(io_err(format!(
+        "rename {} to {}",
+        blob_tmp.display(),
+        pass1.display()
+    )))?;
+    let result = (|| {
+        let mut blob = BlobWriter::create(blob_tmp, opts)?;
+        blob.remap = Some(Remap {
+            chunks: remap,
+            pass1: File::open(&pass1).map_err(io_err(format!("open {}", pass1.display())))?,
+        });
+        let meta = build(source, meta_out, &opts.build, Some(&mut blob))?;
+        blob.remap = None;
+        Ok((meta, blob))
+    })();
+    let _ = std::fs::remove_file(&pass1);
+    result.map(Some)
+}
+
+/// The second pass's map: first-pass blob chunk → (dictionary blob, its chunk), and the
+/// first pass's blob to check tails against.
+#[derive(Debug)]
+struct Remap {
+    chunks: HashMap<u64, (u32, u32)>,
+    pass1: File,
+}
+
 /// Writes the data blob: places, dedupes and writes chunks; emits chunk indexes.
 #[derive(Debug)]
 pub(crate) struct BlobWriter {
@@ -261,8 +340,8 @@ pub(crate) struct BlobWriter {
     blocks: u64,
     /// Alignment gaps `[start, end)` (blocks) left before full chunks, oldest first.
     gaps: Vec<(u64, u64)>,
-    /// (blocks, blake3 of the block-padded chunk) → start block.
-    stored: HashMap<(u64, [u8; 32]), u32>,
+    /// (blocks, blake3 of the block-padded chunk) → device and start block.
+    stored: HashMap<(u64, [u8; 32]), (u16, u32)>,
     buf: Vec<u8>,
     digest: [u8; 32],
     chunks: u64,
@@ -275,6 +354,8 @@ pub(crate) struct BlobWriter {
     /// Dictionary blob → its device id here.
     device_of: HashMap<u32, u16>,
     dict_chunks: u64,
+    /// In a second pass: the tails to point into dictionary chunks.
+    remap: Option<Remap>,
 }
 
 impl BlobWriter {
@@ -307,6 +388,7 @@ impl BlobWriter {
             used: Vec::new(),
             device_of: HashMap::new(),
             dict_chunks: 0,
+            remap: None,
         })
     }
 
@@ -414,20 +496,12 @@ impl BlobWriter {
         let pad = (blocks * BLOCK_SIZE) as usize - data.len();
         h.update(&[0u8; BLOCK_SIZE as usize][..pad]);
         let key = (blocks, *h.finalize().as_bytes());
-        if let Some(&blk) = self.stored.get(&key) {
-            return Ok(Some((BLOB_DEVICE_ID, blk)));
+        if let Some(&at) = self.stored.get(&key) {
+            return Ok(Some(at));
         }
         if blocks == CHUNK_BLOCKS {
             if let Some((b, j)) = self.dict.as_ref().and_then(|d| d.lookup(&key.1)) {
-                let device = match self.device_of.get(&b) {
-                    Some(&d) => d,
-                    None => {
-                        let d = BLOB_DEVICE_ID + 1 + self.used.len() as u16;
-                        self.used.push(b as usize);
-                        self.device_of.insert(b, d);
-                        d
-                    }
-                };
+                let device = self.device_for(b);
                 self.dict_chunks += 1;
                 return Ok(Some((device, j << CHUNK_BLKBITS)));
             }
@@ -437,12 +511,59 @@ impl BlobWriter {
             .ok()
             .filter(|&b| b != NULL_ADDR && start + blocks <= u64::from(u32::MAX))
             .ok_or_else(|| Error::TooLarge("blob of 2^32 blocks or more".into()))?;
+        if let Some(at) = self.remapped(start, blocks, data)? {
+            self.stored.insert(key, at);
+            self.dict_chunks += 1;
+            return Ok(Some(at));
+        }
         write_nonzero(&self.file, data, start * BLOCK_SIZE)
             .map_err(io_err(format!("write {}", self.path.display())))?;
-        self.stored.insert(key, blk);
+        self.stored.insert(key, (BLOB_DEVICE_ID, blk));
         self.unique_chunks += 1;
         self.stored_blocks += blocks;
         Ok(Some((BLOB_DEVICE_ID, blk)))
+    }
+
+    /// The device id of dictionary blob `b` in this layer (given at its first use).
+    fn device_for(&mut self, b: u32) -> u16 {
+        match self.device_of.get(&b) {
+            Some(&d) => d,
+            None => {
+                let d = BLOB_DEVICE_ID + 1 + self.used.len() as u16;
+                self.used.push(b as usize);
+                self.device_of.insert(b, d);
+                d
+            }
+        }
+    }
+
+    /// In a second pass: where a tail placed at `start` (`blocks` blocks) is found in a
+    /// dictionary chunk (the first pass's blob chunk holding it is one, and held exactly
+    /// these bytes there); `None` to write it.
+    fn remapped(&mut self, start: u64, blocks: u64, data: &[u8]) -> Result<Option<(u16, u32)>> {
+        let Some(r) = &self.remap else {
+            return Ok(None);
+        };
+        let c = start / CHUNK_BLOCKS;
+        if (start + blocks).div_ceil(CHUNK_BLOCKS) != c + 1 {
+            return Ok(None);
+        }
+        let Some(&(b, j)) = r.chunks.get(&c) else {
+            return Ok(None);
+        };
+        let mut was = vec![0u8; data.len()];
+        r.pass1
+            .read_exact_at(&mut was, start * BLOCK_SIZE)
+            .map_err(io_err(format!(
+                "read the first pass's blob of {}",
+                self.path.display()
+            )))?;
+        if was != data {
+            return Ok(None);
+        }
+        let device = self.device_for(b);
+        let blk = (j << CHUNK_BLKBITS) + (start - c * CHUNK_BLOCKS) as u32;
+        Ok(Some((device, blk)))
     }
 
     /// Chooses the start block of a new chunk of `blocks` blocks (see the module docs).

@@ -369,6 +369,14 @@ fn a_layer_deduped_against_stored_blobs_points_into_them_and_reads_exactly() {
         );
     }
     write(&v1.join("small"), b"v1 small");
+    // Many small files (packed tails): 80 of 5000 bytes, 2 blocks each, about 2.5 chunks.
+    std::fs::create_dir(v1.join("many")).unwrap();
+    for i in 0..80u64 {
+        write(
+            &v1.join(format!("many/s{i:02}")),
+            &common::bytes(2000 + i, 5000),
+        );
+    }
     let (m1, b1) = (dir.path().join("m1"), dir.path().join("b1"));
     let s1 = build_layer(&v1, &m1, &b1, &LayerOptions::default()).unwrap();
     // An unrelated blob in the dictionary too (nothing of it is used).
@@ -380,10 +388,10 @@ fn a_layer_deduped_against_stored_blobs_points_into_them_and_reads_exactly() {
     );
     let (mo, bo) = (dir.path().join("mo"), dir.path().join("bo"));
     let so = build_layer(&other, &mo, &bo, &LayerOptions::default()).unwrap();
-    // Version 2: one chunk of big2 changed, big5 gone, a new file, small changed.
+    // Version 2: one chunk of big2 changed, small changed (same size), a new file last.
     let v2 = dir.path().join("v2");
     std::fs::create_dir(&v2).unwrap();
-    for i in 0..5u64 {
+    for i in 0..6u64 {
         let mut data = common::bytes(100 + i, 3 * CHUNK_SIZE as usize + 777);
         if i == 2 {
             data[CHUNK_SIZE as usize + 5] ^= 0xff;
@@ -395,6 +403,20 @@ fn a_layer_deduped_against_stored_blobs_points_into_them_and_reads_exactly() {
         &common::bytes(500, 2 * CHUNK_SIZE as usize),
     );
     write(&v2.join("small"), b"v2 small");
+    // The small files again, one changed (same size): the packed chunks not holding it are
+    // pointed at in v1's blob by the second pass.
+    std::fs::create_dir(v2.join("many")).unwrap();
+    for i in 0..80u64 {
+        let mut d = common::bytes(2000 + i, 5000);
+        if i == 70 {
+            d[10] ^= 1;
+        }
+        write(&v2.join(format!("many/s{i:02}")), &d);
+    }
+    write(
+        &v2.join("many/zz_new"),
+        &common::bytes(500, 2 * CHUNK_SIZE as usize),
+    );
     let mut dict = erofs_builder::ChunkDictionary::new();
     assert_eq!(
         dict.add_blob(
@@ -419,11 +441,23 @@ fn a_layer_deduped_against_stored_blobs_points_into_them_and_reads_exactly() {
     opts.dictionary = Some(std::sync::Arc::new(dict));
     let (m2, b2) = (dir.path().join("m2"), dir.path().join("b2"));
     let s2 = build_layer(&v2, &m2, &b2, &opts).unwrap();
-    // 5 files × 3 full chunks, one changed: 14 point into v1's blob; the new file's 2
-    // chunks, the changed one and the tails are stored.
-    assert_eq!(s2.dict_chunks, 14, "{s2:?}");
+    // 6 files × 3 full chunks, one changed: 17 point into v1's blob; so do the tails in
+    // v1's packed chunks that v2 packs the same way (all but those sharing a chunk with
+    // `small` or `s70`); the new file's 2 chunks, the changed ones and the rest are stored.
+    assert!(s2.dict_chunks >= 17 + 30, "{s2:?}");
+    assert!(s2.dict_chunks < 17 + 80, "{s2:?}");
     assert_eq!(s2.devices, vec![1], "only v1's blob is a device");
-    assert!(s2.blob_bytes <= 4 * CHUNK_SIZE, "{s2:?}");
+    assert!(
+        s2.stored_bytes <= 4 * CHUNK_SIZE + 40 * 8192,
+        "the tails pointed at are not stored: {s2:?}"
+    );
+    // Without the dictionary: everything stored.
+    let (mn, bn) = (dir.path().join("mn"), dir.path().join("bn"));
+    let sn = build_layer(&v2, &mn, &bn, &LayerOptions::default()).unwrap();
+    assert!(
+        sn.stored_bytes > s2.stored_bytes + 17 * CHUNK_SIZE,
+        "{sn:?}"
+    );
     let img = Image::open(&m2).unwrap();
     let dt = img.device_table();
     assert_eq!(dt.len(), 2);
@@ -434,7 +468,7 @@ fn a_layer_deduped_against_stored_blobs_points_into_them_and_reads_exactly() {
     {
         let _guard = mount_erofs(&m2, &[&b2, &b1], mnt.path());
         let n = compare_trees(&v2, mnt.path(), EXACT);
-        assert_eq!(n, 7, "compared {n} entries");
+        assert_eq!(n, 90, "compared {n} entries");
     }
     fsck(Path::new("fsck.erofs"), &m2, &[&b2, &b1], &[]);
     let reader = Image::open_with_devices(&m2, &[&b2, &b1]).unwrap();
