@@ -10,6 +10,12 @@
 //! * a **partial chunk** (a file smaller than 256 KiB, or the last piece of a larger file)
 //!   takes whole 4 KiB blocks and is packed: first into the first alignment gap left before
 //!   an earlier full chunk that fits it (the newest 64 gaps are kept), else at the end;
+//! * the partial chunks of one directory whose partial chunks add up to at least
+//!   [`TAIL_RUN_MIN_BLOCKS`] are packed together, in a run of whole chunks reserved for them
+//!   at a 256 KiB boundary when the writer reaches the directory's first file (what the run
+//!   does not use becomes a gap): so a directory whose files did not change packs into the
+//!   same chunks, byte for byte, whatever changed before it in the tree (what dedup against
+//!   an earlier version needs);
 //! * identical chunks (same blake3 of their block-padded bytes) are stored once and
 //!   referenced by several chunk indexes;
 //! * chunks that are all zero, or lie in a hole of the source file, are not stored: their
@@ -140,6 +146,15 @@ impl ChunkDictionary {
 fn zero_chunk_digest() -> [u8; 32] {
     static ZERO: std::sync::OnceLock<[u8; 32]> = std::sync::OnceLock::new();
     *ZERO.get_or_init(|| *blake3::hash(&vec![0u8; CHUNK_SIZE as usize]).as_bytes())
+}
+
+/// A directory whose files' partial chunks take at least this many blocks (128 KiB) gets a
+/// run of its own (see the module docs).
+pub const TAIL_RUN_MIN_BLOCKS: u64 = 32;
+
+/// The blocks a file of `size` bytes's partial chunk takes in the blob (0: none).
+pub(crate) fn tail_blocks(size: u64) -> u64 {
+    (size % CHUNK_SIZE).div_ceil(BLOCK_SIZE)
 }
 
 /// Options for [`build_layer`].
@@ -356,6 +371,8 @@ pub(crate) struct BlobWriter {
     dict_chunks: u64,
     /// In a second pass: the tails to point into dictionary chunks.
     remap: Option<Remap>,
+    /// The current directory's run of partial chunks `[next, end)` (blocks), if it has one.
+    run: Option<(u64, u64)>,
 }
 
 impl BlobWriter {
@@ -389,6 +406,7 @@ impl BlobWriter {
             device_of: HashMap::new(),
             dict_chunks: 0,
             remap: None,
+            run: None,
         })
     }
 
@@ -566,8 +584,44 @@ impl BlobWriter {
         Ok(Some((device, blk)))
     }
 
+    /// The writer reaches the files of another directory, whose partial chunks take
+    /// `tail_blocks` blocks: a run of whole chunks for them if that is enough
+    /// ([`TAIL_RUN_MIN_BLOCKS`]); the previous run's rest becomes a gap.
+    pub(crate) fn begin_dir(&mut self, tail_blocks: u64) {
+        if let Some((next, end)) = self.run.take() {
+            if end > next {
+                self.add_gap(next, end);
+            }
+        }
+        if tail_blocks >= TAIL_RUN_MIN_BLOCKS {
+            let start = self.blocks.next_multiple_of(CHUNK_BLOCKS);
+            if start > self.blocks {
+                self.add_gap(self.blocks, start);
+            }
+            let end = start + tail_blocks.next_multiple_of(CHUNK_BLOCKS);
+            self.blocks = end;
+            self.run = Some((start, end));
+        }
+    }
+
+    fn add_gap(&mut self, start: u64, end: u64) {
+        if self.gaps.len() == Self::MAX_GAPS {
+            self.gaps.remove(0);
+        }
+        self.gaps.push((start, end));
+    }
+
     /// Chooses the start block of a new chunk of `blocks` blocks (see the module docs).
     fn place(&mut self, blocks: u64) -> u64 {
+        if blocks < CHUNK_BLOCKS {
+            if let Some((next, end)) = &mut self.run {
+                if *end - *next >= blocks {
+                    let start = *next;
+                    *next += blocks;
+                    return start;
+                }
+            }
+        }
         if blocks == CHUNK_BLOCKS {
             let start = self.blocks.next_multiple_of(CHUNK_BLOCKS);
             if start > self.blocks {

@@ -899,6 +899,24 @@ fn write_nodes(
     let nodes = w.nodes;
     let ctx = || format!("write {}", tmp.display());
     let nid_of = |i: usize| nodes[i].pos / ISLOT_SIZE;
+    // Each chunked file's directory (a hard link's first), and each directory's tail blocks:
+    // the blob packs a directory's tails together (`BlobWriter::begin_dir`).
+    let mut dir_of = vec![usize::MAX; if blob.is_some() { nodes.len() } else { 0 }];
+    let mut dir_tails = vec![0u64; dir_of.len()];
+    if blob.is_some() {
+        for (d, n) in nodes.iter().enumerate() {
+            if let Kind::Dir { children, .. } = &n.kind {
+                for &(_, c) in children {
+                    let child = &nodes[c];
+                    if child.chunked && dir_of[c] == usize::MAX {
+                        dir_of[c] = d;
+                        dir_tails[d] += crate::layer::tail_blocks(child.size);
+                    }
+                }
+            }
+        }
+    }
+    let mut current_dir = usize::MAX;
     for (i, n) in nodes.iter().enumerate() {
         let layout_bits = if n.chunked {
             DATALAYOUT_CHUNK_BASED
@@ -989,6 +1007,10 @@ fn write_nodes(
                 let blob = blob
                     .as_deref_mut()
                     .ok_or_else(|| Error::Corrupt("chunked inode without a blob".into()))?;
+                if let Some(&d) = dir_of.get(i).filter(|&&d| d != current_dir) {
+                    current_dir = d;
+                    blob.begin_dir(dir_tails.get(d).copied().unwrap_or(0));
+                }
                 rec.resize(rec.len().next_multiple_of(8), 0);
                 if prefetched(n) {
                     blob.add_bytes(&prefetch.take(i)?, rec, w.progress)?;
