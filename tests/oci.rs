@@ -110,17 +110,23 @@ impl Strata {
     }
 
     /// Mounts the stack `layers` (lowest first) with the kernel: each layer's meta image
-    /// file-backed with `device=` its blob, then overlayfs over them (one layer: as is).
+    /// file-backed with `device=` its blobs (its own, then those a deduped layer points into),
+    /// then overlayfs over them (one layer: as is).
     fn mount_stack(&self, layers: &[&str], at: &Path) -> Mounts {
         let mut m = Mounts(Vec::new(), None);
         let mut roots = Vec::new();
         for (i, l) in layers.iter().enumerate() {
             let man = self.json(&["layer", "inspect", l]);
             let meta = self.blob(man["meta"]["digest"].as_str().unwrap());
-            let blob = self.blob(man["blobs"][0]["digest"].as_str().unwrap());
+            let blobs: Vec<PathBuf> = man["blobs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| self.blob(b["digest"].as_str().unwrap()))
+                .collect();
             let dir = at.join(format!("l{i}"));
             std::fs::create_dir_all(&dir).unwrap();
-            ublk_daemon::node::sys::mount_erofs(&meta, &[blob], &dir)
+            ublk_daemon::node::sys::mount_erofs(&meta, &blobs, &dir)
                 .unwrap_or_else(|e| panic!("mount {l}: {e}"));
             m.0.push(dir.clone());
             roots.push(dir);

@@ -208,6 +208,11 @@ impl Campaign {
                     "layer".as_ref(),
                     "build".as_ref(),
                     "--quiet".as_ref(),
+                    // Each layer's data in its own blob, stored plain: the plan's bad chunks
+                    // are a layer's, at their plain offsets in its stored object.
+                    "--no-dedup".as_ref(),
+                    "--compress".as_ref(),
+                    "none".as_ref(),
                     src.as_os_str(),
                     "--name".as_ref(),
                     name.as_ref(),

@@ -104,6 +104,7 @@ try:
     h = {"E2b-Sandbox-Id": sb.sandbox_id, "X-Access-Token": sb._envd_access_token}
     sb.files.make_dir("/tmp/ws")
     got = []
+    started = threading.Event()
 
     def watch():
         with httpx.stream(
@@ -115,12 +116,14 @@ try:
         ) as r:
             for flags, msg in frames(r.iter_raw()):
                 got.append((flags, msg))
+                started.set()
                 if "filesystem" in msg:
                     return
 
     t = threading.Thread(target=watch)
     t.start()
-    time.sleep(0.5)
+    # The start event comes once the watch is in place (under load that can take a while).
+    check(started.wait(10), "WatchDir started")
     sb.files.write("/tmp/ws/f", "x")
     t.join(10)
     check(got and got[0] == (0, {"start": {}}), f"WatchDir starts with a start event: {got[:1]}")

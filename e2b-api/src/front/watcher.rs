@@ -367,7 +367,7 @@ impl Watcher {
                 self.view().snapshot.clone()
             }
         };
-        if tracing::enabled!(tracing::Level::DEBUG) {
+        if tracing::enabled!(tracing::Level::TRACE) {
             let seen: Vec<String> = snapshot
                 .nodes()
                 .iter()
@@ -381,7 +381,7 @@ impl Watcher {
                     )
                 })
                 .collect();
-            tracing::debug!("front: poll at {taken:?}: {}", seen.join(", "));
+            tracing::trace!("front: poll at {taken:?}: {}", seen.join(", "));
         }
         self.polls.send_modify(|n| *n += 1);
         snapshot
