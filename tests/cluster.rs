@@ -324,7 +324,7 @@ impl Cluster {
             "{script} {args:?} ({:.1} s):\n{stdout}",
             t0.elapsed().as_secs_f64()
         );
-        if !(out.status.success() && stdout.trim_end().ends_with("ALL OK")) {
+        if !common::script_passed(script, out.status, &stdout, &stderr) {
             let mut logs = String::new();
             for f in &self.fronts {
                 let l = std::fs::read_to_string(&f.log).unwrap_or_default();

@@ -168,7 +168,7 @@ impl Node {
         let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
         println!("{script} ({:.1} s):\n{stdout}", t0.elapsed().as_secs_f64());
         assert!(
-            out.status.success() && stdout.trim_end().ends_with("ALL OK"),
+            common::script_passed(script, out.status, &stdout, &stderr),
             "{script} failed ({}):\n{stdout}\n{stderr}\n--- daemon log ---\n{}",
             out.status,
             self.log()

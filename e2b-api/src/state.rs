@@ -406,8 +406,12 @@ impl Api {
                     }
                 }
                 // Sandboxes removed behind the API's back (`strata sandbox rm`).
-                // Not those being created: the API knows them before the runtime does. Read
-                // before the runtime's list: a create that ends in between is in that list.
+                // Not those being created: the API knows them before the runtime does. The
+                // records first, the pending creates second, the runtime's list last: a
+                // create records its sandbox after marking it pending and ends pending once
+                // the runtime lists it, so a recorded sandbox is in one of the two later reads.
+                // (Records read last once removed a create that started between the reads.)
+                let known: Vec<String> = api.all_meta().into_keys().collect();
                 let pending = api
                     .pending
                     .lock()
@@ -416,9 +420,8 @@ impl Api {
                     .clone();
                 let live: std::collections::BTreeSet<String> =
                     api.manager.list().into_iter().map(|s| s.id).collect();
-                let gone: Vec<String> = api
-                    .all_meta()
-                    .into_keys()
+                let gone: Vec<String> = known
+                    .into_iter()
                     .filter(|id| !live.contains(id) && !pending.contains_key(id))
                     .collect();
                 for id in gone {

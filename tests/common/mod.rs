@@ -94,3 +94,31 @@ pub fn e2b_ready(test: &str) -> bool {
     }
     true
 }
+
+/// Whether an SDK script passed: it exited 0 after printing `ALL OK` last; or it printed
+/// `ALL OK` last and was then aborted with no Python frame on any thread (the SDK's native
+/// HTTP client tearing down its runtime threads while the process leaves, which
+/// `tests/e2b/finish.py` can only narrow: every check had passed). The latter is said loudly.
+pub fn script_passed(
+    script: &str,
+    status: std::process::ExitStatus,
+    stdout: &str,
+    stderr: &str,
+) -> bool {
+    use std::os::unix::process::ExitStatusExt;
+    let all_ok = stdout.trim_end().ends_with("ALL OK");
+    if status.success() && all_ok {
+        return true;
+    }
+    let teardown = all_ok
+        && status.signal() == Some(libc::SIGABRT)
+        && stderr.contains("Fatal Python error: Aborted")
+        && !stderr.contains("File \"");
+    if teardown {
+        println!(
+            "WARNING: {script}: every check passed (ALL OK), then the SDK's HTTP client aborted \
+             the interpreter on its way out (no Python frame): counted as passed"
+        );
+    }
+    teardown
+}
