@@ -21,7 +21,7 @@ use fs_cache::Store;
 /// The dictionary and, per dictionary blob (its index), the blob's reference in its layer's
 /// manifest (what the new manifest lists).
 pub struct Dictionary {
-    pub dict: erofs_builder::ChunkDictionary,
+    pub dict: std::sync::Arc<erofs_builder::ChunkDictionary>,
     pub blobs: Vec<BlobRef>,
 }
 
@@ -47,15 +47,13 @@ pub async fn dictionary(store: &Store, layer: &LayerRef, from: &[LayerRef]) -> R
         all.into_iter().partition(|m| m.layer.name == layer.name);
     candidates.extend(lineage);
     candidates.extend(kind);
-    let mut d = Dictionary {
-        dict: erofs_builder::ChunkDictionary::new(),
-        blobs: Vec::new(),
-    };
+    let mut dict = erofs_builder::ChunkDictionary::new();
+    let mut blobs: Vec<BlobRef> = Vec::new();
     let mut seen = std::collections::HashSet::new();
     'layers: for m in &candidates {
         for b in &m.blobs {
-            if d.blobs.len() >= erofs_builder::layer::MAX_DICT_DEVICES
-                || d.dict.chunks() >= erofs_builder::layer::MAX_DICT_CHUNKS
+            if blobs.len() >= erofs_builder::layer::MAX_DICT_DEVICES
+                || dict.chunks() >= erofs_builder::layer::MAX_DICT_CHUNKS
             {
                 break 'layers;
             }
@@ -71,13 +69,16 @@ pub async fn dictionary(store: &Store, layer: &LayerRef, from: &[LayerRef]) -> R
                 }
             };
             let digests: Vec<[u8; 32]> = table.digests.iter().map(|x| x.0).collect();
-            if d.dict
+            if dict
                 .add_blob(b.digest.to_hex().as_bytes(), b.size, &digests)
                 .is_some()
             {
-                d.blobs.push(b.clone());
+                blobs.push(b.clone());
             }
         }
     }
-    Ok(d)
+    Ok(Dictionary {
+        dict: std::sync::Arc::new(dict),
+        blobs,
+    })
 }

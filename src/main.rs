@@ -728,7 +728,7 @@ async fn run(cli: Cli) -> Result<()> {
                 timestamp,
                 no_xattrs,
                 cli.json,
-                dedup.as_ref().map(|d| std::sync::Arc::new(d.dict.clone())),
+                dedup.as_ref().map(|d| d.dict.clone()),
             )
             .await?;
             let built = started.elapsed().as_secs_f64();

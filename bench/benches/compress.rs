@@ -48,25 +48,6 @@ fn drop_caches() {
     std::fs::write("/proc/sys/vm/drop_caches", "3\n").expect("drop the page cache");
 }
 
-fn du(dir: &Path) -> u64 {
-    let mut total = 0;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        let Ok(rd) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for e in rd.flatten() {
-            let Ok(md) = e.metadata() else { continue };
-            if md.is_dir() {
-                stack.push(e.path());
-            } else {
-                total += md.len();
-            }
-        }
-    }
-    total
-}
-
 /// Regular files under `root` in breadth-first name order (the order the builder lays out
 /// data), with their sizes.
 fn files_bfs(root: &Path) -> Vec<(PathBuf, u64)> {
@@ -118,7 +99,7 @@ fn strata_build(tmp: &Path, tree: &Path, compress: &str) -> Built {
         compress,
     ]);
     let seconds = t.elapsed().as_secs_f64();
-    let stored = du(&node.dir.path().join("store/blobs"));
+    let stored = bench::du(&node.dir.path().join("store/blobs"));
     Built {
         seconds,
         stored,

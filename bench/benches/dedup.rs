@@ -32,27 +32,6 @@ use std::time::Instant;
 
 use bench::node::LocalNode;
 
-fn du(dir: &Path) -> u64 {
-    let mut total = 0;
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        let Ok(rd) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for e in rd.flatten() {
-            let Ok(md) = e.metadata() else {
-                continue;
-            };
-            if md.is_dir() {
-                stack.push(e.path());
-            } else if md.is_file() {
-                total += md.len();
-            }
-        }
-    }
-    total
-}
-
 fn files(root: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     let mut stack = vec![root.to_path_buf()];
@@ -80,17 +59,11 @@ fn mb(b: u64) -> f64 {
     b as f64 / 1e6
 }
 
-/// A deterministic byte stream (xorshift).
+/// `len` deterministic pseudo-random bytes.
 fn bytes(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    let mut b = vec![0u8; len];
+    bench::fill_pseudo_random(&mut b, seed);
+    b
 }
 
 fn copy_tree(from: &Path, to: &Path) {
@@ -165,7 +138,7 @@ fn report(
     d: &Side,
     p: &Side,
 ) {
-    let stored = |n: &LocalNode| du(&Path::new(&n.store).join("blobs"));
+    let stored = |n: &LocalNode| bench::du(&Path::new(&n.store).join("blobs"));
     let (s_on, s_off) = (stored(on), stored(off));
     println!(
         "| {what} | {layers} | {:.1} | {:.1} | {:.1} ({:.3}×) | {:.1} | {:.1} ({:.3}×) | {} | {:.1} | {:.1} |",

@@ -404,6 +404,26 @@ pub fn median(values: &[f64]) -> f64 {
     }
 }
 
+/// Bytes of the regular files under `dir` (symlinks not followed, not counted).
+pub fn du(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let Ok(md) = e.metadata() else { continue };
+            if md.is_dir() {
+                stack.push(e.path());
+            } else if md.is_file() {
+                total += md.len();
+            }
+        }
+    }
+    total
+}
+
 /// Fill `buf` with deterministic pseudo-random bytes (incompressible, unlike zeros, should a
 /// layer below ever compress or deduplicate).
 pub fn fill_pseudo_random(buf: &mut [u8], seed: u64) {
