@@ -136,6 +136,11 @@ pub enum Error {
     /// A manifest could not be parsed or fails validation.
     #[error("bad manifest for {layer}: {reason}")]
     BadManifest { layer: String, reason: String },
+
+    /// A recorded access trace ([`crate::trace`]) could not be parsed or does not belong to
+    /// its layer.
+    #[error("bad access trace for {layer}: {reason}")]
+    BadTrace { layer: String, reason: String },
 }
 
 /// What kind of failure an [`Error`] is, for callers that decide what to do about it (retry,
@@ -186,6 +191,7 @@ impl Error {
             Error::DigestMismatch { .. }
             | Error::Corrupt { .. }
             | Error::BadChunkTable { .. }
+            | Error::BadTrace { .. }
             | Error::BadManifest { .. } => ErrorKind::Corrupt,
             Error::Backend {
                 transient: true, ..

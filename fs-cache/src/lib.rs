@@ -9,6 +9,8 @@
 //!   with [`open_backend`].
 //! - [`store`]: the content-addressed blob store (blobs named by blake3 digest, immutable).
 //! - [`layer`]: versioned layers `KIND/NAME:VERSION` resolving to JSON manifests.
+//! - [`trace`]: recorded access traces of layers (what the first readers read, replayed as
+//!   prefetch on other nodes).
 //! - [`gc`]: removal of blobs no manifest references, safe against concurrent pushes.
 //! - [`fsutil`]: local files replaced atomically ([`write_atomic`], [`AtomicFile`]), for every
 //!   crate that keeps state or outputs on local disk.
@@ -31,6 +33,7 @@ pub mod fsutil;
 pub mod gc;
 pub mod layer;
 pub mod store;
+pub mod trace;
 
 pub use backend::{
     open_backend, Backend, FaultConfig, FaultyBackend, MemoryBackend, ObjectMeta, PosixBackend,

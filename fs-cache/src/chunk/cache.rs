@@ -125,6 +125,9 @@ pub struct CacheStats {
     #[serde(default)]
     pub disk_readahead_hits: u64,
     pub prefetch_chunks: u64,
+    /// Chunks fetched by replays of recorded access traces ([`ChunkCache::replay`]).
+    #[serde(default)]
+    pub trace_chunks: u64,
     /// Fetched chunks not kept on local disk because too many writes were pending.
     #[serde(default)]
     pub disk_writes_skipped: u64,
@@ -154,7 +157,7 @@ pub struct CacheStats {
 use super::counters::LATENCY_BUCKETS;
 
 #[derive(Default)]
-struct Counters {
+pub(super) struct Counters {
     hits_memory: AtomicU64,
     hits_disk: AtomicU64,
     misses: AtomicU64,
@@ -170,6 +173,7 @@ struct Counters {
     disk_readahead_chunks: AtomicU64,
     disk_readahead_hits: AtomicU64,
     prefetch_chunks: AtomicU64,
+    pub(super) trace_chunks: AtomicU64,
     disk_writes_skipped: AtomicU64,
     latency: [AtomicU64; LATENCY_BUCKETS],
 }
@@ -229,13 +233,20 @@ pub const WARM_RUN_BYTES: u64 = 4 << 20;
 pub const WARM_RUNS_IN_FLIGHT: usize = 4;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Priority {
+pub(super) enum Priority {
     Demand,
     Readahead,
     Prefetch,
+    /// A recorded trace's replay: below demand reads (a demand reader that joins it raises
+    /// it), but not held back while demand fetches run, since it exists to run ahead of
+    /// them; at most [`TRACE_REQUESTS_IN_FLIGHT`] requests at once.
+    Trace,
 }
 
-struct Inner {
+/// Backend requests of trace replays in flight at once.
+pub(super) const TRACE_REQUESTS_IN_FLIGHT: usize = 4;
+
+pub(super) struct Inner {
     store: Store,
     config: CacheConfig,
     tables: Mutex<HashMap<Digest, Arc<ChunkTable>>>,
@@ -250,13 +261,18 @@ struct Inner {
     demand_active: AtomicUsize,
     demand_idle: Notify,
     prefetch_gate: Semaphore,
+    trace_gate: Semaphore,
+    /// Traces being recorded ([`ChunkCache::record`]), and how many (read without the lock
+    /// on every read).
+    pub(super) recordings: Mutex<Vec<Arc<super::recorder::Recorder>>>,
+    pub(super) recording: AtomicUsize,
     base: CacheStats,
 }
 
 /// The two-level chunk cache over a store.
 #[derive(Clone)]
 pub struct ChunkCache {
-    inner: Arc<Inner>,
+    pub(super) inner: Arc<Inner>,
 }
 
 impl std::fmt::Debug for ChunkCache {
@@ -268,7 +284,7 @@ impl std::fmt::Debug for ChunkCache {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // Every critical section below leaves its data consistent between statements.
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -300,6 +316,9 @@ impl ChunkCache {
             inner: Arc::new(Inner {
                 store,
                 prefetch_gate: Semaphore::new(config.prefetch_concurrency.max(1)),
+                trace_gate: Semaphore::new(TRACE_REQUESTS_IN_FLIGHT),
+                recordings: Mutex::new(Vec::new()),
+                recording: AtomicUsize::new(0),
                 config,
                 tables: Mutex::new(HashMap::new()),
                 memory: Mutex::new(Memory {
@@ -468,6 +487,9 @@ impl ChunkCache {
         if end == offset {
             return Ok(Bytes::new());
         }
+        if self.inner.recording.load(Ordering::Relaxed) > 0 {
+            self.inner.note_read(blob, offset..end);
+        }
         let first = offset / table.chunk_size;
         let last = (end - 1) / table.chunk_size;
         // The part of chunk `i` this read needs, in the chunk's own coordinates.
@@ -615,6 +637,7 @@ impl ChunkCache {
             disk_readahead_chunks: on(b.disk_readahead_chunks, &c.disk_readahead_chunks),
             disk_readahead_hits: on(b.disk_readahead_hits, &c.disk_readahead_hits),
             prefetch_chunks: on(b.prefetch_chunks, &c.prefetch_chunks),
+            trace_chunks: on(b.trace_chunks, &c.trace_chunks),
             disk_writes_skipped: on(b.disk_writes_skipped, &c.disk_writes_skipped),
             read_latency_us: latency,
             memory_bytes,
@@ -846,7 +869,19 @@ impl Inner {
         range: Range<u64>,
         priority: Priority,
     ) -> Result<()> {
-        let missing: Vec<u64> = range
+        self.warm_chunks(table, range, priority).await.map(|_| ())
+    }
+
+    /// [`Self::warm`] of any sorted chunk indexes; how many were fetched (or joined in
+    /// flight).
+    pub(super) async fn warm_chunks(
+        self: &Arc<Self>,
+        table: &Arc<ChunkTable>,
+        chunks: impl IntoIterator<Item = u64>,
+        priority: Priority,
+    ) -> Result<u64> {
+        let missing: Vec<u64> = chunks
+            .into_iter()
             .filter(|&i| {
                 let cid = ChunkId {
                     blob: table.blob,
@@ -859,7 +894,7 @@ impl Inner {
         if !missing.is_empty() {
             self.fetch_chunks(table, &missing, priority).await?;
         }
-        Ok(())
+        Ok(missing.len() as u64)
     }
 
     /// Chunks `missing` (sorted) of `table`'s blob from the backend, joining fetches already in
@@ -911,6 +946,7 @@ impl Inner {
             Priority::Demand => &self.counters.misses,
             Priority::Readahead => &self.counters.readahead_chunks,
             Priority::Prefetch => &self.counters.prefetch_chunks,
+            Priority::Trace => &self.counters.trace_chunks,
         };
         add(counter, claimed.len() as u64);
 
@@ -979,6 +1015,16 @@ impl Inner {
         };
         let _permit = if priority == Priority::Demand {
             None
+        } else if priority == Priority::Trace {
+            let boosted = boost.notify.notified();
+            if boost.set.load(Ordering::Acquire) {
+                None
+            } else {
+                tokio::select! {
+                    permit = self.trace_gate.acquire() => permit.ok(),
+                    () = boosted => None,
+                }
+            }
         } else {
             // Lower priority: wait until no demand fetch is in flight and a prefetch slot is
             // free — unless a demand reader joined this fetch, which then starts at once.

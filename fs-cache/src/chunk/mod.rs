@@ -10,18 +10,22 @@
 //! - [`cache`]: the cache itself: level 1 in memory, misses coalesced into ranged backend
 //!   requests, concurrent misses shared, every chunk verified before it is kept or served.
 //! - [`counters`]: per-blob bytes, backend errors by kind, backend request latency.
+//! - [`recorder`]: access traces recorded from demand reads and replayed as prefetch
+//!   ([`crate::trace`]).
 //! - `stage`: chunks read ahead from level 2 for sequential readers.
 
 pub mod cache;
 pub mod codec;
 pub mod counters;
 pub mod disk;
+pub mod recorder;
 mod stage;
 pub mod table;
 
 pub use cache::{CacheConfig, CacheStats, ChunkCache};
 pub use codec::Compression;
 pub use counters::BlobStats;
+pub use recorder::{Recording, ReplayStats};
 
 use crate::store::Digest;
 

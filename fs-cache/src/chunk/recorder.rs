@@ -1,0 +1,191 @@
+//! Recording and replaying access traces ([`crate::trace`]) in the chunk cache.
+//!
+//! - **Recording**: while a [`Recording`] of some blobs is open, every demand read of those
+//!   blobs ([`ChunkCache::read`], whatever level serves it) appends its byte range; readahead,
+//!   prefetch and replays are not reads and are not recorded. A recording keeps at most
+//!   [`MAX_RECORDED_READS`] reads (the rest are dropped, so a busy node's memory stays
+//!   bounded) and costs one relaxed atomic load per read when no recording is open.
+//! - **Replay**: a trace's entries, in order, become the chunks they cover; these are fetched
+//!   in batches of [`REPLAY_BATCH_CHUNKS`] (each batch's missing chunks sorted and coalesced
+//!   into ranged requests, like any miss), several batches in flight, at
+//!   [`Priority::Trace`]: below demand reads (a demand reader that needs a chunk a replay is
+//!   fetching joins that fetch and raises it), but not held back while demand reads run.
+//!   Entries beyond a blob's end, and blobs the cache cannot register, are skipped and
+//!   counted: a trace is advice, and a stale one costs fetches, never wrong bytes.
+
+use std::ops::Range;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use futures::StreamExt;
+
+use super::cache::{lock, ChunkCache, Inner, Priority};
+use crate::error::Result;
+use crate::store::Digest;
+use crate::trace::Trace;
+
+/// Reads kept by one recording at most.
+pub const MAX_RECORDED_READS: usize = 1 << 18;
+/// Chunks per replay batch (4 MiB of plain chunks).
+pub const REPLAY_BATCH_CHUNKS: usize = 16;
+/// Replay batches in flight at once.
+const REPLAY_BATCHES_IN_FLIGHT: usize = 4;
+
+/// One open recording: the blobs it watches and the reads so far.
+pub(crate) struct Recorder {
+    blobs: Vec<Digest>,
+    reads: Mutex<Vec<(Digest, Range<u64>)>>,
+    started: Instant,
+}
+
+/// An open recording (see the module docs); [`ChunkCache::finish_recording`] closes it and
+/// gives its trace. Dropped without that, it stops recording.
+pub struct Recording {
+    recorder: Arc<Recorder>,
+    cache: ChunkCache,
+}
+
+impl std::fmt::Debug for Recording {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Recording")
+            .field("blobs", &self.recorder.blobs)
+            .field("reads", &lock(&self.recorder.reads).len())
+            .finish()
+    }
+}
+
+impl Drop for Recording {
+    fn drop(&mut self) {
+        self.cache.inner.stop_recording(&self.recorder);
+    }
+}
+
+/// What a replay did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReplayStats {
+    /// Distinct chunks the trace names.
+    pub chunks: u64,
+    /// Of those, fetched by the replay (or joined while another reader fetched them).
+    pub fetched: u64,
+    /// Entries skipped: past their blob's end, or of a blob that could not be registered.
+    pub skipped: u64,
+}
+
+impl Inner {
+    /// Note a demand read of `range` of `blob` in every open recording of it.
+    pub(super) fn note_read(&self, blob: &Digest, range: Range<u64>) {
+        let recs = lock(&self.recordings);
+        for r in recs.iter().filter(|r| r.blobs.contains(blob)) {
+            let mut reads = lock(&r.reads);
+            if reads.len() < MAX_RECORDED_READS {
+                reads.push((*blob, range.clone()));
+            }
+        }
+    }
+
+    fn stop_recording(&self, rec: &Arc<Recorder>) {
+        let mut recs = lock(&self.recordings);
+        let before = recs.len();
+        recs.retain(|r| !Arc::ptr_eq(r, rec));
+        if recs.len() < before {
+            self.recording.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl ChunkCache {
+    /// Start recording the demand reads of `blobs` (a layer's blobs, in device order).
+    pub fn record(&self, blobs: Vec<Digest>) -> Recording {
+        let recorder = Arc::new(Recorder {
+            blobs,
+            reads: Mutex::new(Vec::new()),
+            started: Instant::now(),
+        });
+        {
+            let mut recs = lock(&self.inner.recordings);
+            recs.push(recorder.clone());
+            self.inner.recording.fetch_add(1, Ordering::Relaxed);
+        }
+        Recording {
+            recorder,
+            cache: self.clone(),
+        }
+    }
+
+    /// Close `rec` and return its trace (empty if nothing was read).
+    pub fn finish_recording(&self, rec: Recording) -> Trace {
+        self.inner.stop_recording(&rec.recorder);
+        let reads = std::mem::take(&mut *lock(&rec.recorder.reads));
+        let ms = rec.recorder.started.elapsed().as_millis();
+        Trace::from_reads(
+            rec.recorder.blobs.clone(),
+            reads,
+            u32::try_from(ms).unwrap_or(u32::MAX),
+        )
+    }
+
+    /// Replay `trace` as prefetch (see the module docs), in the background; the handle
+    /// resolves when every batch is cached or failed (the first error).
+    pub fn replay(&self, trace: Trace) -> tokio::task::JoinHandle<Result<ReplayStats>> {
+        let this = self.clone();
+        tokio::spawn(async move { this.replay_now(&trace).await })
+    }
+
+    async fn replay_now(&self, trace: &Trace) -> Result<ReplayStats> {
+        let mut stats = ReplayStats::default();
+        let mut tables = Vec::with_capacity(trace.blobs.len());
+        for b in &trace.blobs {
+            tables.push(self.register(b).await.ok());
+        }
+        // The trace's chunks in first-read order, each once.
+        let mut seen = std::collections::HashSet::new();
+        let mut order: Vec<(usize, u64)> = Vec::new();
+        for e in &trace.entries {
+            let Some(Some(table)) = tables.get(usize::from(e.blob)) else {
+                stats.skipped += 1;
+                continue;
+            };
+            let r = e.bytes();
+            if r.start >= table.blob_size {
+                stats.skipped += 1;
+                continue;
+            }
+            let end = r.end.min(table.blob_size);
+            for c in r.start / table.chunk_size..end.div_ceil(table.chunk_size) {
+                if seen.insert((e.blob, c)) {
+                    order.push((usize::from(e.blob), c));
+                }
+            }
+        }
+        stats.chunks = order.len() as u64;
+        let tables = Arc::new(tables);
+        let batches: Vec<Vec<(usize, u64)>> = order
+            .chunks(REPLAY_BATCH_CHUNKS)
+            .map(<[_]>::to_vec)
+            .collect();
+        let batches = batches.into_iter().map(|batch| {
+            let (inner, tables) = (self.inner.clone(), tables.clone());
+            async move {
+                let mut per_blob: std::collections::BTreeMap<usize, Vec<u64>> = Default::default();
+                for (b, c) in batch {
+                    per_blob.entry(b).or_default().push(c);
+                }
+                let mut fetched = 0;
+                for (b, mut chunks) in per_blob {
+                    let Some(Some(table)) = tables.get(b) else {
+                        continue;
+                    };
+                    chunks.sort_unstable();
+                    fetched += inner.warm_chunks(table, chunks, Priority::Trace).await?;
+                }
+                Result::Ok(fetched)
+            }
+        });
+        let mut results = futures::stream::iter(batches).buffered(REPLAY_BATCHES_IN_FLIGHT);
+        while let Some(r) = results.next().await {
+            stats.fetched += r?;
+        }
+        Ok(stats)
+    }
+}
