@@ -45,6 +45,15 @@ pub struct DaemonArgs {
     /// files, without the daemon).
     #[arg(long)]
     pub no_passthrough: bool,
+    /// Seconds of a layer's first reads on this node recorded as its access trace, when the
+    /// store has none (stored beside the layer for other nodes, which replay it as prefetch
+    /// when they mount the layer); 0: neither record nor replay traces.
+    #[arg(
+        long,
+        env = "STRATA_TRACE_WINDOW",
+        default_value_t = ublk_daemon::node::DEFAULT_TRACE_WINDOW.as_secs_f64()
+    )]
+    pub trace_window: f64,
     /// Take over from the daemon running on this run directory (a planned upgrade): it
     /// stops serving without unmounting anything and exits, and this one resumes its mounts
     /// and FUSE connections (kept by the fd holder); readers wait, none fails.
@@ -179,6 +188,8 @@ pub async fn daemon(args: DaemonArgs, url: &str, cache: &CacheOpts, home: &Path)
     let mut node_config = NodeConfig::new(args.node.run_dir.clone(), url.clone(), config);
     node_config.fuse_threads = args.fuse_threads.max(1);
     node_config.passthrough = !args.no_passthrough;
+    node_config.trace_window = Duration::try_from_secs_f64(args.trace_window)
+        .context("--trace-window: a number of seconds, 0 or more")?;
     // The holder is this very binary, run as `strata fuse-holder`.
     let exe = std::env::current_exe().context("find the strata binary (for its fd holder)")?;
     node_config.holder_command = vec![exe.into_os_string(), "fuse-holder".into()];

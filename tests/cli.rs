@@ -1317,3 +1317,191 @@ fn a_deduped_layer_reads_exactly_after_its_sources_and_unrelated_layers_are_gone
     let f3 = img.lookup("/lib/f3").unwrap();
     assert!(img.read_data(&f3).unwrap() == std::fs::read(v2.join("lib/f3")).unwrap());
 }
+
+/// A layer's access trace: recorded by the first node that mounts it, stored beside its meta
+/// image, replayed by the next node (which then reads what the first node read without one
+/// demand fetch); a node with traces off fetches on demand; a damaged trace is recorded again.
+#[test]
+fn a_layers_access_trace_is_recorded_by_one_node_and_replayed_by_the_next() {
+    if !common::require_root(
+        "a_layers_access_trace_is_recorded_by_one_node_and_replayed_by_the_next",
+    ) {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let src = tmp.path().join("src");
+    std::fs::create_dir_all(src.join("lib")).unwrap();
+    let mut x = 0x9e37_79b9u32;
+    let mut bytes = |n: usize| -> Vec<u8> {
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                x as u8
+            })
+            .collect()
+    };
+    for i in 0..300 {
+        std::fs::write(src.join(format!("lib/f{i:03}")), bytes(6000 + i * 37)).unwrap();
+    }
+    std::fs::write(src.join("big"), bytes(3 << 20)).unwrap();
+    let build_home = tmp.path().join("build-home");
+    ok(strata_cmd(&build_home, &store)
+        .args(["layer", "build"])
+        .arg(&src)
+        .args(["--name", "base/traced:1", "--compress", "none"])
+        .output()
+        .unwrap());
+    let m = json(
+        strata_cmd(&build_home, &store)
+            .args(["--json", "layer", "inspect", "base/traced:1"])
+            .output()
+            .unwrap(),
+    );
+    let meta = m["meta"]["digest"].as_str().unwrap().to_owned();
+    let trace_file = store
+        .join("blobs")
+        .join(&meta[..2])
+        .join(format!("{meta}.trace"));
+    // What the first command reads: every 10th file and 300 KiB of the big one.
+    let read_set = |mnt: &Path| {
+        for i in (0..300).step_by(10) {
+            let name = format!("lib/f{i:03}");
+            assert!(
+                std::fs::read(mnt.join(&name)).unwrap() == std::fs::read(src.join(&name)).unwrap()
+            );
+        }
+        let mut f = std::fs::File::open(mnt.join("big")).unwrap();
+        let mut buf = vec![0u8; 300 << 10];
+        std::io::Read::read_exact(&mut f, &mut buf).unwrap();
+        assert!(buf[..] == std::fs::read(src.join("big")).unwrap()[..300 << 10]);
+    };
+    // One node: its own home (caches) and run directory, the shared store.
+    struct TestNode {
+        home: std::path::PathBuf,
+        run: std::path::PathBuf,
+        mnt: std::path::PathBuf,
+        window: &'static str,
+        _guard: DaemonGuard,
+    }
+    let node = |name: &str, window: &'static str| {
+        let (home, run, mnt) = (
+            tmp.path().join(format!("{name}-home")),
+            tmp.path().join(format!("{name}-run")),
+            tmp.path().join(format!("{name}-mnt")),
+        );
+        std::fs::create_dir_all(&mnt).unwrap();
+        TestNode {
+            _guard: DaemonGuard {
+                run_dir: run.clone(),
+                child: None,
+                mountpoints: vec![mnt.clone()],
+            },
+            home,
+            run,
+            mnt,
+            window,
+        }
+    };
+    let cmd = |n: &TestNode| {
+        let mut c = strata_cmd(&n.home, &store);
+        c.env("STRATA_RUN_DIR", &n.run)
+            .env("STRATA_TRACE_WINDOW", n.window);
+        c
+    };
+    let cache =
+        |n: &TestNode| json(cmd(n).args(["--json", "status"]).output().unwrap())["cache"].clone();
+    let wait_for = |what: &str, mut done: Box<dyn FnMut() -> bool + '_>| {
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while !done() {
+            assert!(
+                std::time::Instant::now() < until,
+                "timed out waiting for {what}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    };
+    let decode = || fs_cache::trace::Trace::decode("traced", &std::fs::read(&trace_file).unwrap());
+
+    // Node A records (a 1 s window) and stores the trace.
+    let a = node("a", "1");
+    ok(cmd(&a)
+        .args(["mount", "base/traced:1"])
+        .arg(&a.mnt)
+        .output()
+        .unwrap());
+    read_set(&a.mnt);
+    wait_for("node A's trace", Box::new(|| trace_file.exists()));
+    let trace = decode().unwrap();
+    assert!(!trace.entries.is_empty());
+    assert!(
+        trace.bytes() < 2 << 20,
+        "the trace is what was read (~500 KiB), not the layer: {} bytes",
+        trace.bytes()
+    );
+
+    // Node C, traces off: the same reads miss.
+    let c = node("c", "0");
+    ok(cmd(&c)
+        .args(["mount", "base/traced:1"])
+        .arg(&c.mnt)
+        .output()
+        .unwrap());
+    read_set(&c.mnt);
+    let sc = cache(&c);
+    assert!(sc["misses"].as_u64().unwrap() > 0, "{sc}");
+    assert_eq!(sc["trace_chunks"], 0, "{sc}");
+
+    // Node B replays it at mount, then reads the same bytes without a demand fetch.
+    let b = node("b", "1");
+    ok(cmd(&b)
+        .args(["mount", "base/traced:1"])
+        .arg(&b.mnt)
+        .output()
+        .unwrap());
+    let mut last = u64::MAX;
+    wait_for(
+        "node B's replay",
+        Box::new(|| {
+            let s = cache(&b);
+            let n = s["trace_chunks"].as_u64().unwrap();
+            let settled = n > 0 && n == last;
+            last = n;
+            settled
+        }),
+    );
+    read_set(&b.mnt);
+    let sb = cache(&b);
+    assert_eq!(
+        sb["misses"], 0,
+        "every read was prefetched by the replay: {sb}"
+    );
+    // Only the chunks the trace names: a 10% read of small files touches most packed
+    // chunks, but not the big file's last chunks (the kernel's readahead took some).
+    let (fetched, traced) = (
+        sb["bytes_fetched"].as_u64().unwrap(),
+        sb["trace_chunks"].as_u64().unwrap(),
+    );
+    let blob_chunks = m["blobs"][0]["size"].as_u64().unwrap().div_ceil(256 << 10);
+    assert!(
+        fetched <= traced << 18 && traced + 4 <= blob_chunks,
+        "{traced} of {blob_chunks} chunks: {sb}"
+    );
+
+    // A damaged trace is replaced by the next node that mounts the layer.
+    std::fs::write(&trace_file, b"STRATATR garbage").unwrap();
+    assert!(decode().is_err());
+    let d = node("d", "1");
+    ok(cmd(&d)
+        .args(["mount", "base/traced:1"])
+        .arg(&d.mnt)
+        .output()
+        .unwrap());
+    read_set(&d.mnt);
+    wait_for("node D's new trace", Box::new(|| decode().is_ok()));
+    for n in [&a, &b, &c, &d] {
+        ok(cmd(n).arg("umount").arg(&n.mnt).output().unwrap());
+    }
+}

@@ -235,8 +235,8 @@ fn resident(root: &Path, files: &[(PathBuf, u64)]) -> Option<u64> {
 // ---- reads ------------------------------------------------------------------------------
 
 fn read_whole(path: &Path, buf: &mut [u8]) -> u64 {
-    let mut f = std::fs::File::open(path)
-        .unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
+    let mut f =
+        std::fs::File::open(path).unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
     let mut n = 0u64;
     loop {
         match f.read(buf) {
@@ -568,7 +568,10 @@ impl Nydusd {
         loop {
             if let Some(st) = d.child.try_wait().ok().flatten() {
                 let log = std::fs::read_to_string(dir.join("nydusd.log")).unwrap_or_default();
-                panic!("nydusd exited ({st}) before it mounted {}:\n{log}", mp.display());
+                panic!(
+                    "nydusd exited ({st}) before it mounted {}:\n{log}",
+                    mp.display()
+                );
             }
             let running = d
                 .api("/api/v1/daemon")
@@ -576,7 +579,10 @@ impl Nydusd {
             if running && is_mountpoint(mp) {
                 return d;
             }
-            assert!(Instant::now() < deadline, "nydusd did not mount within 60 s");
+            assert!(
+                Instant::now() < deadline,
+                "nydusd did not mount within 60 s"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -723,7 +729,10 @@ impl NydusSys {
     }
 
     fn backend(&self) -> (u64, u64) {
-        self.daemon.as_ref().map(Nydusd::backend).unwrap_or_default()
+        self.daemon
+            .as_ref()
+            .map(Nydusd::backend)
+            .unwrap_or_default()
     }
 }
 
@@ -836,17 +845,17 @@ fn print_table(tree: &Tree, cols: &[Col]) {
     let native = &cols[0];
     type Get = fn(&Col) -> Option<f64>;
     let rows: Vec<(&str, Kind, Get)> = vec![
-        ("cold sequential read, largest file (MB/s)", Kind::Speed, |c| {
-            c.seq.as_ref().map(speed)
-        }),
+        (
+            "cold sequential read, largest file (MB/s)",
+            Kind::Speed,
+            |c| c.seq.as_ref().map(speed),
+        ),
         ("cold read of every 10th file (s)", Kind::Time, |c| {
             c.tenth.map(|r| r.seconds)
         }),
-        (
-            "— its page-cache growth (MB)",
-            Kind::Bytes,
-            |c| c.tenth.map(|r| mb(r.growth)),
-        ),
+        ("— its page-cache growth (MB)", Kind::Bytes, |c| {
+            c.tenth.map(|r| mb(r.growth))
+        }),
         ("cold `find` (s)", Kind::Time, |c| c.find.map(|f| f.0)),
         ("cold read of every file (MB/s)", Kind::Speed, |c| {
             c.all.as_ref().map(speed)
@@ -861,24 +870,22 @@ fn print_table(tree: &Tree, cols: &[Col]) {
             Kind::Speed,
             |c| c.l2_seq_cache.as_ref().map(speed),
         ),
-        ("level 2, every 10th file, Strata passthrough (s)", Kind::Time, |c| {
-            c.l2_tenth_pt.map(|r| r.seconds)
-        }),
         (
-            "— its page-cache growth (MB)",
-            Kind::Bytes,
-            |c| c.l2_tenth_pt.map(|r| mb(r.growth)),
+            "level 2, every 10th file, Strata passthrough (s)",
+            Kind::Time,
+            |c| c.l2_tenth_pt.map(|r| r.seconds),
         ),
+        ("— its page-cache growth (MB)", Kind::Bytes, |c| {
+            c.l2_tenth_pt.map(|r| mb(r.growth))
+        }),
         (
             "level 2, every 10th file, Strata through the cache (s)",
             Kind::Time,
             |c| c.l2_tenth_cache.map(|r| r.seconds),
         ),
-        (
-            "— its page-cache growth (MB)",
-            Kind::Bytes,
-            |c| c.l2_tenth_cache.map(|r| mb(r.growth)),
-        ),
+        ("— its page-cache growth (MB)", Kind::Bytes, |c| {
+            c.l2_tenth_cache.map(|r| mb(r.growth))
+        }),
     ];
     let ratio = |k: Kind, x: f64, base: f64| match k {
         Kind::Speed | Kind::Bytes => x / base,
@@ -897,7 +904,7 @@ fn print_table(tree: &Tree, cols: &[Col]) {
         mb(tenth_bytes),
     );
     // Pairs Strata / nydusd with the same compression, when both are there.
-    let pairs: Vec<(usize, usize)> = [("zstd"), ("plain")]
+    let pairs: Vec<(usize, usize)> = ["zstd", "plain"]
         .iter()
         .filter_map(|c| {
             let s = cols.iter().position(|x| x.name == format!("Strata {c}"))?;
@@ -1039,14 +1046,7 @@ fn main() {
         if let Ok(bins) = &nydus {
             for (c, label) in [("zstd", "nydusd zstd"), ("none", "nydusd plain")] {
                 println!("  {label}…");
-                cols.push(nydus_column(
-                    tmp.path(),
-                    bins,
-                    &tree,
-                    c,
-                    label,
-                    cg.as_ref(),
-                ));
+                cols.push(nydus_column(tmp.path(), bins, &tree, c, label, cg.as_ref()));
             }
         }
         // Every system read the same bytes.

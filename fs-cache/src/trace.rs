@@ -184,7 +184,10 @@ impl Trace {
 
     /// Bytes the entries cover (repeats counted again).
     pub fn bytes(&self) -> u64 {
-        self.entries.iter().map(|e| u64::from(e.blocks) * TRACE_BLOCK).sum()
+        self.entries
+            .iter()
+            .map(|e| u64::from(e.blocks) * TRACE_BLOCK)
+            .sum()
     }
 
     /// The trace's bytes (the layout above).
@@ -233,7 +236,10 @@ impl Trace {
             return Err(bad("not a trace (bad magic)".into()));
         }
         if header.version.get() != VERSION {
-            return Err(bad(format!("version {} (this build reads 1)", header.version)));
+            return Err(bad(format!(
+                "version {} (this build reads 1)",
+                header.version
+            )));
         }
         if header.reserved.get() != 0 || header.reserved2.get() != 0 {
             return Err(bad("reserved header fields are not zero".into()));
@@ -244,7 +250,9 @@ impl Trace {
             return Err(bad(format!("{nblobs} blobs (1..={MAX_TRACE_BLOBS})")));
         }
         if nentries > MAX_TRACE_ENTRIES {
-            return Err(bad(format!("{nentries} entries (at most {MAX_TRACE_ENTRIES})")));
+            return Err(bad(format!(
+                "{nentries} entries (at most {MAX_TRACE_ENTRIES})"
+            )));
         }
         let want = DIGEST_LEN * nblobs + ENTRY_LEN * nentries;
         if rest.len() != want {
@@ -283,7 +291,10 @@ impl Trace {
             if usize::from(e.blob) >= nblobs {
                 return Err(bad(format!("entry {i}: blob {} of {nblobs}", e.blob)));
             }
-            if e.blocks == 0 || e.blocks > MAX_ENTRY_BLOCKS || e.block.checked_add(e.blocks).is_none() {
+            if e.blocks == 0
+                || e.blocks > MAX_ENTRY_BLOCKS
+                || e.block.checked_add(e.blocks).is_none()
+            {
                 return Err(bad(format!(
                     "entry {i}: {} blocks at block {} (1..={MAX_ENTRY_BLOCKS}, within u32)",
                     e.blocks, e.block
@@ -296,6 +307,32 @@ impl Trace {
             entries,
             window_ms: header.window_ms.get(),
         })
+    }
+}
+
+impl crate::Store {
+    /// The stored trace of the layer whose meta image is `meta` (`layer` names it in errors):
+    /// `None` if it has none, [`Error::BadTrace`] if it is damaged.
+    pub async fn trace(&self, meta: &Digest, layer: &str) -> Result<Option<Trace>> {
+        match self.backend().get(&trace_key(meta)).await {
+            Ok(bytes) => Trace::decode(layer, &bytes).map(Some),
+            Err(e) if e.is_not_found() => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Store `trace` as the trace of the layer whose meta image is `meta`: created only if
+    /// the layer has none ([`Error::AlreadyExists`] otherwise), or replacing it (`replace`).
+    pub async fn put_trace(&self, meta: &Digest, trace: &Trace, replace: bool) -> Result<()> {
+        let mode = if replace {
+            crate::PutMode::Overwrite
+        } else {
+            crate::PutMode::Create
+        };
+        self.backend()
+            .put_opts(&trace_key(meta), bytes::Bytes::from(trace.encode()), mode)
+            .await
+            .map(|_| ())
     }
 }
 
@@ -317,21 +354,33 @@ mod tests {
     #[test]
     fn reads_merge_widen_and_round_trip() {
         let reads = vec![
-            (d(1), 100..5000),     // blocks 0..2
-            (d(1), 8192..12288),   // continues: block 2
-            (d(2), 0..1),          // another blob
-            (d(1), 0..4096),       // block 0 alone: not a range listed before
-            (d(9), 0..4096),       // not a layer blob
-            (d(1), 8192..12288),   // exact repeat: dropped
-            (d(2), 40960..40960),  // empty
+            (d(1), 100..5000),    // blocks 0..2
+            (d(1), 8192..12288),  // continues: block 2
+            (d(2), 0..1),         // another blob
+            (d(1), 0..4096),      // block 0 alone: not a range listed before
+            (d(9), 0..4096),      // not a layer blob
+            (d(1), 8192..12288),  // exact repeat: dropped
+            (d(2), 40960..40960), // empty
         ];
         let t = Trace::from_reads(vec![d(1), d(2)], reads, 1500);
         assert_eq!(
             t.entries,
             vec![
-                TraceEntry { blob: 0, block: 0, blocks: 3 },
-                TraceEntry { blob: 1, block: 0, blocks: 1 },
-                TraceEntry { blob: 0, block: 0, blocks: 1 },
+                TraceEntry {
+                    blob: 0,
+                    block: 0,
+                    blocks: 3
+                },
+                TraceEntry {
+                    blob: 1,
+                    block: 0,
+                    blocks: 1
+                },
+                TraceEntry {
+                    blob: 0,
+                    block: 0,
+                    blocks: 1
+                },
             ]
         );
         let bytes = t.encode();
@@ -342,7 +391,11 @@ mod tests {
 
     #[test]
     fn long_reads_split_and_the_entry_count_is_bounded() {
-        let t = Trace::from_reads(vec![d(1)], vec![(d(1), 0..(MAX_ENTRY_BLOCKS as u64 * 3) * 4096)], 0);
+        let t = Trace::from_reads(
+            vec![d(1)],
+            vec![(d(1), 0..(MAX_ENTRY_BLOCKS as u64 * 3) * 4096)],
+            0,
+        );
         assert_eq!(t.entries.len(), 3);
         assert!(t.entries.iter().all(|e| e.blocks == MAX_ENTRY_BLOCKS));
         let many = (0..(MAX_TRACE_ENTRIES as u64 + 10)).map(|i| (d(1), i * 8192..i * 8192 + 1));

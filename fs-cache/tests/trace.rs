@@ -33,7 +33,11 @@ async fn a_recorded_trace_replays_so_the_same_reads_need_no_demand_fetch() {
     let b = data(2, (3 * MIB) as usize);
     let da = store.put_blob(Bytes::from(a.clone())).await.unwrap().digest;
     let db = store.put_blob(Bytes::from(b.clone())).await.unwrap().digest;
-    let other = store.put_blob(Bytes::from(data(3, 100_000))).await.unwrap().digest;
+    let other = store
+        .put_blob(Bytes::from(data(3, 100_000)))
+        .await
+        .unwrap()
+        .digest;
 
     // The first node's readers: scattered small reads of two blobs, and one of a blob the
     // recording does not watch.

@@ -228,6 +228,8 @@ impl Node {
         if let Some(l) = inner.state.layers.get_mut(id) {
             l.passthrough_blobs = passthrough;
         }
+        drop(inner);
+        self.trace_layer(id, &layer, passthrough as usize == layer.blobs.len());
         Ok(())
     }
 

@@ -44,6 +44,7 @@ pub mod server;
 mod start;
 pub mod state;
 pub mod sys;
+mod trace;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -61,6 +62,7 @@ use proto::{ApiError, ErrorKind, NodeStats, Pong, Request, Status};
 use state::{MountState, State};
 
 pub use start::{check_environment, prepare_machine};
+pub use trace::DEFAULT_TRACE_WINDOW;
 
 /// The API socket of the node whose run directory is `run_dir`.
 pub fn socket_path(run_dir: &Path) -> PathBuf {
@@ -103,6 +105,10 @@ pub struct NodeConfig {
     /// How long to wait for the run directory's lock when another daemon holds it (a
     /// takeover waits for the old daemon to exit); zero fails at once.
     pub lock_wait: std::time::Duration,
+    /// How long the demand reads of a layer this node mounts first are recorded into the
+    /// layer's access trace when the store has none (when it has one, the trace is replayed
+    /// as prefetch instead; `trace.rs`). Zero: no traces recorded or replayed.
+    pub trace_window: std::time::Duration,
 }
 
 impl NodeConfig {
@@ -123,6 +129,7 @@ impl NodeConfig {
             layer_readahead: DEFAULT_LAYER_READAHEAD,
             holder_command: Vec::new(),
             lock_wait: std::time::Duration::ZERO,
+            trace_window: DEFAULT_TRACE_WINDOW,
         }
     }
 }
