@@ -169,6 +169,12 @@ pub struct LayerOptions {
     /// Chunks already stored elsewhere, pointed at instead of stored again (`None`: the
     /// layer's data is all in its own blob).
     pub dictionary: Option<std::sync::Arc<ChunkDictionary>>,
+    /// Regular files (paths relative to the source's root, `a/b/c`) whose data is laid out
+    /// before everything else, in this order, their partial chunks packed together: a
+    /// recorded access trace's order (`strata layer build --order-from`), so that what the
+    /// trace read together is stored, and fetched, together. Paths that are not regular files
+    /// with data in the source are ignored.
+    pub first: Vec<std::path::PathBuf>,
 }
 
 /// What [`build_layer`] wrote.
@@ -373,6 +379,8 @@ pub(crate) struct BlobWriter {
     remap: Option<Remap>,
     /// The current directory's run of partial chunks `[next, end)` (blocks), if it has one.
     run: Option<(u64, u64)>,
+    /// [`LayerOptions::first`].
+    pub(crate) first: Vec<PathBuf>,
 }
 
 impl BlobWriter {
@@ -407,6 +415,7 @@ impl BlobWriter {
             dict_chunks: 0,
             remap: None,
             run: None,
+            first: opts.first.clone(),
         })
     }
 

@@ -5,7 +5,7 @@
 //! inodes, inline tails, nids and data block addresses), **write** (stream file data into the
 //! data area, fill the metadata area, superblock and checksum last).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
 use std::fs::{File, OpenOptions};
 use std::io::ErrorKind;
@@ -803,13 +803,26 @@ fn write_image(
     let mut stats = BuildStats::default();
     let mut copy_buf = vec![0u8; 1 << 20];
 
+    // Files laid out first (a layer's `LayerOptions::first`), in that order.
+    let early = match blob.as_deref() {
+        Some(b) if !b.first.is_empty() => first_nodes(nodes, &b.first),
+        _ => Vec::new(),
+    };
     // Small regular files are read ahead by a few threads (cold small-file reads are
-    // latency-bound); the writer consumes them in node order, so the image is unchanged.
-    let jobs: Vec<usize> = nodes
+    // latency-bound); the writer consumes them in the order it writes them (the early files,
+    // then node order), so the image is unchanged.
+    let is_early: HashSet<usize> = early.iter().copied().collect();
+    let jobs: Vec<usize> = early
         .iter()
-        .enumerate()
-        .filter(|(_, n)| prefetched(n))
-        .map(|(i, _)| i)
+        .copied()
+        .filter(|&i| prefetched(&nodes[i]))
+        .chain(
+            nodes
+                .iter()
+                .enumerate()
+                .filter(|(i, n)| prefetched(n) && !is_early.contains(i))
+                .map(|(i, _)| i),
+        )
         .collect();
     let prefetch = Prefetch::new(nodes, &jobs);
     std::thread::scope(|s| {
@@ -826,6 +839,7 @@ fn write_image(
             &mut rec,
             &mut copy_buf,
             &prefetch,
+            &early,
         )
     })?;
     stats.inodes = nodes.len() as u64;
@@ -895,8 +909,29 @@ fn write_nodes(
     rec: &mut Vec<u8>,
     copy_buf: &mut [u8],
     prefetch: &Prefetch<'_>,
+    early: &[usize],
 ) -> Result<()> {
     let nodes = w.nodes;
+    // The early files' data first, their tails packed together; their chunk indexes are
+    // kept for their inodes.
+    let mut early_idx: HashMap<usize, Vec<u8>> = HashMap::new();
+    if let (Some(b), false) = (blob.as_deref_mut(), early.is_empty()) {
+        b.begin_dir(
+            early
+                .iter()
+                .map(|&i| crate::layer::tail_blocks(nodes[i].size))
+                .sum(),
+        );
+        for &i in early {
+            let mut idx = Vec::new();
+            if prefetched(&nodes[i]) {
+                b.add_bytes(&prefetch.take(i)?, &mut idx, w.progress)?;
+            } else {
+                b.add_file(&DataFile::open(&nodes[i], w.spool)?, &mut idx, w.progress)?;
+            }
+            early_idx.insert(i, idx);
+        }
+    }
     let ctx = || format!("write {}", tmp.display());
     let nid_of = |i: usize| nodes[i].pos / ISLOT_SIZE;
     // Each chunked file's directory (a hard link's first), and each directory's tail blocks:
@@ -908,7 +943,7 @@ fn write_nodes(
             if let Kind::Dir { children, .. } = &n.kind {
                 for &(_, c) in children {
                     let child = &nodes[c];
-                    if child.chunked && dir_of[c] == usize::MAX {
+                    if child.chunked && dir_of[c] == usize::MAX && !early_idx.contains_key(&c) {
                         dir_of[c] = d;
                         dir_tails[d] += crate::layer::tail_blocks(child.size);
                     }
@@ -1007,6 +1042,11 @@ fn write_nodes(
                 let blob = blob
                     .as_deref_mut()
                     .ok_or_else(|| Error::Corrupt("chunked inode without a blob".into()))?;
+                if let Some(idx) = early_idx.remove(&i) {
+                    rec.resize(rec.len().next_multiple_of(8), 0);
+                    rec.extend_from_slice(&idx);
+                    w.progress.wrote(1, 0);
+                } else {
                 if let Some(&d) = dir_of.get(i).filter(|&&d| d != current_dir) {
                     current_dir = d;
                     blob.begin_dir(dir_tails.get(d).copied().unwrap_or(0));
@@ -1019,6 +1059,7 @@ fn write_nodes(
                     blob.add_file(&data, rec, w.progress)?;
                 }
                 w.progress.wrote(1, 0);
+                }
             }
             Kind::Reg => {
                 stats.files += 1;
@@ -1078,6 +1119,33 @@ const PREFETCH_MAX: u64 = 1 << 20;
 /// Whether node `n`'s data is read ahead: small regular files of a source tree (for full
 /// images and for layers alike). A tar spool was just written and is in the page cache:
 /// reading it ahead gains nothing and only parks memory.
+/// The chunk-based regular files named by `paths` (relative to the root, `a/b/c`; a leading
+/// `/` is ignored), each once, in that order; paths that name nothing of the kind are skipped.
+fn first_nodes(nodes: &[Node], paths: &[PathBuf]) -> Vec<usize> {
+    use std::os::unix::ffi::OsStrExt;
+    let mut out = Vec::new();
+    let mut seen = HashSet::new();
+    'paths: for p in paths {
+        let mut at = 0usize;
+        for comp in p.components() {
+            let std::path::Component::Normal(name) = comp else {
+                continue;
+            };
+            let Some(Kind::Dir { children, .. }) = nodes.get(at).map(|n| &n.kind) else {
+                continue 'paths;
+            };
+            match children.iter().find(|(n, _)| n.as_slice() == name.as_bytes()) {
+                Some(&(_, c)) => at = c,
+                None => continue 'paths,
+            }
+        }
+        if nodes[at].chunked && seen.insert(at) {
+            out.push(at);
+        }
+    }
+    out
+}
+
 fn prefetched(n: &Node) -> bool {
     matches!(n.kind, Kind::Reg) && n.size <= PREFETCH_MAX && n.spool.is_none()
 }

@@ -480,3 +480,99 @@ fn a_layer_deduped_against_stored_blobs_points_into_them_and_reads_exactly() {
     assert_eq!(s3, s2);
     assert!(std::fs::read(&m3).unwrap() == std::fs::read(&m2).unwrap());
 }
+
+/// `LayerOptions::first`: the named files' data comes first, their tails packed together, so
+/// the chunks they occupy are few and at the blob's start; the layer still reads exactly
+/// (kernel, fsck.erofs) and the other files are laid out as before.
+#[test]
+fn files_laid_out_first_occupy_the_first_chunks_and_the_layer_reads_exactly() {
+    if !require_root("files_laid_out_first_occupy_the_first_chunks_and_the_layer_reads_exactly") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    let mut x = 0x2545_f491u32;
+    let mut bytes = |n: usize| -> Vec<u8> {
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                x as u8
+            })
+            .collect()
+    };
+    let mut files = Vec::new();
+    for d in 0..10 {
+        std::fs::create_dir_all(src.join(format!("d{d}"))).unwrap();
+        for i in 0..50 {
+            let rel = format!("d{d}/f{i:02}");
+            write(&src.join(&rel), &bytes(3000 + (i * 331 + d * 97) % 17000));
+            files.push(rel);
+        }
+    }
+    write(&src.join("d5/big"), &bytes((CHUNK_SIZE * 3 + 5000) as usize));
+    // Every 10th small file, the big one, and names that are not files with data.
+    let mut first: Vec<PathBuf> = files.iter().step_by(10).map(PathBuf::from).collect();
+    first.push("d5/big".into());
+    first.extend(["nope", "d3", "/d1/missing"].map(PathBuf::from));
+    let chunks_of = |img: &Image, rels: &[PathBuf]| -> std::collections::BTreeSet<u64> {
+        let mut out = std::collections::BTreeSet::new();
+        for r in rels {
+            let Ok(ino) = img.lookup(&r.to_string_lossy()) else {
+                continue;
+            };
+            if ino.file_type != erofs_builder::FileType::Regular {
+                continue;
+            }
+            for e in img.data_map(&ino).unwrap() {
+                if let erofs_builder::Location::Device { device: 1, offset } = e.location {
+                    for c in offset / CHUNK_SIZE..=(offset + e.len - 1) / CHUNK_SIZE {
+                        out.insert(c);
+                    }
+                }
+            }
+        }
+        out
+    };
+    let small: Vec<PathBuf> = first[..50].to_vec();
+    let build = |name: &str, first: Vec<PathBuf>| {
+        let (meta, blob) = (dir.path().join(format!("{name}.meta")), dir.path().join(format!("{name}.blob")));
+        let mut opts = LayerOptions::default();
+        opts.first = first;
+        build_layer(&src, &meta, &blob, &opts).unwrap();
+        let img = Image::open_with_devices(&meta, &[&blob]).unwrap();
+        (meta, blob, img)
+    };
+    let (_, _, plain) = build("plain", Vec::new());
+    let (meta, blob, ordered) = build("ordered", first.clone());
+    // The 50 early small files (3-20 KB each) fill the first chunks, in one run.
+    let tail_bytes: u64 = small
+        .iter()
+        .map(|r| std::fs::metadata(src.join(r)).unwrap().len().next_multiple_of(4096))
+        .sum();
+    let run_chunks = tail_bytes.div_ceil(CHUNK_SIZE);
+    let got = chunks_of(&ordered, &small);
+    assert_eq!(
+        got,
+        (0..run_chunks).collect(),
+        "the early small files fill the first {run_chunks} chunks"
+    );
+    let before = chunks_of(&plain, &small);
+    assert!(
+        before.len() as u64 > 2 * run_chunks,
+        "without the order they spread over {} chunks",
+        before.len()
+    );
+    // The big file's tail is in the run, its three full chunks right after it.
+    let big = chunks_of(&ordered, &[PathBuf::from("d5/big")]);
+    let full: Vec<u64> = big.range(run_chunks..).copied().collect();
+    assert_eq!(full, (run_chunks..run_chunks + 3).collect::<Vec<_>>(), "{big:?}");
+    assert_eq!(big.len(), 4, "{big:?}");
+    let n = compare_image(&src, &ordered, true);
+    assert!(n > 500, "compared {n} entries");
+    let mnt = tempfile::tempdir().unwrap();
+    let _guard = mount_erofs(&meta, &[&blob], mnt.path());
+    assert!(compare_trees(&src, mnt.path(), EXACT) > 500);
+    fsck(Path::new("fsck.erofs"), &meta, &[&blob], &[]);
+}
