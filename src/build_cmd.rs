@@ -128,7 +128,7 @@ fn draw(s: &ProgressSnapshot, elapsed: Duration) {
 }
 
 /// Build a lazy layer (meta image + data blob) from `source`, against `dictionary` if given
-/// (`crate::dedup`).
+/// (`crate::dedup`), the files `first` laid out first (`crate::order`).
 #[allow(clippy::too_many_arguments)]
 pub async fn build_layer(
     input: &InputArgs,
@@ -139,11 +139,13 @@ pub async fn build_layer(
     no_xattrs: bool,
     json: bool,
     dictionary: Option<std::sync::Arc<erofs_builder::ChunkDictionary>>,
+    first: Vec<PathBuf>,
 ) -> Result<erofs_builder::LayerStats> {
     input.check_chunk_size()?;
     let progress = Progress::new();
     let mut opts = erofs_builder::LayerOptions::default();
     opts.dictionary = dictionary;
+    opts.first = first;
     opts.build.epoch = timestamp.map(|t| (t, 0));
     opts.build.xattrs = !no_xattrs;
     opts.build.progress = Some(progress.clone());

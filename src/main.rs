@@ -11,6 +11,7 @@ mod dedup;
 mod image_cmd;
 mod metrics_cmd;
 mod node_cmd;
+mod order;
 mod sandbox_cmd;
 mod sim_cmd;
 mod template_cmd;
@@ -222,6 +223,11 @@ enum LayerCmd {
         /// kind's other layers, newest first; at most 31 blobs).
         #[arg(long = "dedup-from", conflicts_with = "no_dedup")]
         dedup_from: Vec<String>,
+        /// Lay the files out in the order this layer's recorded access trace first read them
+        /// (a node records a trace the first time it mounts a layer): what the earlier
+        /// version's first readers read together is then stored, and fetched, together.
+        #[arg(long = "order-from")]
+        order_from: Option<String>,
     },
     /// Export a stack of layers (REFs lowest first, each with its parents) as an OCI image
     /// layout (--oci DIR or FILE.tar; one gzip/zstd layer tar per layer, whiteouts as OCI
@@ -699,8 +705,14 @@ async fn run(cli: Cli) -> Result<()> {
             compress,
             no_dedup,
             dedup_from,
+            order_from,
         }) => {
             let layer: LayerRef = name.parse()?;
+            let first = match &order_from {
+                Some(r) => order::trace_order(&store, &r.parse()?).await?,
+                None => Vec::new(),
+            };
+            let ordered_files = first.len();
             let dedup = if no_dedup {
                 None
             } else {
@@ -729,6 +741,7 @@ async fn run(cli: Cli) -> Result<()> {
                 no_xattrs,
                 cli.json,
                 dedup.as_ref().map(|d| d.dict.clone()),
+                first,
             )
             .await?;
             let built = started.elapsed().as_secs_f64();
@@ -773,6 +786,7 @@ async fn run(cli: Cli) -> Result<()> {
                     .sum::<u64>());
                 v["dedup_chunks"] = serde_json::json!(stats.dict_chunks);
                 v["dedup_blobs"] = serde_json::json!(stats.devices.len());
+                v["ordered_files"] = serde_json::json!(ordered_files);
                 v["build_seconds"] = serde_json::json!(built);
                 v["seconds"] = serde_json::json!(seconds);
                 print_json(&v)?;
@@ -835,7 +849,15 @@ async fn run(cli: Cli) -> Result<()> {
             no_xattrs,
         } => {
             let stats = build_cmd::build_layer(
-                &input, &source, &image, &blob, timestamp, no_xattrs, cli.json, None,
+                &input,
+                &source,
+                &image,
+                &blob,
+                timestamp,
+                no_xattrs,
+                cli.json,
+                None,
+                Vec::new(),
             )
             .await?;
             if cli.json {

@@ -1490,6 +1490,58 @@ fn a_layers_access_trace_is_recorded_by_one_node_and_replayed_by_the_next() {
         "{traced} of {blob_chunks} chunks: {sb}"
     );
 
+    // The next version laid out in the trace's order: the same reads fetch far fewer chunks
+    // (node E, traces off, against node C's reads of version 1).
+    let v2 = json(
+        strata_cmd(&build_home, &store)
+            .args(["--json", "layer", "build"])
+            .arg(&src)
+            .args([
+                "--name",
+                "base/traced:2",
+                "--compress",
+                "none",
+                "--no-dedup",
+            ])
+            .args(["--order-from", "base/traced:1"])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(
+        v2["ordered_files"], 31,
+        "30 small files and the big one: {v2}"
+    );
+    let e = node("e", "0");
+    ok(cmd(&e)
+        .args(["mount", "base/traced:2"])
+        .arg(&e.mnt)
+        .output()
+        .unwrap());
+    read_set(&e.mnt);
+    let se = cache(&e);
+    let (fc, fe) = (
+        sc["bytes_fetched"].as_u64().unwrap(),
+        se["bytes_fetched"].as_u64().unwrap(),
+    );
+    assert!(
+        fe * 3 < fc * 2,
+        "ordered: {fe} bytes fetched; in build order: {fc}\n{se}"
+    );
+    assert_eq!(same_files(&src, &e.mnt), 301);
+    // Without a trace, --order-from is refused with the reason.
+    let err = strata_cmd(&build_home, &store)
+        .args(["layer", "build"])
+        .arg(&src)
+        .args(["--name", "base/traced:3", "--order-from", "base/traced:2"])
+        .output()
+        .unwrap();
+    assert!(!err.status.success());
+    assert!(
+        String::from_utf8_lossy(&err.stderr).contains("no access trace yet"),
+        "{}",
+        String::from_utf8_lossy(&err.stderr)
+    );
+
     // A damaged trace is replaced by the next node that mounts the layer.
     std::fs::write(&trace_file, b"STRATATR garbage").unwrap();
     assert!(decode().is_err());
@@ -1501,7 +1553,7 @@ fn a_layers_access_trace_is_recorded_by_one_node_and_replayed_by_the_next() {
         .unwrap());
     read_set(&d.mnt);
     wait_for("node D's new trace", Box::new(|| decode().is_ok()));
-    for n in [&a, &b, &c, &d] {
+    for n in [&a, &b, &c, &d, &e] {
         ok(cmd(n).arg("umount").arg(&n.mnt).output().unwrap());
     }
 }

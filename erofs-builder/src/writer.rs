@@ -1047,18 +1047,18 @@ fn write_nodes(
                     rec.extend_from_slice(&idx);
                     w.progress.wrote(1, 0);
                 } else {
-                if let Some(&d) = dir_of.get(i).filter(|&&d| d != current_dir) {
-                    current_dir = d;
-                    blob.begin_dir(dir_tails.get(d).copied().unwrap_or(0));
-                }
-                rec.resize(rec.len().next_multiple_of(8), 0);
-                if prefetched(n) {
-                    blob.add_bytes(&prefetch.take(i)?, rec, w.progress)?;
-                } else {
-                    let data = DataFile::open(n, w.spool)?;
-                    blob.add_file(&data, rec, w.progress)?;
-                }
-                w.progress.wrote(1, 0);
+                    if let Some(&d) = dir_of.get(i).filter(|&&d| d != current_dir) {
+                        current_dir = d;
+                        blob.begin_dir(dir_tails.get(d).copied().unwrap_or(0));
+                    }
+                    rec.resize(rec.len().next_multiple_of(8), 0);
+                    if prefetched(n) {
+                        blob.add_bytes(&prefetch.take(i)?, rec, w.progress)?;
+                    } else {
+                        let data = DataFile::open(n, w.spool)?;
+                        blob.add_file(&data, rec, w.progress)?;
+                    }
+                    w.progress.wrote(1, 0);
                 }
             }
             Kind::Reg => {
@@ -1134,7 +1134,10 @@ fn first_nodes(nodes: &[Node], paths: &[PathBuf]) -> Vec<usize> {
             let Some(Kind::Dir { children, .. }) = nodes.get(at).map(|n| &n.kind) else {
                 continue 'paths;
             };
-            match children.iter().find(|(n, _)| n.as_slice() == name.as_bytes()) {
+            match children
+                .iter()
+                .find(|(n, _)| n.as_slice() == name.as_bytes())
+            {
                 Some(&(_, c)) => at = c,
                 None => continue 'paths,
             }

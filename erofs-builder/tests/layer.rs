@@ -511,7 +511,10 @@ fn files_laid_out_first_occupy_the_first_chunks_and_the_layer_reads_exactly() {
             files.push(rel);
         }
     }
-    write(&src.join("d5/big"), &bytes((CHUNK_SIZE * 3 + 5000) as usize));
+    write(
+        &src.join("d5/big"),
+        &bytes((CHUNK_SIZE * 3 + 5000) as usize),
+    );
     // Every 10th small file, the big one, and names that are not files with data.
     let mut first: Vec<PathBuf> = files.iter().step_by(10).map(PathBuf::from).collect();
     first.push("d5/big".into());
@@ -537,7 +540,10 @@ fn files_laid_out_first_occupy_the_first_chunks_and_the_layer_reads_exactly() {
     };
     let small: Vec<PathBuf> = first[..50].to_vec();
     let build = |name: &str, first: Vec<PathBuf>| {
-        let (meta, blob) = (dir.path().join(format!("{name}.meta")), dir.path().join(format!("{name}.blob")));
+        let (meta, blob) = (
+            dir.path().join(format!("{name}.meta")),
+            dir.path().join(format!("{name}.blob")),
+        );
         let mut opts = LayerOptions::default();
         opts.first = first;
         build_layer(&src, &meta, &blob, &opts).unwrap();
@@ -549,7 +555,12 @@ fn files_laid_out_first_occupy_the_first_chunks_and_the_layer_reads_exactly() {
     // The 50 early small files (3-20 KB each) fill the first chunks, in one run.
     let tail_bytes: u64 = small
         .iter()
-        .map(|r| std::fs::metadata(src.join(r)).unwrap().len().next_multiple_of(4096))
+        .map(|r| {
+            std::fs::metadata(src.join(r))
+                .unwrap()
+                .len()
+                .next_multiple_of(4096)
+        })
         .sum();
     let run_chunks = tail_bytes.div_ceil(CHUNK_SIZE);
     let got = chunks_of(&ordered, &small);
@@ -567,7 +578,11 @@ fn files_laid_out_first_occupy_the_first_chunks_and_the_layer_reads_exactly() {
     // The big file's tail is in the run, its three full chunks right after it.
     let big = chunks_of(&ordered, &[PathBuf::from("d5/big")]);
     let full: Vec<u64> = big.range(run_chunks..).copied().collect();
-    assert_eq!(full, (run_chunks..run_chunks + 3).collect::<Vec<_>>(), "{big:?}");
+    assert_eq!(
+        full,
+        (run_chunks..run_chunks + 3).collect::<Vec<_>>(),
+        "{big:?}"
+    );
     assert_eq!(big.len(), 4, "{big:?}");
     let n = compare_image(&src, &ordered, true);
     assert!(n > 500, "compared {n} entries");
