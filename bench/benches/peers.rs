@@ -459,11 +459,19 @@ fn strata_column(
     col.find = Some(timed_find(&mp));
 
     s.restart(true, &[]);
+    let skipped = |s: &StrataSys| s.status()["cache"]["disk_writes_skipped"].as_u64();
+    let sk0 = skipped(&s);
     col.all = Some(timed_read(&mp, &tree.all, cg));
+    let sk1 = skipped(&s);
     let warm = s.node.json(&["warm", LAYER]);
     let warm = warm.get(0).unwrap_or(&warm);
     col.notes.push(format!(
-        "warm after the full read: fetched {:.1} MB more, wholly local: {}, passthrough next: {}",
+        "cold read of every file: {} fetched chunks not kept in level 2 (too many pending \
+         writes); warm after it: fetched {:.1} MB more, wholly local: {}, passthrough next: {}",
+        match (sk0, sk1) {
+            (Some(a), Some(b)) => (b - a).to_string(),
+            _ => "?".into(),
+        },
         mb(warm["fetched"].as_u64().unwrap_or(0)),
         warm["local"],
         warm["passthrough_next"],
@@ -976,7 +984,9 @@ fn print_table(tree: &Tree, cols: &[Col]) {
         if let Some(f) = c.l2_fetched {
             bits.push(format!("level-2 reads fetched {:.1} MB", mb(f)));
         }
-        println!("- {}: {}", c.name, bits.join("; "));
+        if !bits.is_empty() {
+            println!("- {}: {}", c.name, bits.join("; "));
+        }
     }
     for c in cols {
         for n in &c.notes {
