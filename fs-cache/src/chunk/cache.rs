@@ -225,8 +225,11 @@ const STAGED_WINDOWS: u64 = 4;
 const DISK_RUN_CHUNKS: u64 = 8;
 
 /// Fetched chunks waiting to be written to level 2 in the background; past this, new chunks
-/// are served but not kept on disk (and counted).
-const MAX_PENDING_DISK_WRITES: usize = 64;
+/// are served but not kept on disk (and counted). 64 MiB of chunks, most of them shared with
+/// level 1: with 64 (16 MiB), a cold read of every file of a plain 780 MB layer at 500-700
+/// MB/s left 156-311 chunks out of level 2 (`cargo bench -p bench --bench peers`), so the
+/// layer was not wholly local at its next mount.
+const MAX_PENDING_DISK_WRITES: usize = 256;
 /// Bytes per run of [`ChunkCache::warm_local`] (one backend request).
 pub const WARM_RUN_BYTES: u64 = 4 << 20;
 /// Runs of [`ChunkCache::warm_local`] in flight.
@@ -1163,8 +1166,13 @@ impl Inner {
             blob: table.blob,
             index,
         };
-        // Own the bytes: a slice would pin the whole coalesced request in memory.
-        let data = Bytes::copy_from_slice(&data);
+        // Own the bytes: a slice would pin the whole coalesced request in memory (a decoded
+        // zstd chunk is a buffer of its own already).
+        let data = if table.is_zstd(index) {
+            data
+        } else {
+            Bytes::copy_from_slice(&data)
+        };
         self.memory_put(id, data.clone());
         if let Some(disk) = self.disk.clone() {
             // Readers get the chunk now; level 2 keeps it in the background (the disk cache
