@@ -21,7 +21,7 @@
 //! For each of `--compress none` and `zstd`, every step on a fresh node (its own caches, the
 //! page cache dropped):
 //! 1. **build order**: v1 as built; the node records v1's trace (window
-//!    `STRATA_LOCALITY_WINDOW_S`, default 5 s) while it reads set A;
+//!    `STRATA_LOCALITY_WINDOW_S`, default 15 s as the daemon's; it must cover the read) while it reads set A;
 //! 2. **trace prefetch**: a new node mounts v1 (replaying the trace from the mount on) and
 //!    reads set A at once;
 //! 3. **trace order**: v2 = the same tree built `--order-from` v1, read (set A) by a node with
@@ -186,7 +186,7 @@ fn main() {
         None => bench::node::debian_tree().join("usr/share/doc"),
     };
     let latency = env_u64("STRATA_LOCALITY_LATENCY_MS", 2);
-    let window = env_u64("STRATA_LOCALITY_WINDOW_S", if full { 5 } else { 1 });
+    let window = env_u64("STRATA_LOCALITY_WINDOW_S", if full { 15 } else { 1 });
     let s3 = match bench::S3Server::start() {
         Ok(Some(s)) => s,
         Ok(None) => {
