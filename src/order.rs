@@ -79,11 +79,7 @@ fn order_files(img: &Image, trace: &fs_cache::trace::Trace) -> Vec<PathBuf> {
             };
             let path = rel.join(std::ffi::OsStr::from_bytes(&d.name));
             match ino.file_type {
-                FileType::Directory => {
-                    if dirs.insert(ino.nid) {
-                        queue.push_back((ino, path));
-                    }
-                }
+                FileType::Directory if dirs.insert(ino.nid) => queue.push_back((ino, path)),
                 FileType::Regular => {
                     let Ok(map) = img.data_map(&ino) else {
                         continue;
