@@ -1,6 +1,7 @@
-//! zstd per chunk in the store: stored bytes and build wall time, Strata plain vs Strata zstd
-//! vs `mkfs.erofs` 1.8 `-zzstd`, on the same trees in one run; the zstd level's speed against
-//! its ratio; and cold reads of a compressed vs a plain layer through the node daemon.
+//! zstd per chunk in the store: stored bytes, build wall time and build memory, Strata plain
+//! vs Strata zstd vs nydus 2.2 (`nydus-image create`, plain and zstd) vs `mkfs.erofs` 1.8
+//! `-zzstd`, on the same trees in one run; the zstd level's speed against its ratio; and cold
+//! reads of a compressed vs a plain layer through the node daemon.
 //!
 //! A scenario harness (no criterion), run as root (drop_caches, mounts):
 //!
@@ -9,9 +10,12 @@
 //! cargo bench -p bench --bench compress
 //! ```
 //!
-//! Trees: `STRATA_COMPRESS_TREES` (colon-separated), default `/usr/lib/x86_64-linux-gnu` and
-//! the Debian minbase root ([`bench::node::debian_tree`]); the smoke run (without `--bench`)
-//! takes the minbase root's `usr/share/doc`. `mkfs.erofs` comes from
+//! Trees: `STRATA_COMPRESS_TREES` (colon-separated), default `/usr/lib/x86_64-linux-gnu`, the
+//! Debian minbase root ([`bench::node::debian_tree`]), `~/.rustup` (a large tree: 100k+
+//! entries) and `~/.cargo/registry/src` (many small files), the last two where they exist; the
+//! smoke run (without `--bench`) takes the minbase root's `usr/share/doc`. nydus-image: as the
+//! `peers` bench finds it ([`bench::measure::nydus_bins`]); without it its rows are skipped,
+//! loudly. `mkfs.erofs` comes from
 //! `STRATA_MKFS_EROFS` (default erofs-utils 1.8 at `/usr/local/lib/strata/erofs-utils-1.8`).
 //!
 //! 1. **Build**: for each tree, page cache dropped before each build:
@@ -19,9 +23,14 @@
 //!      into a fresh local directory store (a fresh node); wall time of the command (walk,
 //!      layout, blob and meta image written, hashed, compressed, stored, manifest pushed) and
 //!      the bytes under the store's `blobs/` (objects and chunk tables);
-//!    - `mkfs.erofs -zzstd IMG TREE` and `mkfs.erofs -zzstd -C262144 IMG TREE` (physical
-//!      clusters up to 256 KiB, closer to Strata's chunk): wall time and image size.
-//! 2. **Levels**: the plain build's data blob put again into fresh stores at zstd levels 1, 3,
+//!    - `nydus-image create --fs-version 6 --chunk-size 0x40000 --compressor none|zstd`:
+//!      wall time, blob directory + bootstrap;
+//!    - `mkfs.erofs -zzstd IMG TREE` and (trees under 1 GB: it compresses on one thread)
+//!      `mkfs.erofs -zzstd -C262144 IMG TREE` (physical clusters up to 256 KiB, closer to
+//!      Strata's chunk): wall time and image size;
+//!    - for every build, its peak anonymous and file-backed (+ shmem) RSS, sampled every 2 ms
+//!      ([`bench::measure::run`]).
+//! 2. **Levels** (blobs under 1 GB): the plain build's data blob put again into fresh stores at zstd levels 1, 3,
 //!    6 and 9 (`Store::put_blob_file_with`, hashing, compressing on all cores, spooling and
 //!    storing): seconds and stored bytes. The page cache is not dropped (the blob is read
 //!    from memory each time: this is the cost of compression alone).
@@ -74,63 +83,123 @@ fn files_bfs(root: &Path) -> Vec<(PathBuf, u64)> {
     out
 }
 
+/// Every entry under `root` (itself included), directories not followed through symlinks.
+fn entries(root: &Path) -> u64 {
+    let mut n = 1;
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            n += 1;
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                stack.push(e.path());
+            }
+        }
+    }
+    n
+}
+
 fn mb(b: u64) -> f64 {
     b as f64 / 1e6
 }
 
-struct Built {
-    node: LocalNode,
+/// One build: wall time, what it stored, its peak memory ([`bench::measure`]).
+struct Build {
     seconds: f64,
     stored: u64,
+    peak_anon: u64,
+    peak_file: u64,
+}
+
+impl Build {
+    fn of(m: &bench::measure::Measured, stored: u64) -> Self {
+        Build {
+            seconds: m.seconds,
+            stored,
+            peak_anon: m.peak_anon,
+            peak_file: m.peak_file + m.peak_shmem,
+        }
+    }
+}
+
+struct Built {
+    node: LocalNode,
+    build: Build,
     blob_bytes: u64,
 }
 
 fn strata_build(tmp: &Path, tree: &Path, compress: &str) -> Built {
     let node = LocalNode::new(tmp, "compress-");
     drop_caches();
-    let t = Instant::now();
-    let out = node.json(&[
-        "layer",
-        "build",
-        tree.to_str().expect("a UTF-8 path"),
+    let mut cmd = node.cmd();
+    cmd.arg("--json").args(["layer", "build"]).arg(tree).args([
         "--name",
         "base/tree:1",
         "--compress",
         compress,
     ]);
-    let seconds = t.elapsed().as_secs_f64();
+    let m = bench::measure::run(&mut cmd).expect("run strata layer build");
+    assert!(
+        m.status.success(),
+        "strata layer build: {}",
+        m.stderr_text()
+    );
+    let out: serde_json::Value = serde_json::from_slice(&m.stdout).expect("its JSON");
     let stored = bench::du(&node.dir.path().join("store/blobs"));
     Built {
-        seconds,
-        stored,
+        build: Build::of(&m, stored),
         blob_bytes: out["blob_bytes"].as_u64().unwrap_or(0)
             + out["meta_bytes"].as_u64().unwrap_or(0),
         node,
     }
 }
 
-fn mkfs_build(tmp: &Path, tree: &Path, extra: &[&str]) -> (f64, u64) {
+fn mkfs_build(tmp: &Path, tree: &Path, extra: &[&str]) -> Build {
     let mkfs = std::env::var("STRATA_MKFS_EROFS")
         .unwrap_or_else(|_| "/usr/local/lib/strata/erofs-utils-1.8/bin/mkfs.erofs".into());
     let img = tmp.join("mkfs.img");
     let _ = std::fs::remove_file(&img);
     drop_caches();
-    let t = Instant::now();
-    let out = Command::new(&mkfs)
-        .args(extra)
-        .arg(&img)
-        .arg(tree)
-        .output()
+    let m = bench::measure::run(Command::new(&mkfs).args(extra).arg(&img).arg(tree))
         .expect("run mkfs.erofs");
-    let seconds = t.elapsed().as_secs_f64();
     assert!(
-        out.status.success(),
+        m.status.success(),
         "mkfs.erofs {extra:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
+        m.stderr_text()
     );
     let size = std::fs::metadata(&img).map(|m| m.len()).unwrap_or(0);
     let _ = std::fs::remove_file(&img);
-    (seconds, size)
+    Build::of(&m, size)
+}
+
+/// `nydus-image create` (RAFS v6, 256 KiB chunks as Strata's) with `compressor`: the blob
+/// directory and the bootstrap count as stored.
+fn nydus_build(tmp: &Path, nydus_image: &Path, tree: &Path, compressor: &str) -> Build {
+    let dir = bench::bench_tempdir(tmp, "compress-nydus-", "the nydus directory");
+    let blobs = dir.path().join("blobs");
+    std::fs::create_dir_all(&blobs).expect("the blob directory");
+    drop_caches();
+    let m = bench::measure::run(
+        Command::new(nydus_image)
+            .arg("create")
+            .args(["--fs-version", "6", "--chunk-size", "0x40000"])
+            .args(["--compressor", compressor, "--log-level", "warn"])
+            .arg("--blob-dir")
+            .arg(&blobs)
+            .arg("--bootstrap")
+            .arg(dir.path().join("bootstrap"))
+            .arg(tree),
+    )
+    .expect("run nydus-image");
+    assert!(
+        m.status.success(),
+        "nydus-image create --compressor {compressor}: {}",
+        m.stderr_text()
+    );
+    let stored = bench::du(&blobs) + bench::du(&dir.path().join("bootstrap"));
+    Build::of(&m, stored)
 }
 
 /// Levels: the plain store's data blob, put at each level into a fresh store.
@@ -218,10 +287,26 @@ fn main() {
     }
     let trees: Vec<PathBuf> = match std::env::var("STRATA_COMPRESS_TREES") {
         Ok(v) => v.split(':').map(PathBuf::from).collect(),
-        Err(_) if bench::full_run() => vec![
-            PathBuf::from("/usr/lib/x86_64-linux-gnu"),
-            bench::node::debian_tree(),
-        ],
+        Err(_) if bench::full_run() => {
+            let home = PathBuf::from(std::env::var_os("HOME").unwrap_or_else(|| "/root".into()));
+            let mut t = vec![
+                PathBuf::from("/usr/lib/x86_64-linux-gnu"),
+                bench::node::debian_tree(),
+            ];
+            // A large tree (the Rust toolchains: 100k+ entries) and one of many small files
+            // (the crates' sources), where this machine has them.
+            for extra in [home.join(".rustup"), home.join(".cargo/registry/src")] {
+                if extra.is_dir() {
+                    t.push(extra);
+                } else {
+                    println!(
+                        "!!!!!!!! compress: {} is not here: not measured",
+                        extra.display()
+                    );
+                }
+            }
+            t
+        }
         // The smoke run (without `--bench`, as CI's `cargo test --bench '*'` runs it): one
         // small real tree, every step.
         Err(_) => vec![bench::node::debian_tree().join("usr/share/doc")],
@@ -232,43 +317,77 @@ fn main() {
         .enable_all()
         .build()
         .expect("a runtime");
+    let nydus = bench::measure::nydus_bins();
+    if let Err(why) = &nydus {
+        println!(
+            "\n!!!!!!!! compress: the nydus-image rows are SKIPPED: {why}.\n!!!!!!!! Install \
+             nydus 2.2 with `cargo install --locked nydus-rs`, or set STRATA_PEERS_NYDUS_BIN.\n"
+        );
+    }
     let mut first: Option<(LocalNode, LocalNode)> = None;
     for tree in &trees {
         let files = files_bfs(tree);
         let bytes: u64 = files.iter().map(|f| f.1).sum();
         println!(
-            "== {} ({} files, {:.1} MB of file data)",
+            "== {} ({} entries, {} files, {:.1} MB of file data)",
             tree.display(),
+            entries(tree),
             files.len(),
             mb(bytes)
         );
         let plain = strata_build(tmp.path(), tree, "none");
         let zstd = strata_build(tmp.path(), tree, "zstd");
-        let (mk_s, mk_b) = mkfs_build(tmp.path(), tree, &["-zzstd"]);
-        let (mk2_s, mk2_b) = mkfs_build(tmp.path(), tree, &["-zzstd", "-C262144"]);
-        println!("| build | wall time | stored bytes | stored / plain |");
-        println!("| --- | ---: | ---: | ---: |");
-        let row = |what: &str, s: f64, b: u64| {
+        let mut rows: Vec<(String, Build)> = Vec::new();
+        if let Ok((nydus_image, _)) = &nydus {
+            for c in ["none", "zstd"] {
+                rows.push((
+                    format!("nydus-image `--compressor {c}`"),
+                    nydus_build(tmp.path(), nydus_image, tree, c),
+                ));
+            }
+        }
+        rows.push((
+            "`mkfs.erofs -zzstd`".into(),
+            mkfs_build(tmp.path(), tree, &["-zzstd"]),
+        ));
+        // mkfs.erofs compresses on one thread (about 11 MB/s here): the variant with
+        // Strata-sized clusters only on trees under 1 GB.
+        if bytes < 1 << 30 {
+            rows.push((
+                "`mkfs.erofs -zzstd -C262144`".into(),
+                mkfs_build(tmp.path(), tree, &["-zzstd", "-C262144"]),
+            ));
+        }
+        println!(
+            "| build | wall time | stored bytes | stored / Strata plain | peak anonymous RSS | \
+             peak file-backed RSS |"
+        );
+        println!("| --- | ---: | ---: | ---: | ---: | ---: |");
+        let row = |what: &str, b: &Build| {
             println!(
-                "| {what} | {s:.2} s | {:.1} MB | {:.3} |",
-                mb(b),
-                b as f64 / plain.stored as f64
+                "| {what} | {:.2} s | {:.1} MB | {:.3} | {:.0} MB | {:.0} MB |",
+                b.seconds,
+                mb(b.stored),
+                b.stored as f64 / plain.build.stored as f64,
+                mb(b.peak_anon),
+                mb(b.peak_file)
             );
         };
-        row(
-            "Strata plain (`--compress none`)",
-            plain.seconds,
-            plain.stored,
-        );
-        row("Strata zstd (default)", zstd.seconds, zstd.stored);
-        row("`mkfs.erofs -zzstd`", mk_s, mk_b);
-        row("`mkfs.erofs -zzstd -C262144`", mk2_s, mk2_b);
+        row("Strata `--compress none`", &plain.build);
+        row("Strata zstd (default)", &zstd.build);
+        for (what, b) in &rows {
+            row(what, b);
+        }
         println!(
             "  (meta image + data blob, plain: {:.1} MB)",
             mb(plain.blob_bytes)
         );
-        println!("levels (the data blob alone, put into a fresh store):");
-        levels(&rt, tmp.path(), &plain.node);
+        if plain.blob_bytes > 1 << 30 {
+            println!("levels: not run on a blob over 1 GB (the smaller trees have the sweep)");
+        } else {
+            println!("levels (the data blob alone, put into a fresh store):");
+            levels(&rt, tmp.path(), &plain.node);
+        }
         if first.is_none() {
             first = Some((plain.node, zstd.node));
         }

@@ -507,33 +507,6 @@ fn strata_column(
 
 // ---- nydus ------------------------------------------------------------------------------
 
-/// Where `nydus-image` and `nydusd` are, or why not.
-fn nydus_bins() -> Result<(PathBuf, PathBuf), String> {
-    let mut dirs: Vec<PathBuf> = Vec::new();
-    if let Some(d) = std::env::var_os("STRATA_PEERS_NYDUS_BIN") {
-        dirs.push(d.into());
-    }
-    if let Some(h) = std::env::var_os("HOME") {
-        dirs.push(Path::new(&h).join(".cargo/bin"));
-    }
-    if let Some(p) = std::env::var_os("PATH") {
-        dirs.extend(std::env::split_paths(&p));
-    }
-    let find = |name: &str| dirs.iter().map(|d| d.join(name)).find(|p| p.is_file());
-    match (find("nydus-image"), find("nydusd")) {
-        (Some(i), Some(d)) => Ok((i, d)),
-        (i, d) => Err(format!(
-            "{} not found in STRATA_PEERS_NYDUS_BIN, ~/.cargo/bin or PATH",
-            [("nydus-image", i.is_none()), ("nydusd", d.is_none())]
-                .iter()
-                .filter(|x| x.1)
-                .map(|x| x.0)
-                .collect::<Vec<_>>()
-                .join(" and ")
-        )),
-    }
-}
-
 /// A running `nydusd`: stopped (SIGTERM, then SIGKILL) and its mountpoint detached when
 /// dropped, also on a panic.
 #[derive(Debug)]
@@ -1027,7 +1000,7 @@ fn main() {
         ],
         Err(_) => vec![bench::node::debian_tree().join("usr/share/doc")],
     };
-    let nydus = nydus_bins();
+    let nydus = bench::measure::nydus_bins();
     if let Err(why) = &nydus {
         println!(
             "\n!!!!!!!! peers: the nydusd columns are SKIPPED: {why}.\n!!!!!!!! Install nydus \

@@ -24,11 +24,14 @@
 //! - [`fault_proxy::FaultProxy`]: a faulty HTTP proxy in front of the S3 test server, and
 //!   [`campaign`]: the fault campaign's stage (layers mounted through a daemon whose store is
 //!   reached through the proxy, byte-checking readers), shared with `tests/faults.rs`.
+//! - [`measure::run`]: a command's wall time and peak anonymous and file-backed memory;
+//!   [`measure::nydus_bins`]: where the nydus peer's binaries are.
 //!
 //! Nothing here is timed; it only sets the stage.
 
 pub mod campaign;
 pub mod fault_proxy;
+pub mod measure;
 pub mod node;
 
 use std::io::{Read, Write};

@@ -440,4 +440,26 @@ mod tests {
         huge[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(Trace::decode("l", &huge).is_err());
     }
+
+    #[test]
+    fn the_fuzz_seeds_are_what_their_names_say() {
+        // The committed seeds of `fuzz/corpus/access_trace` (made by hand, not by `encode`).
+        let seeds = concat!(env!("CARGO_MANIFEST_DIR"), "/../fuzz/corpus/access_trace");
+        let read = |name: &str| std::fs::read(format!("{seeds}/{name}")).unwrap();
+        let t = Trace::decode("seed", &read("two_blobs")).unwrap();
+        assert_eq!((t.blobs.len(), t.entries.len(), t.window_ms), (2, 3, 15000));
+        assert_eq!(t.entries[2].blocks, MAX_ENTRY_BLOCKS);
+        assert!(Trace::decode("seed", &read("no_entries"))
+            .unwrap()
+            .entries
+            .is_empty());
+        let e = Trace::decode("seed", &read("overflow"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("within u32"), "{e}");
+        let e = Trace::decode("seed", &read("bad_check"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("checksum"), "{e}");
+    }
 }
