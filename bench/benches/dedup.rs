@@ -24,6 +24,13 @@
 //! wall time. Every deduped layer is then read back through `strata layer export --erofs`
 //! (the cache, every device) for one version and one workspace and compared with its tree.
 //!
+//! nydus 2.2 beside it where `nydus-image` is installed ([`bench::measure::nydus_bins`];
+//! skipped loudly otherwise): every layer built with `nydus-image create --fs-version 6
+//! --chunk-size 0x40000 --compressor zstd` into one shared blob directory, once without and
+//! once with a chunk dictionary (`--chunk-dict bootstrap=` the previous layer's bootstrap,
+//! which lists every chunk that layer uses, in whichever blob), as nydus dedups across
+//! images; stored = the blob directory plus the bootstraps, uploaded = what each build added.
+//!
 //! Figures and the machine: `bench/README.md`, "dedup".
 
 use std::path::{Path, PathBuf};
@@ -100,6 +107,79 @@ fn build(node: &LocalNode, tree: &Path, name: &str, extra: &[&str], side: &mut S
     side.dedup_chunks += v["dedup_chunks"].as_u64().unwrap_or(0);
 }
 
+/// nydus-image builds of a scenario's layers into one blob directory, with or without a chunk
+/// dictionary (the previous layer's bootstrap).
+struct Nydus {
+    bin: PathBuf,
+    dir: tempfile::TempDir,
+    dict: bool,
+    last: Option<PathBuf>,
+    side: Side,
+}
+
+impl Nydus {
+    fn new(bin: &Path, tmp: &Path, dict: bool) -> Self {
+        let dir = bench::bench_tempdir(tmp, "dedup-nydus-", "the nydus directory");
+        std::fs::create_dir_all(dir.path().join("blobs")).expect("the blob directory");
+        Nydus {
+            bin: bin.to_owned(),
+            dir,
+            dict,
+            last: None,
+            side: Side::default(),
+        }
+    }
+
+    fn stored(&self) -> u64 {
+        bench::du(self.dir.path())
+    }
+
+    fn build(&mut self, tree: &Path, n: usize) {
+        let boot = self.dir.path().join(format!("bootstrap-{n}"));
+        let before = self.stored();
+        let mut cmd = Command::new(&self.bin);
+        cmd.arg("create")
+            .args(["--fs-version", "6", "--chunk-size", "0x40000"])
+            .args(["--compressor", "zstd", "--log-level", "warn"])
+            .arg("--blob-dir")
+            .arg(self.dir.path().join("blobs"))
+            .arg("--bootstrap")
+            .arg(&boot);
+        if let (true, Some(last)) = (self.dict, &self.last) {
+            cmd.arg("--chunk-dict")
+                .arg(format!("bootstrap={}", last.display()));
+        }
+        let t = Instant::now();
+        let out = cmd.arg(tree).output().expect("run nydus-image");
+        self.side.seconds += t.elapsed().as_secs_f64();
+        assert!(
+            out.status.success(),
+            "nydus-image create (dict {}): {}",
+            self.dict,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        self.side.uploaded += self.stored().saturating_sub(before);
+        self.last = Some(boot);
+    }
+}
+
+/// The nydus row of a scenario: without and with the chunk dictionary.
+fn report_nydus(what: &str, layers: usize, data: u64, plain: &Nydus, dict: &Nydus) {
+    let (s_dict, s_plain) = (dict.stored(), plain.stored());
+    println!(
+        "| {what}, nydus-image | {layers} | {:.1} | {:.1} | {:.1} ({:.3}×) | {:.1} | {:.1} ({:.3}×) | | {:.1} | {:.1} |",
+        mb(data),
+        mb(s_plain),
+        mb(s_dict),
+        s_dict as f64 / s_plain as f64,
+        mb(plain.side.uploaded),
+        mb(dict.side.uploaded),
+        dict.side.uploaded as f64 / plain.side.uploaded.max(1) as f64,
+        plain.side.seconds,
+        dict.side.seconds,
+    );
+}
+
 /// `layer export --erofs` of `name` compared, file by file, with `tree`.
 fn check_export(node: &LocalNode, name: &str, tree: &Path) {
     let out = node.dir.path().join("check.erofs");
@@ -174,6 +254,22 @@ fn main() {
     let (versions, workspaces) = if full { (10, 100) } else { (3, 5) };
     let target_tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
     let tmp = bench::bench_tempdir(target_tmp, "dedup-", "the bench directory");
+    let nydus_bin = match bench::measure::nydus_bins() {
+        Ok((image, _)) => Some(image),
+        Err(why) => {
+            println!(
+                "\n!!!!!!!! dedup: the nydus-image rows are SKIPPED: {why}.\n!!!!!!!! Install \
+                 nydus 2.2 with `cargo install --locked nydus-rs`, or set \
+                 STRATA_PEERS_NYDUS_BIN.\n"
+            );
+            None
+        }
+    };
+    let nydus_pair = |tmp: &Path| {
+        nydus_bin
+            .as_deref()
+            .map(|b| (Nydus::new(b, tmp, false), Nydus::new(b, tmp, true)))
+    };
     println!(
         "| scenario | layers | file data MB | stored, no dedup MB | stored, dedup MB | uploaded, no dedup MB | uploaded, dedup MB | chunks deduped | build s, no dedup | build s, dedup |"
     );
@@ -193,6 +289,7 @@ fn main() {
         LocalNode::new(tmp.path(), "off-"),
     );
     let (mut d, mut p) = (Side::default(), Side::default());
+    let mut ny = nydus_pair(tmp.path());
     let mut data = 0;
     let mut changed_total = 0;
     for v in 1..=versions {
@@ -218,6 +315,10 @@ fn main() {
         let name = format!("toolkit/t:{v}");
         build(&on, &work, &name, &[], &mut d);
         build(&off, &work, &name, &["--no-dedup"], &mut p);
+        if let Some((plain, dict)) = &mut ny {
+            plain.build(&work, v as usize);
+            dict.build(&work, v as usize);
+        }
         data += size_of(&all);
         if v == versions {
             check_export(&on, &name, &work);
@@ -239,7 +340,16 @@ fn main() {
         &d,
         &p,
     );
-    drop((on, off));
+    if let Some((plain, dict)) = &ny {
+        report_nydus(
+            &format!("toolkit, {versions} versions"),
+            versions as usize,
+            data,
+            plain,
+            dict,
+        );
+    }
+    drop((on, off, ny));
     std::fs::remove_dir_all(&work).ok();
 
     // 2. Workspaces on a common tree.
@@ -251,6 +361,7 @@ fn main() {
         LocalNode::new(tmp.path(), "woff-"),
     );
     let (mut d, mut p) = (Side::default(), Side::default());
+    let mut ny = nydus_pair(tmp.path());
     let mut data = 0;
     for i in 0..workspaces {
         let task = work.join("task");
@@ -268,6 +379,10 @@ fn main() {
         let name = format!("workspace/task-{i}:1");
         build(&on, &work, &name, &[], &mut d);
         build(&off, &work, &name, &["--no-dedup"], &mut p);
+        if let Some((plain, dict)) = &mut ny {
+            plain.build(&work, i as usize);
+            dict.build(&work, i as usize);
+        }
         data += base_data + own;
         if i == workspaces - 1 {
             check_export(&on, &name, &work);
@@ -282,4 +397,13 @@ fn main() {
         &d,
         &p,
     );
+    if let Some((plain, dict)) = &ny {
+        report_nydus(
+            &format!("{workspaces} workspaces on {}", common.display()),
+            workspaces as usize,
+            data,
+            plain,
+            dict,
+        );
+    }
 }
