@@ -182,15 +182,13 @@ fn nydus_build(tmp: &Path, nydus_image: &Path, tree: &Path, compressor: &str) ->
     std::fs::create_dir_all(&blobs).expect("the blob directory");
     drop_caches();
     let m = bench::measure::run(
-        Command::new(nydus_image)
-            .arg("create")
-            .args(["--fs-version", "6", "--chunk-size", "0x40000"])
-            .args(["--compressor", compressor, "--log-level", "warn"])
-            .arg("--blob-dir")
-            .arg(&blobs)
-            .arg("--bootstrap")
-            .arg(dir.path().join("bootstrap"))
-            .arg(tree),
+        bench::measure::nydus_create(
+            nydus_image,
+            compressor,
+            &blobs,
+            &dir.path().join("bootstrap"),
+        )
+        .arg(tree),
     )
     .expect("run nydus-image");
     assert!(

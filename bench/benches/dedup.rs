@@ -137,14 +137,8 @@ impl Nydus {
     fn build(&mut self, tree: &Path, n: usize) {
         let boot = self.dir.path().join(format!("bootstrap-{n}"));
         let before = self.stored();
-        let mut cmd = Command::new(&self.bin);
-        cmd.arg("create")
-            .args(["--fs-version", "6", "--chunk-size", "0x40000"])
-            .args(["--compressor", "zstd", "--log-level", "warn"])
-            .arg("--blob-dir")
-            .arg(self.dir.path().join("blobs"))
-            .arg("--bootstrap")
-            .arg(&boot);
+        let blobs = self.dir.path().join("blobs");
+        let mut cmd = bench::measure::nydus_create(&self.bin, "zstd", &blobs, &boot);
         if let (true, Some(last)) = (self.dict, &self.last) {
             cmd.arg("--chunk-dict")
                 .arg(format!("bootstrap={}", last.display()));

@@ -661,17 +661,15 @@ impl NydusSys {
         std::fs::create_dir_all(&mp).expect("a mountpoint");
         drop_caches();
         let t = Instant::now();
-        let out = Command::new(&bins.0)
-            .arg("create")
-            .args(["--fs-version", "6", "--chunk-size", "0x40000"])
-            .args(["--compressor", compressor, "--log-level", "warn"])
-            .arg("--blob-dir")
-            .arg(&blobs)
-            .arg("--bootstrap")
-            .arg(dir.path().join("bootstrap"))
-            .arg(&tree.root)
-            .output()
-            .expect("run nydus-image");
+        let out = bench::measure::nydus_create(
+            &bins.0,
+            compressor,
+            &blobs,
+            &dir.path().join("bootstrap"),
+        )
+        .arg(&tree.root)
+        .output()
+        .expect("run nydus-image");
         col.build_seconds = Some(t.elapsed().as_secs_f64());
         assert!(
             out.status.success(),

@@ -8,7 +8,8 @@
 //! gradually is well below the noise. Only the direct child is sampled (none of the builders
 //! measured here start helpers).
 //!
-//! Also here: where the peer tools are ([`nydus_bins`]).
+//! Also here: where the peer tools are ([`nydus_bins`]) and the one way the benches build a
+//! nydus image ([`nydus_create`]).
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -139,6 +140,26 @@ pub fn nydus_bins() -> Result<(PathBuf, PathBuf), String> {
                 .join(" and ")
         )),
     }
+}
+
+/// `nydus-image create` of an image as every bench builds one (RAFS v6, 256 KiB chunks as
+/// Strata's, `compressor`) into the blob directory `blobs` and the bootstrap `bootstrap`; the
+/// caller adds options (a chunk dictionary) and the source tree last.
+pub fn nydus_create(
+    nydus_image: &Path,
+    compressor: &str,
+    blobs: &Path,
+    bootstrap: &Path,
+) -> Command {
+    let mut c = Command::new(nydus_image);
+    c.arg("create")
+        .args(["--fs-version", "6", "--chunk-size", "0x40000"])
+        .args(["--compressor", compressor, "--log-level", "warn"])
+        .arg("--blob-dir")
+        .arg(blobs)
+        .arg("--bootstrap")
+        .arg(bootstrap);
+    c
 }
 
 #[cfg(test)]
