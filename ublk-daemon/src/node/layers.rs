@@ -239,6 +239,12 @@ impl Node {
         if !self.config.passthrough {
             return Some("passthrough is off (strata daemon --no-passthrough)");
         }
+        if self.stacked_refused {
+            return Some(
+                "this kernel's EROFS refuses file-backed devices on a stacked filesystem, \
+                 which FUSE passthrough makes the blob mount",
+            );
+        }
         if !blobfs.passthrough_available() {
             return Some(
                 "the kernel refused FUSE passthrough, or fusectl is not mounted at \

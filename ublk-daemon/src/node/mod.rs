@@ -154,6 +154,9 @@ pub struct Node {
     inner: Mutex<Inner>,
     /// One lock per layer id, held while that layer is mounted or taken down.
     layer_locks: std::sync::Mutex<HashMap<String, Arc<Mutex<()>>>>,
+    /// Passthrough was configured, but this kernel's EROFS refuses devices on a stacked
+    /// filesystem (`sys::erofs_takes_stacked_devices`): the blob mount was made without it.
+    stacked_refused: bool,
     stopping: AtomicBool,
     /// The fd holder keeping the blob mount's connection (none: the mounts die with us).
     holder: Option<Arc<HolderClient>>,
@@ -218,6 +221,12 @@ impl Node {
         self.config.passthrough
             && (self.inner.lock().await.blobfs.as_deref())
                 .is_some_and(BlobFs::passthrough_available)
+    }
+
+    /// Whether passthrough was configured but left off because this kernel's EROFS refuses
+    /// file-backed devices on a stacked filesystem, which a passthrough blob mount is.
+    pub fn passthrough_refused_by_kernel(&self) -> bool {
+        self.stacked_refused
     }
 
     pub fn cache(&self) -> &Arc<ChunkCache> {

@@ -247,7 +247,27 @@ impl Node {
         let mut fs_config = BlobFsConfig::new(blobs_dir.clone());
         fs_config.threads = config.fuse_threads;
         fs_config.max_read = config.max_read;
-        fs_config.passthrough = config.passthrough;
+        // FUSE passthrough makes the blob mount a stacked filesystem; a kernel whose EROFS
+        // refuses devices on one would then refuse every layer (`sys::erofs_takes_stacked_devices`).
+        let stacked_refused = config.passthrough && {
+            let scratch = run_dir.join("probe");
+            match blocking(move || sys::erofs_takes_stacked_devices(&scratch)).await {
+                Ok(true) => false,
+                Ok(false) => {
+                    tracing::warn!(
+                        "this kernel's EROFS refuses file-backed devices on a stacked \
+                         filesystem, which FUSE passthrough would make the blob mount: no \
+                         passthrough, warm layers are read through the daemon"
+                    );
+                    true
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "no passthrough");
+                    true
+                }
+            }
+        };
+        fs_config.passthrough = config.passthrough && !stacked_refused;
 
         let mut resumed = None;
         if let (Some((dev, saved)), Some(prev)) = (kept, &previous) {
@@ -345,7 +365,7 @@ impl Node {
             }
         };
         let neg = blobfs.negotiated();
-        if config.passthrough && !neg.passthrough() {
+        if fs_config.passthrough && !neg.passthrough() {
             tracing::warn!(
                 "the kernel refused FUSE passthrough: warm layers are read through the daemon"
             );
@@ -376,6 +396,7 @@ impl Node {
                 busy: HashSet::new(),
             }),
             layer_locks: Default::default(),
+            stacked_refused,
             stopping: AtomicBool::new(false),
             holder,
             gate: tokio::sync::RwLock::new(()),

@@ -275,6 +275,92 @@ pub fn mount_overlay(
     })
 }
 
+/// Whether this kernel's EROFS takes a file-backed device that lives on a stacked
+/// filesystem (a superblock with a nonzero stacking depth), probed once with real mounts in
+/// the scratch directory `scratch` (made, and removed again, here).
+///
+/// It matters because FUSE passthrough makes the blob mount stacked: at INIT the daemon
+/// answers `max_stack_depth = 1`, and the kernel sets that as the FUSE superblock's depth.
+/// Kernels with EROFS's stacking limit for file-backed mounts (Linux 6.19, and stable
+/// releases it was backported to, such as this repository's 6.18.44 test machine) then
+/// refuse every `device=` on the blob mount with `EINVAL` ("file-backed devices cannot be on
+/// stacked fses"), whether that blob is read in passthrough mode or not. Such a kernel must
+/// get a blob mount without passthrough.
+///
+/// The probe builds a one-file layer, mounts it with its blob as `device=` from a plain
+/// directory (which must work: else the answer is an error), then from a read-only overlay
+/// of that directory (depth 1, like the passthrough FUSE mount): `Ok(false)` if only the
+/// second is refused with `EINVAL`. Every mount is undone before it returns.
+pub fn erofs_takes_stacked_devices(scratch: &Path) -> Result<bool, ApiError> {
+    let fail = |what: &str, e: &dyn std::fmt::Display| {
+        ApiError::new(
+            ErrorKind::Internal,
+            format!("probe EROFS on a stacked filesystem: {what}: {e}"),
+        )
+    };
+    let (plain, empty, stacked, mnt) = (
+        scratch.join("plain"),
+        scratch.join("empty"),
+        scratch.join("stacked"),
+        scratch.join("mnt"),
+    );
+    // A probe that died half-way leaves mounts behind: take them down first.
+    let clear = || {
+        for m in [&mnt, &stacked] {
+            let _ = rustix::mount::unmount(m.as_path(), UnmountFlags::DETACH);
+        }
+        let _ = std::fs::remove_dir_all(scratch);
+    };
+    clear();
+    let result = (|| {
+        let src = scratch.join("src");
+        for d in [&src, &plain, &empty, &stacked, &mnt] {
+            std::fs::create_dir_all(d).map_err(|e| fail(&format!("create {}", d.display()), &e))?;
+        }
+        let data: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
+        std::fs::write(src.join("f"), &data).map_err(|e| fail("write the probe file", &e))?;
+        let meta = scratch.join("meta.erofs");
+        erofs_builder::layer::build_layer(
+            &src,
+            &meta,
+            &plain.join("blob"),
+            &erofs_builder::layer::LayerOptions::default(),
+        )
+        .map_err(|e| fail("build the probe layer", &e))?;
+        let mount = |device: &Path| -> io::Result<()> {
+            let opts = cstring(format!(
+                "device={}",
+                option_path(device).map_err(io::Error::other)?
+            ))?;
+            rustix::mount::mount(
+                &meta,
+                &mnt,
+                "erofs",
+                MountFlags::RDONLY | MountFlags::NODEV | MountFlags::NOSUID,
+                Some(opts.as_c_str()),
+            )?;
+            let read = std::fs::read(mnt.join("f"));
+            let _ = rustix::mount::unmount(mnt.as_path(), UnmountFlags::DETACH);
+            match read {
+                Ok(got) if got == data => Ok(()),
+                Ok(_) => Err(io::Error::other("the probe file reads back wrong")),
+                Err(e) => Err(e),
+            }
+        };
+        mount(&plain.join("blob")).map_err(|e| fail("mount with a plain device", &e))?;
+        mount_overlay(&[plain.clone(), empty.clone()], None, &stacked)?;
+        let on_stacked = mount(&stacked.join("blob"));
+        let _ = rustix::mount::unmount(stacked.as_path(), UnmountFlags::DETACH);
+        match on_stacked {
+            Ok(()) => Ok(true),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(false),
+            Err(e) => Err(fail("mount with a device on an overlay", &e)),
+        }
+    })();
+    clear();
+    result
+}
+
 /// Unmount `target`; if it is busy and `lazy`, detach it instead (MNT_DETACH).
 pub fn unmount(target: &Path, lazy: bool) -> Result<(), ApiError> {
     match rustix::mount::unmount(target, UnmountFlags::empty()) {
