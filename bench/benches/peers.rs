@@ -364,7 +364,14 @@ impl StrataSys {
         if wipe {
             let _ = std::fs::remove_dir_all(self.node.dir.path().join("home/cache"));
         }
-        let flags: Vec<&std::ffi::OsStr> = flags.iter().map(std::ffi::OsStr::new).collect();
+        // No access traces: a cold read here is a node's first read of a layer nobody traced
+        // (a trace recorded by one step would be replayed as prefetch in the next; the
+        // `locality` bench measures traces).
+        let flags: Vec<&std::ffi::OsStr> = ["--trace-window", "0"]
+            .iter()
+            .chain(flags)
+            .map(std::ffi::OsStr::new)
+            .collect();
         self.node.start_daemon(&flags);
         self.node.ok(&["mount", LAYER, utf8(&self.mp)]);
         self.mounted = true;

@@ -176,6 +176,70 @@ fn round_trip_and_restart_keep_entries_and_lru_order() {
 }
 
 #[test]
+fn a_batch_put_indexes_every_chunk_once_and_survives_a_restart() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cache");
+    let (a, b) = (id("batch-a", 0), id("batch-b", 0));
+    let ids: Vec<ChunkId> = (0..6)
+        .map(|i| {
+            if i % 2 == 0 {
+                id("batch-a", i)
+            } else {
+                id("batch-b", i)
+            }
+        })
+        .collect();
+    let lens = |c: &ChunkId| if c.index == 5 { 1000 } else { CHUNK_SIZE };
+    {
+        let cache = open(&dir, 64 * MIB);
+        // One chunk cached before: the batch only marks it used.
+        cache.put(&a, &content(&a, CHUNK_SIZE)).unwrap();
+        let data: Vec<Vec<u8>> = ids.iter().map(|c| content(c, lens(c))).collect();
+        // Every chunk of the batch, one of them twice, across two blob files.
+        let mut batch: Vec<(ChunkId, &[u8])> = ids
+            .iter()
+            .copied()
+            .zip(data.iter().map(|d| &d[..]))
+            .collect();
+        batch.push((ids[3], &data[3][..]));
+        cache.put_many(&batch).unwrap();
+        let s = cache.stats();
+        let bytes = 5 * CHUNK_SIZE + on_disk(1000);
+        assert_eq!((s.chunks, s.bytes), (6, bytes), "{s:?}");
+        for c in &ids {
+            assert_eq!(cache.get(c).unwrap().unwrap(), content(c, lens(c)), "{c:?}");
+        }
+        // A chunk over the chunk size fails the whole batch before anything is written.
+        let big = vec![7u8; CHUNK_SIZE as usize + 1];
+        let fresh = content(&b, CHUNK_SIZE);
+        let bad: Vec<(ChunkId, &[u8])> = vec![(b, &fresh[..]), (id("batch-b", 9), &big[..])];
+        assert!(cache.put_many(&bad).is_err());
+        assert!(!cache.contains(&b) && !chunk_has_data(&dir, &b));
+        assert_eq!(cache.stats().chunks, 6);
+    }
+    let cache = open(&dir, 64 * MIB);
+    let s = cache.stats();
+    assert_eq!(
+        (s.chunks, s.recovered_orphans, s.dropped_corrupt),
+        (6, 0, 0),
+        "{s:?}"
+    );
+    for c in &ids {
+        assert_eq!(
+            cache.get(c).unwrap().unwrap(),
+            content(c, lens(c)),
+            "after reopen: {c:?}"
+        );
+    }
+    assert_usage_matches(
+        &usage(&dir),
+        5 * CHUNK_SIZE + on_disk(1000),
+        2,
+        "after reopen",
+    );
+}
+
+#[test]
 fn usage_stays_under_capacity_while_reading_three_times_capacity() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("cache");
@@ -321,7 +385,23 @@ fn kill9_filler_child() {
                 for op in 0u64.. {
                     let c = id(FILLER_SEEDS[rng.usize(..2)], rng.u64(..FILLER_INDEXES));
                     let done = match rng.u8(..10) {
-                        0..=5 => cache.put(&c, &content(&c, filler_len(&c))),
+                        0..=2 => cache.put(&c, &content(&c, filler_len(&c))),
+                        // A batch of up to 8 chunks of both blobs (one sync per blob file).
+                        3..=5 => {
+                            let ids: Vec<ChunkId> = (0..rng.u64(1..=8))
+                                .map(|_| {
+                                    id(FILLER_SEEDS[rng.usize(..2)], rng.u64(..FILLER_INDEXES))
+                                })
+                                .collect();
+                            let data: Vec<Vec<u8>> =
+                                ids.iter().map(|c| content(c, filler_len(c))).collect();
+                            let batch: Vec<(ChunkId, &[u8])> = ids
+                                .iter()
+                                .copied()
+                                .zip(data.iter().map(|d| &d[..]))
+                                .collect();
+                            cache.put_many(&batch)
+                        }
                         6..=8 => cache.get(&c).map(|got| match got {
                             Some(b) if b != content(&c, filler_len(&c)) => {
                                 fail(format!("{c:?} read back wrong"))

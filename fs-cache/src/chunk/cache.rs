@@ -230,6 +230,10 @@ const DISK_RUN_CHUNKS: u64 = 8;
 /// MB/s left 156-311 chunks out of level 2 (`cargo bench -p bench --bench peers`), so the
 /// layer was not wholly local at its next mount.
 const MAX_PENDING_DISK_WRITES: usize = 256;
+/// Level-2 writers at once: while one syncs its batch, the other writes the next.
+const DISK_WRITERS: usize = 2;
+/// Chunks per level-2 write batch (16 MiB of full chunks).
+const DISK_BATCH: usize = 64;
 /// Bytes per run of [`ChunkCache::warm_local`] (one backend request).
 pub const WARM_RUN_BYTES: u64 = 4 << 20;
 /// Runs of [`ChunkCache::warm_local`] in flight.
@@ -259,6 +263,9 @@ pub(super) struct Inner {
     sequential: Mutex<HashMap<Digest, Sequential>>,
     staging: Arc<Staging>,
     disk_writes: Arc<Semaphore>,
+    /// Fetched chunks waiting for a level-2 writer, each with its `disk_writes` permit.
+    disk_queue: Mutex<Vec<(ChunkId, Bytes, tokio::sync::OwnedSemaphorePermit)>>,
+    disk_writers: AtomicUsize,
     counters: Counters,
     extra: Extra,
     demand_active: AtomicUsize,
@@ -333,6 +340,8 @@ impl ChunkCache {
                 sequential: Mutex::new(HashMap::new()),
                 staging,
                 disk_writes: Arc::new(Semaphore::new(MAX_PENDING_DISK_WRITES)),
+                disk_queue: Mutex::new(Vec::new()),
+                disk_writers: AtomicUsize::new(0),
                 counters: Counters::default(),
                 extra: Extra::default(),
                 demand_active: AtomicUsize::new(0),
@@ -436,7 +445,9 @@ impl ChunkCache {
                         have.extend(need.into_iter().zip(got));
                     }
                     tokio::task::spawn_blocking(move || {
-                        have.iter().try_for_each(|(i, b)| disk.put(&id(*i), b))
+                        let chunks: Vec<(ChunkId, &[u8])> =
+                            have.iter().map(|(i, b)| (id(*i), &b[..])).collect();
+                        disk.put_many(&chunks)
                     })
                     .await
                     .map_err(|e| Error::io("warm", "disk cache", std::io::Error::other(e)))?
@@ -475,6 +486,23 @@ impl ChunkCache {
 
     /// Read `len` bytes of `blob` at `offset` (fewer only at the end of the blob).
     pub async fn read(&self, blob: &Digest, offset: u64, len: u64) -> Result<Bytes> {
+        self.read_with(blob, offset, len, Io::Offload).await
+    }
+
+    /// [`Self::read`] for a caller on a thread of its own that may block (a FUSE worker),
+    /// driving the read on `runtime`: level-2 reads run on this thread, with no hand-off
+    /// to a blocking thread and back. Must not be called from inside the runtime.
+    pub fn read_blocking(
+        &self,
+        runtime: &tokio::runtime::Handle,
+        blob: &Digest,
+        offset: u64,
+        len: u64,
+    ) -> Result<Bytes> {
+        runtime.block_on(self.read_with(blob, offset, len, Io::Inline))
+    }
+
+    async fn read_with(&self, blob: &Digest, offset: u64, len: u64, io: Io) -> Result<Bytes> {
         let started = Instant::now();
         let table = self.register(blob).await?;
         if offset > table.blob_size {
@@ -557,7 +585,7 @@ impl ChunkCache {
 
         let parts = self
             .inner
-            .read_parts(&table, first..last + 1, &part)
+            .read_parts(&table, first..last + 1, &part, io)
             .await?;
 
         let out = if parts.len() == 1 {
@@ -785,6 +813,7 @@ impl Inner {
         table: &Arc<ChunkTable>,
         range: Range<u64>,
         part: &(dyn Fn(u64) -> Range<u64> + Sync),
+        io: Io,
     ) -> Result<Vec<Bytes>> {
         let n = (range.end - range.start) as usize;
         let mut parts: Vec<Option<Bytes>> = vec![None; n];
@@ -807,10 +836,19 @@ impl Inner {
             }
         }
         if let (false, Some(disk)) = (missing.is_empty(), self.disk.clone()) {
-            let wanted: Vec<(u64, Range<u64>)> = missing.iter().map(|&i| (i, part(i))).collect();
-            // First without waiting for the disk (page-cache hits cost no thread hand-off),
+            // Whole chunks: a level-2 hit is kept in level 1, so that the next read of the same
+            // chunk (the neighbouring small file of a packed run, the rest of a file read in
+            // pieces) costs no disk read. One 256 KiB read costs little more than one of a
+            // few blocks; the part asked for is sliced out below.
+            let whole = |i: u64| {
+                let r = table.chunk_range(i);
+                0..r.end - r.start
+            };
+            let wanted: Vec<(u64, Range<u64>)> = missing.iter().map(|&i| (i, whole(i))).collect();
+            // A caller on a thread that may block (a FUSE worker) reads at once; others try
+            // first without waiting for the disk (page-cache hits cost no thread hand-off),
             // then, for what was not in the page cache, on a thread that may block.
-            let mut outcomes = disk_reads(&disk, table.blob, wanted.clone(), true);
+            let mut outcomes = disk_reads(&disk, table.blob, wanted.clone(), !io.may_block());
             let blocked: Vec<(u64, Range<u64>)> = outcomes
                 .iter()
                 .filter(|(_, _, r)| matches!(r, Ok(RangeRead::WouldBlock)))
@@ -826,15 +864,14 @@ impl Inner {
                 outcomes.extend(more);
             }
             missing.clear();
-            for (i, p, outcome) in outcomes {
+            for (i, _, outcome) in outcomes {
                 match outcome {
                     Ok(RangeRead::Hit(bytes)) => {
                         add(&self.counters.hits_disk, 1);
-                        let r = table.chunk_range(i);
-                        if p.start == 0 && p.end == r.end - r.start {
-                            self.memory_put(id(i), bytes.clone());
-                        }
-                        parts[(i - range.start) as usize] = Some(bytes);
+                        let p = part(i);
+                        let wanted = bytes.slice(p.start as usize..p.end as usize);
+                        self.memory_put(id(i), bytes);
+                        parts[(i - range.start) as usize] = Some(wanted);
                     }
                     Ok(RangeRead::Corrupt) => {
                         // Damaged on local disk: never served; dropped and refetched.
@@ -1071,9 +1108,14 @@ impl Inner {
                     let t = table.clone();
                     tokio::task::spawn_blocking(move || {
                         use rayon::prelude::*;
+                        let open = |(i, d): &(u64, Bytes)| (*i, Self::open(&t, *i, d));
+                        // One chunk (a small file's miss): no hand-off to the pool and back.
+                        if pieces.len() == 1 {
+                            return pieces.iter().map(open).collect();
+                        }
                         pieces
                             .par_iter()
-                            .map(|(i, d)| (*i, Self::open(&t, *i, d)))
+                            .map(open)
                             .collect::<Vec<(u64, Option<Bytes>)>>()
                     })
                     .await
@@ -1124,7 +1166,7 @@ impl Inner {
     /// Keep a fetched chunk that passed verification (its plain bytes); refetch one that did
     /// not (`None`), alone, once.
     async fn accept(
-        &self,
+        self: &Arc<Self>,
         table: &Arc<ChunkTable>,
         index: u64,
         plain: Option<Bytes>,
@@ -1176,22 +1218,82 @@ impl Inner {
         self.memory_put(id, data.clone());
         if let Some(disk) = self.disk.clone() {
             // Readers get the chunk now; level 2 keeps it in the background (the disk cache
-            // indexes a chunk only once its file is complete, so this never exposes a partial
+            // indexes a chunk only once its bytes are durable, so this never exposes a partial
             // chunk). Past a bound on pending writes, the chunk is not kept on disk.
             match self.disk_writes.clone().try_acquire_owned() {
                 Ok(permit) => {
-                    let d = data.clone();
-                    tokio::task::spawn_blocking(move || {
-                        if let Err(e) = disk.put(&id, &d) {
-                            tracing::warn!(error = %e, "could not keep a chunk on local disk");
-                        }
-                        drop(permit);
-                    });
+                    lock(&self.disk_queue).push((id, data.clone(), permit));
+                    self.start_disk_writer(disk);
                 }
                 Err(_) => add(&self.counters.disk_writes_skipped, 1),
             }
         }
         Ok(data)
+    }
+
+    /// Start a level-2 writer unless [`DISK_WRITERS`] run already. A writer takes up to
+    /// [`DISK_BATCH`] queued chunks at a time and puts them as one batch (one `fdatasync` per
+    /// blob file, one index write: [`DiskCache::put_many`]) until the queue is empty; each
+    /// chunk's pending-write permit goes once its batch is done.
+    fn start_disk_writer(self: &Arc<Self>, disk: Arc<DiskCache>) {
+        if !self.claim_disk_writer() {
+            return;
+        }
+        let inner = self.clone();
+        tokio::task::spawn_blocking(move || loop {
+            let batch: Vec<(ChunkId, Bytes, tokio::sync::OwnedSemaphorePermit)> = {
+                let mut q = lock(&inner.disk_queue);
+                let n = q.len().min(DISK_BATCH);
+                q.drain(..n).collect()
+            };
+            if batch.is_empty() {
+                inner.disk_writers.fetch_sub(1, Ordering::AcqRel);
+                // A chunk queued between the drain and the line above found every writer
+                // slot taken and started none: take it on (or leave it to a writer that
+                // claimed a slot meanwhile).
+                if lock(&inner.disk_queue).is_empty() || !inner.claim_disk_writer() {
+                    return;
+                }
+                continue;
+            }
+            let chunks: Vec<(ChunkId, &[u8])> =
+                batch.iter().map(|(id, b, _)| (*id, &b[..])).collect();
+            if let Err(e) = disk.put_many(&chunks) {
+                tracing::warn!(error = %e, chunks = chunks.len(), "could not keep chunks on local disk");
+            }
+        });
+    }
+
+    /// Take one of the [`DISK_WRITERS`] writer slots, if one is free.
+    fn claim_disk_writer(&self) -> bool {
+        let mut n = self.disk_writers.load(Ordering::Acquire);
+        loop {
+            if n >= DISK_WRITERS {
+                return false;
+            }
+            match self
+                .disk_writers
+                .compare_exchange(n, n + 1, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return true,
+                Err(now) => n = now,
+            }
+        }
+    }
+}
+
+/// Where a read's local-disk I/O runs.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Io {
+    /// On a blocking thread of the runtime's pool (the caller is an async task).
+    Offload,
+    /// On the caller's own thread ([`ChunkCache::read_blocking`]).
+    Inline,
+}
+
+impl Io {
+    fn may_block(self) -> bool {
+        self == Io::Inline
     }
 }
 

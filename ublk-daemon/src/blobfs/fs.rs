@@ -136,7 +136,7 @@ impl BlobFsImpl {
             .fetch_max(now, Ordering::Relaxed);
         // A panic below (a runtime shut down under a detached mount) fails this read only.
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            self.rt.block_on(self.cache.read(&e.digest, offset, len))
+            self.cache.read_blocking(&self.rt, &e.digest, offset, len)
         }));
         let result = result.unwrap_or_else(|_| {
             Err(fs_cache::Error::Io {

@@ -36,7 +36,8 @@
 //!
 //! # Ordering, and why a crash cannot make the index lie
 //! - **put**: evict LRU chunks until `bytes + in flight + size <= capacity` → `pwrite` the chunk
-//!   at its offset in the blob file → `fdatasync` → put the index entries. The entries are
+//!   at its offset in the blob file → `fdatasync` → put the index entries (a batch of chunks:
+//!   every chunk written, each blob file synced once, one index write; `batch.rs`). The entries are
 //!   written only once the bytes are durable, so a `kill -9` at any point leaves either no
 //!   entry (the bytes, if any, are unindexed and punched out at the next open) or an entry for
 //!   a whole chunk.
@@ -119,6 +120,7 @@ use super::{ChunkId, CHUNK_SIZE};
 use crate::error::{Error, Result};
 use crate::store::Digest;
 
+mod batch;
 mod direct;
 mod files;
 mod fuzz;
@@ -914,72 +916,7 @@ impl DiskCache {
     /// used; one that cannot fit (more than the capacity left by puts in flight) is not cached.
     /// Chunks larger than [`CHUNK_SIZE`] are refused.
     pub fn put(&self, id: &ChunkId, data: &[u8]) -> Result<()> {
-        let size = data.len() as u64;
-        if size > CHUNK_SIZE || chunk_offset(id.index).is_none_or(|o| o.checked_add(size).is_none())
-        {
-            return Err(self.error(format!(
-                "chunk {} of blob {} is {size} bytes, more than the chunk size {CHUNK_SIZE} \
-                 (or beyond any file offset)",
-                id.index, id.blob
-            )));
-        }
-        let cost = cost(size);
-        let victims = {
-            let mut st = self.lock();
-            if st.touch(id).is_some() || st.inflight.contains(id) {
-                return Ok(());
-            }
-            if st.pending + cost > self.capacity {
-                return Ok(());
-            }
-            let over = (st.present + st.pending + cost).saturating_sub(self.capacity);
-            let victims = st.doom_lru(over);
-            st.inflight.insert(*id);
-            st.pending += cost;
-            *st.per_blob.entry(id.blob).or_insert(0) += 1;
-            victims
-        };
-        let mut pending = PendingGuard {
-            cache: self,
-            id: *id,
-            size: cost,
-            done: false,
-        };
-        self.discard(victims, Some(EVICTIONS))?;
-        self.make_room_on_disk(cost)?;
-        let sums = block_sums(data);
-        self.store_chunk(id, data)?;
-
-        let entry = {
-            let mut st = self.lock();
-            let seq = st.next_seq;
-            st.next_seq = seq.saturating_add(1);
-            Entry {
-                size: size as u32,
-                seq,
-            }
-        };
-        let indexed = self.write_index(
-            |b| {
-                b.put(chunk_key(id), encode_entry(entry));
-                b.put(sums_key(id), &sums);
-            },
-            "cannot index a chunk; it was not cached",
-        );
-        if let Err(e) = indexed {
-            if let Err(e) = self.punch(id, size) {
-                tracing::warn!(error = %e, "chunk cache: unindexed chunk bytes left for the next open");
-            }
-            return Err(e.0);
-        }
-        (self.sums.lock().unwrap_or_else(PoisonError::into_inner)).put(*id, sums.into());
-        pending.done = true;
-        let mut st = self.lock();
-        st.inflight.remove(id);
-        st.pending -= cost;
-        st.present += cost;
-        st.lru.push(*id, entry);
-        Ok(())
+        self.put_many(&[(*id, data)])
     }
 
     /// Drop a chunk; counts nothing.
@@ -1289,16 +1226,8 @@ impl DiskCache {
             Err(e) => return Err(io::Error::other(e)),
         };
         let at = chunk_offset(id.index).unwrap_or(u64::MAX);
-        file.write_all_at(data, at)?;
-        file.sync_data()?;
-        // The pages are clean now; do not let them crowd out level 1 and hot files.
-        let _ = rustix::fs::fadvise(
-            &*file,
-            at,
-            std::num::NonZeroU64::new(data.len() as u64),
-            rustix::fs::Advice::DontNeed,
-        );
-        Ok(())
+        // Made durable by the caller, with the rest of its batch (`batch.rs`).
+        file.write_all_at(data, at)
     }
 
     /// Write the recency of the chunks hit since last time. With `wait == false`, skip if
