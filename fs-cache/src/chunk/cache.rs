@@ -4,16 +4,22 @@
 //! # Path of a read
 //! 1. The blob's chunk table is loaded once ([`crate::Store::chunk_table`]) and kept.
 //! 2. Each chunk the read covers is looked up in level 1 (memory, LRU, bounded in bytes), then
-//!    level 2 ([`super::disk::DiskCache`]), which reads only the 4 KiB blocks the read needs and
-//!    checks each against the crc32c written when the (blake3-verified) chunk entered the
-//!    cache; a chunk that fails is dropped and refetched. Level-2 reads first run inline with
-//!    `RWF_NOWAIT` (page-cache hits need no thread hand-off), then on a blocking thread for
-//!    what was not cached. A whole-chunk level-2 hit is promoted to level 1.
+//!    level 2 ([`super::disk::DiskCache`]), which reads the whole chunk and checks each 4 KiB
+//!    block against the crc32c written when the (blake3-verified) chunk entered the cache; a
+//!    chunk that fails is dropped and refetched. The chunk is then kept in level 1: small
+//!    files are packed together, so the next file read is often in the same chunk (one
+//!    256 KiB read costs little more than one of a few blocks). Level-2 reads run on the
+//!    caller's thread when it may block ([`ChunkCache::read_blocking`], FUSE workers); else
+//!    first inline with `RWF_NOWAIT` (page-cache hits need no thread hand-off), then on a
+//!    blocking thread for what was not cached.
 //! 3. The rest is fetched from the backend: runs of adjacent missing chunks become one ranged
 //!    request each (of the chunks' stored bytes: adjacent chunks of a compressed blob are
 //!    adjacent in its stored object), up to `max_request_bytes` of plain chunks. A chunk already being fetched by another reader
 //!    is not requested again: the reader waits for that request and shares its result or error.
-//! 4. Every fetched chunk is verified before it enters either level: a compressed chunk is
+//! 4. Every fetched chunk is verified before it enters either level (level 2 in the
+//!    background: queued, and written by at most `DISK_WRITERS` threads in batches of up to
+//!    `DISK_BATCH` chunks with one `fdatasync` per blob file, [`DiskCache::put_many`]; a
+//!    reader never waits for it): a compressed chunk is
 //!    decoded first, into a buffer of exactly its plain length ([`super::codec`]), and a frame
 //!    that fails to decode or decodes to another length counts as a mismatch; both levels
 //!    hold plain chunks only. A mismatch is retried once
@@ -486,23 +492,35 @@ impl ChunkCache {
 
     /// Read `len` bytes of `blob` at `offset` (fewer only at the end of the blob).
     pub async fn read(&self, blob: &Digest, offset: u64, len: u64) -> Result<Bytes> {
-        self.read_with(blob, offset, len, Io::Offload).await
+        let parts = self.read_with(blob, offset, len, Io::Offload).await?;
+        Ok(match <[Bytes; 1]>::try_from(parts) {
+            Ok([one]) => one,
+            Err(parts) => {
+                let mut out = BytesMut::with_capacity(parts.iter().map(Bytes::len).sum());
+                for p in &parts {
+                    out.extend_from_slice(p);
+                }
+                out.freeze()
+            }
+        })
     }
 
     /// [`Self::read`] for a caller on a thread of its own that may block (a FUSE worker),
     /// driving the read on `runtime`: level-2 reads run on this thread, with no hand-off
-    /// to a blocking thread and back. Must not be called from inside the runtime.
+    /// to a blocking thread and back. The bytes come as the pieces of the chunks they are
+    /// in, in order (a reply written with one `writev` needs no copy joining them). Must not
+    /// be called from inside the runtime.
     pub fn read_blocking(
         &self,
         runtime: &tokio::runtime::Handle,
         blob: &Digest,
         offset: u64,
         len: u64,
-    ) -> Result<Bytes> {
+    ) -> Result<Vec<Bytes>> {
         runtime.block_on(self.read_with(blob, offset, len, Io::Inline))
     }
 
-    async fn read_with(&self, blob: &Digest, offset: u64, len: u64, io: Io) -> Result<Bytes> {
+    async fn read_with(&self, blob: &Digest, offset: u64, len: u64, io: Io) -> Result<Vec<Bytes>> {
         let started = Instant::now();
         let table = self.register(blob).await?;
         if offset > table.blob_size {
@@ -516,7 +534,7 @@ impl ChunkCache {
         }
         let end = offset.saturating_add(len).min(table.blob_size);
         if end == offset {
-            return Ok(Bytes::new());
+            return Ok(Vec::new());
         }
         if self.inner.recording.load(Ordering::Relaxed) > 0 {
             self.inner.note_read(blob, offset..end);
@@ -588,21 +606,13 @@ impl ChunkCache {
             .read_parts(&table, first..last + 1, &part, io)
             .await?;
 
-        let out = if parts.len() == 1 {
-            parts.into_iter().next().unwrap_or_default()
-        } else {
-            let mut out = BytesMut::with_capacity((end - offset) as usize);
-            for p in &parts {
-                out.extend_from_slice(p);
-            }
-            out.freeze()
-        };
+        let n: u64 = parts.iter().map(|p| p.len() as u64).sum();
         let c = &self.inner.counters;
-        add(&c.bytes_read, out.len() as u64);
-        self.inner.extra.read(blob, out.len() as u64);
+        add(&c.bytes_read, n);
+        self.inner.extra.read(blob, n);
         let bucket = super::counters::latency_bucket(started.elapsed());
         add(&c.latency[bucket], 1);
-        Ok(out)
+        Ok(parts)
     }
 
     /// Fetch the chunks covering `ranges` of `blob` in the background, at a lower priority

@@ -147,11 +147,18 @@ impl BlobFsImpl {
         });
         self.counters.in_flight.fetch_sub(1, Ordering::Relaxed);
         match result {
-            Ok(bytes) => {
+            Ok(parts) => {
+                let n: usize = parts.iter().map(|p| p.len()).sum();
                 self.counters
                     .read_bytes
-                    .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-                reply.ok(&[&bytes])
+                    .fetch_add(n as u64, Ordering::Relaxed);
+                // One piece per chunk, sent with one writev: no copy joining them (unless
+                // there are more pieces than a reply takes).
+                if parts.len() > crate::fuse::session::MAX_PAYLOAD_PARTS {
+                    return reply.ok(&[&parts.concat()]);
+                }
+                let iov: Vec<&[u8]> = parts.iter().map(|p| &p[..]).collect();
+                reply.ok(&iov)
             }
             Err(err) => {
                 self.counters.read_errors.fetch_add(1, Ordering::Relaxed);

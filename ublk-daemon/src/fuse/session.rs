@@ -114,8 +114,10 @@ impl InitPolicy {
     }
 }
 
-/// The most payload pieces one reply or notification carries (a struct, a name and its NUL).
-const MAX_PAYLOAD_PARTS: usize = 3;
+/// The most payload pieces one reply or notification carries: a struct, a name and its NUL;
+/// or a read's bytes as the chunks they are in (a 16 MiB `max_read` spans at most 65 chunks
+/// of 256 KiB).
+pub(crate) const MAX_PAYLOAD_PARTS: usize = 72;
 
 /// The device descriptor, shared by the workers and the filesystem (replies, notifications,
 /// backing files).
