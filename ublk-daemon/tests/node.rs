@@ -60,10 +60,12 @@ fn cache_config(dir: &Path) -> CacheConfig {
     c
 }
 
-/// Whether `node` reads warm layers in FUSE passthrough. If not, says so loudly for `test`:
-/// a kernel whose EROFS refuses devices on a stacked filesystem (a passthrough blob mount is
-/// one) truly cannot, and the test goes on with reads through the cache; any other reason is
-/// a `skip_feature` (a failure under `CI=true` on Linux 6.9 and later).
+/// Whether `node` reads warm layers without the daemon: in FUSE passthrough, or, where FUSE
+/// passthrough cannot be used, through local devices (the level-2 file as the EROFS mount's
+/// device: `ublk-daemon/src/node/local.rs`). When FUSE passthrough is not what is tested, says
+/// so loudly for `test`: a kernel whose EROFS refuses devices on a stacked filesystem (a
+/// passthrough blob mount is one) truly cannot; any other reason is a `skip_feature` (a
+/// failure under `CI=true` on Linux 6.9 and later).
 async fn passthrough_here(node: &Node, test: &str) -> bool {
     if node.passthrough_available().await {
         return true;
@@ -74,8 +76,7 @@ async fn passthrough_here(node: &Node, test: &str) -> bool {
             format!(
                 "\n*** NOT TESTED {test}: FUSE passthrough (this kernel's EROFS refuses \
                  file-backed devices on a stacked filesystem, which FUSE passthrough makes the \
-                 blob mount); the daemon's fallback is tested instead: reads through the \
-                 cache ***\n\n"
+                 blob mount); local devices (EROFS on the level-2 file) are tested instead ***\n\n"
             )
             .as_bytes(),
         );
@@ -86,7 +87,7 @@ async fn passthrough_here(node: &Node, test: &str) -> bool {
             (6, 9),
         );
     }
-    false
+    node.config().passthrough
 }
 
 async fn start(run_dir: &Path, cache_dir: &Path, store: Store) -> Arc<Node> {
@@ -767,25 +768,16 @@ async fn a_warmed_layer_is_mounted_in_passthrough_and_fetches_nothing_more() {
         run_dir: run_dir.clone(),
         extra: vec![Detach(mp.clone())],
     };
-    let node = start(&run_dir, &tmp.path().join("cache"), store).await;
+    let node = start(&run_dir, &tmp.path().join("cache"), store.clone()).await;
 
     let e = node.warm("toolkit/nope:1").await.unwrap_err();
     assert_eq!(e.kind, ErrorKind::UnknownLayer, "{e}");
     let w = node.warm("toolkit/warm:1").await.unwrap();
     let test = "a_warmed_layer_is_mounted_in_passthrough_and_fetches_nothing_more";
     let passthrough = passthrough_here(&node, test).await;
-    if !passthrough && !node.passthrough_refused_by_kernel() {
-        node.shutdown().await.unwrap();
-        return;
-    }
-    if !passthrough {
-        let why = w.no_passthrough_because.clone().unwrap_or_default();
-        assert!(why.contains("stacked filesystem"), "{why}");
-    }
-    assert!(
-        w.local && !w.mounted && w.passthrough_next == passthrough,
-        "{w:?}"
-    );
+    assert!(passthrough, "passthrough is on by default");
+    let fuse = node.passthrough_available().await;
+    assert!(w.local && !w.mounted && w.passthrough_next, "{w:?}");
     assert_eq!((w.bytes, w.blobs), (blob_bytes, 1));
     assert_eq!(w.fetched, blob_bytes, "every chunk fetched once");
     assert!(
@@ -797,7 +789,11 @@ async fn a_warmed_layer_is_mounted_in_passthrough_and_fetches_nothing_more() {
         .await
         .unwrap();
     let status = node.status().await;
-    assert_eq!(status.layers[0].passthrough_blobs, u32::from(passthrough));
+    assert_eq!(status.layers[0].passthrough_blobs, 1);
+    // A local device's pins are held by a token file in the layer's directory for as long
+    // as the layer is mounted.
+    let token = status.layers[0].mnt.parent().unwrap().join("local-device");
+    assert_eq!(token.exists(), !fuse, "{}", token.display());
     let before = node.cache().stats();
     let (entries, bytes) = tokio::task::spawn_blocking({
         let (src, mp) = (src.clone(), mp.clone());
@@ -809,21 +805,36 @@ async fn a_warmed_layer_is_mounted_in_passthrough_and_fetches_nothing_more() {
     let after = node.cache().stats();
     assert_eq!(after.bytes_fetched, before.bytes_fetched);
     assert_eq!(after.misses, before.misses);
-    if passthrough {
-        assert_eq!(
-            after.hits, before.hits,
-            "passthrough reads went through the cache"
-        );
-    } else {
-        assert!(after.hits > before.hits, "reads went through the cache");
-    }
+    assert_eq!(
+        after.hits, before.hits,
+        "reads of a warm layer went through the cache"
+    );
 
     // Warming a mounted layer: nothing to fetch, and it says how the mount reads.
     let w = node.warm("toolkit/warm:1").await.unwrap();
     assert!(
-        w.local && w.mounted && w.fetched == 0 && w.passthrough_now == u32::from(passthrough),
+        w.local && w.mounted && w.fetched == 0 && w.passthrough_now == 1,
         "{w:?}"
     );
+    node.umount(&mp).await.unwrap();
+    assert!(!token.exists(), "the token outlived the layer's mount");
+    // Mounted again on a fresh daemon after a clean stop: the chunks are no longer held
+    // (the cache could evict them), and a local device is made again.
+    node.shutdown().await.unwrap();
+    drop(node);
+    let node = start(&run_dir, &tmp.path().join("cache"), store).await;
+    assert_eq!(node.cache().stats().disk.map(|d| d.stale_holds), Some(0));
+    node.mount(&["toolkit/warm:1".into()], &mp, None, None)
+        .await
+        .unwrap();
+    assert_eq!(node.status().await.layers[0].passthrough_blobs, 1);
+    let (entries2, bytes2) = tokio::task::spawn_blocking({
+        let (src, mp) = (src.clone(), mp.clone());
+        move || compare_trees(&src, &mp)
+    })
+    .await
+    .unwrap();
+    assert_eq!((entries2, bytes2), (entries, bytes));
     node.umount(&mp).await.unwrap();
     node.shutdown().await.unwrap();
 }
@@ -871,21 +882,10 @@ async fn passthrough_is_refused_when_off_or_when_it_would_pin_too_much_of_level_
         let w = node.warm("toolkit/refused:1").await.unwrap();
         assert!(w.local, "{case}: {w:?}");
         assert!(!w.passthrough_next, "{case}: {w:?}");
+        // The same limits hold for FUSE passthrough and for local devices (where this
+        // kernel's EROFS refuses a passthrough blob mount).
         let because = w.no_passthrough_because.clone().unwrap_or_default();
-        if on && because.contains("stacked filesystem") {
-            // Passthrough cannot happen on this kernel at all, so the level-2 limit is never
-            // reached: the refusal names the kernel.
-            let _ = std::io::Write::write_all(
-                &mut std::io::stderr(),
-                format!(
-                    "\n*** NOT TESTED passthrough_is_refused_when_off_or_when_it_would_pin_too_much_of_level_2 \
-                     ({case}): {because} ***\n\n"
-                )
-                .as_bytes(),
-            );
-        } else {
-            assert!(because.contains(why), "{case}: {because}");
-        }
+        assert!(because.contains(why), "{case}: {because}");
         node.mount(&["toolkit/refused:1".into()], &mp, None, None)
             .await
             .unwrap();

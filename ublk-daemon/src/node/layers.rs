@@ -196,6 +196,8 @@ impl Node {
         let meta_path = dir.join("meta.erofs");
         self.fetch_meta(&layer.meta, &meta_path).await?;
         let mut devices = Vec::with_capacity(layer.blobs.len());
+        let mut local = Vec::new();
+        let mut pinned = Self::local_device_bytes(&*self.inner.lock().await);
         for b in &layer.blobs {
             let path = blobfs.add_blob(b.digest).await.map_err(|e| {
                 ApiError::new(
@@ -203,16 +205,28 @@ impl Node {
                     format!("expose blob {} of layer {id}: {e}", b.digest),
                 )
             })?;
-            devices.push(path);
-            self.try_passthrough(&blobfs, &b.digest, id).await;
+            // A warm blob: the level-2 file itself where FUSE passthrough cannot serve it
+            // (`local.rs`), else passthrough on the blob mount's file.
+            match self.try_local_device(&blobfs, &b.digest, id, pinned).await {
+                Some(pin) => {
+                    pinned += pin.len();
+                    devices.push(pin.path());
+                    local.push(pin);
+                }
+                None => {
+                    devices.push(path);
+                    self.try_passthrough(&blobfs, &b.digest, id).await;
+                }
+            }
         }
-        let passthrough = layer
-            .blobs
-            .iter()
-            .filter(|b| blobfs.passthrough_enabled(&b.digest))
-            .count() as u32;
+        let passthrough = local.len() as u32
+            + layer
+                .blobs
+                .iter()
+                .filter(|b| blobfs.passthrough_enabled(&b.digest))
+                .count() as u32;
         let readahead = self.config.layer_readahead;
-        blocking(move || {
+        let mounted = blocking(move || {
             sys::mount_erofs(&meta_path, &devices, &mnt)?;
             if readahead > 0 {
                 // Speed only: the mount works with the kernel's window.
@@ -222,8 +236,16 @@ impl Node {
             }
             Ok(())
         })
-        .await?;
+        .await;
+        if let Err(e) = mounted {
+            drop(local);
+            self.end_local_devices(id, false).await;
+            return Err(e);
+        }
         let mut inner = self.inner.lock().await;
+        if !local.is_empty() {
+            inner.local_devices.insert(id.to_owned(), local);
+        }
         inner.active.insert(id.to_owned(), passthrough);
         if let Some(l) = inner.state.layers.get_mut(id) {
             l.passthrough_blobs = passthrough;
@@ -233,28 +255,24 @@ impl Node {
         Ok(())
     }
 
-    /// Why a blob of `size` bytes, wholly in level 2, would not be read in passthrough mode
-    /// if its layer were mounted now; `None` if it would.
-    fn passthrough_refusal(&self, blobfs: &BlobFs, size: u64) -> Option<&'static str> {
+    /// Why a blob of `size` bytes, wholly in level 2, would not be read without the daemon
+    /// (in passthrough mode, or through a local device where FUSE passthrough is not
+    /// available: `local.rs`) if its layer were mounted now; `None` if it would.
+    /// `device_bytes`: level 2 pinned by local devices so far.
+    pub(super) fn passthrough_refusal(
+        &self,
+        blobfs: &BlobFs,
+        size: u64,
+        device_bytes: u64,
+    ) -> Option<&'static str> {
         if !self.config.passthrough {
             return Some("passthrough is off (strata daemon --no-passthrough)");
-        }
-        if self.stacked_refused {
-            return Some(
-                "this kernel's EROFS refuses file-backed devices on a stacked filesystem, \
-                 which FUSE passthrough makes the blob mount",
-            );
-        }
-        if !blobfs.passthrough_available() {
-            return Some(
-                "the kernel refused FUSE passthrough, or fusectl is not mounted at \
-                 /sys/fs/fuse/connections",
-            );
         }
         let Some(capacity) = self.config.cache.disk.as_ref().map(|d| d.capacity) else {
             return Some("the cache has no level 2");
         };
-        if blobfs.passthrough_bytes().saturating_add(size) > capacity / 2 {
+        let pinned = blobfs.passthrough_bytes().saturating_add(device_bytes);
+        if pinned.saturating_add(size) > capacity / 2 {
             return Some("it would keep more than half of level 2 pinned");
         }
         None
@@ -277,7 +295,11 @@ impl Node {
                 return;
             }
         };
-        if let Some(why) = self.passthrough_refusal(blobfs, size) {
+        if !blobfs.passthrough_available() {
+            tracing::debug!(%blob, layer, "no passthrough: not available on this node");
+            return;
+        }
+        if let Some(why) = self.passthrough_refusal(blobfs, size, 0) {
             tracing::debug!(%blob, layer, "no passthrough: {why}");
             return;
         }
@@ -338,9 +360,12 @@ impl Node {
             };
             if active {
                 let mnt = self.layer_dir(id).join("mnt");
-                if let Err(e) = blocking(move || sys::unmount(&mnt, true)).await {
-                    tracing::error!("unmount layer {id}: {e}");
-                    continue;
+                match blocking(move || sys::unmount_or_detach(&mnt, true)).await {
+                    Ok(detached) => self.end_local_devices(id, detached).await,
+                    Err(e) => {
+                        tracing::error!("unmount layer {id}: {e}");
+                        continue;
+                    }
                 }
             }
             let mut inner = self.inner.lock().await;
@@ -407,12 +432,24 @@ impl Node {
             ),
             (None, true) => Some("the daemon is stopping"),
             (Some(fs), true) => {
+                let local: &[fs_cache::chunk::disk::BlobPin] =
+                    inner.local_devices.get(&id).map_or(&[], Vec::as_slice);
                 let pinned_here: u64 = blobs
                     .iter()
-                    .filter(|b| fs.passthrough_enabled(&b.digest))
+                    .filter(|b| {
+                        fs.passthrough_enabled(&b.digest)
+                            || local.iter().any(|p| *p.blob() == b.digest)
+                    })
                     .map(|b| b.size)
                     .sum();
-                self.passthrough_refusal(fs, bytes - pinned_here)
+                let device_bytes = Self::local_device_bytes(&inner);
+                // Where FUSE passthrough is not available, local devices read warm blobs
+                // (`local.rs`): the same limits hold for both.
+                self.passthrough_refusal(
+                    fs,
+                    bytes - pinned_here,
+                    device_bytes.saturating_sub(pinned_here),
+                )
             }
         };
         Ok(WarmInfo {

@@ -38,6 +38,7 @@
 
 pub mod client;
 mod layers;
+mod local;
 pub mod metrics;
 pub mod proto;
 pub mod server;
@@ -137,9 +138,14 @@ impl NodeConfig {
 struct Inner {
     state: State,
     blobfs: Option<Arc<BlobFs>>,
-    /// Layers whose EROFS is mounted now, with how many of their blobs that mount reads in
-    /// FUSE passthrough mode.
+    /// Layers whose EROFS is mounted now, with how many of their blobs that mount reads
+    /// without the daemon (FUSE passthrough, or a local device: `local.rs`).
     active: HashMap<String, u32>,
+    /// The pinned level-2 blobs of layers mounted with local devices (`local.rs`).
+    local_devices: HashMap<String, Vec<fs_cache::chunk::disk::BlobPin>>,
+    /// Local-device pins of layers that were only detached lazily, kept for this process's
+    /// life (their holds stay recorded).
+    detached_pins: Vec<fs_cache::chunk::disk::BlobPin>,
     /// Uses of layers taken by requests in progress (`layers.rs`, "Locking").
     reserved: HashMap<String, u32>,
     /// Mountpoints with a mount or an umount in progress.
@@ -354,6 +360,7 @@ impl Node {
         self.stopping.store(true, Ordering::SeqCst);
         let _gate = self.gate.write().await;
         let mut inner = self.inner.lock().await;
+        Self::keep_local_device_holds(&mut inner);
         if let Some(fs) = inner.blobfs.take() {
             // No request is in flight (the gate), so nothing else holds the mount.
             let fs = Arc::try_unwrap(fs)
@@ -515,12 +522,21 @@ impl Node {
             }
         }
         let active: Vec<String> = inner.active.drain().map(|(id, _)| id).collect();
+        let mut tokens_gone = false;
         for id in &active {
             let mnt = self.layer_dir(id).join("mnt");
-            if let Err(e) = blocking(move || sys::unmount(&mnt, true)).await {
-                tracing::error!("unmount layer {id}: {e}");
-                first_error.get_or_insert(e);
+            match blocking(move || sys::unmount_or_detach(&mnt, true)).await {
+                Ok(detached) => {
+                    tokens_gone |= self.end_local_devices_locked(&mut inner, id, detached);
+                }
+                Err(e) => {
+                    tracing::error!("unmount layer {id}: {e}");
+                    first_error.get_or_insert(e);
+                }
             }
+        }
+        if tokens_gone {
+            self.release_token_holds().await;
         }
         inner.state.layers.retain(|_, l| l.pins > 0);
         self.sweep_layer_dirs(&inner);

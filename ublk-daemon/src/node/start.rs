@@ -392,6 +392,8 @@ impl Node {
                 },
                 blobfs: Some(Arc::new(blobfs)),
                 active: HashMap::new(),
+                local_devices: HashMap::new(),
+                detached_pins: Vec::new(),
                 reserved: HashMap::new(),
                 busy: HashSet::new(),
             }),

@@ -363,10 +363,17 @@ pub fn erofs_takes_stacked_devices(scratch: &Path) -> Result<bool, ApiError> {
 
 /// Unmount `target`; if it is busy and `lazy`, detach it instead (MNT_DETACH).
 pub fn unmount(target: &Path, lazy: bool) -> Result<(), ApiError> {
+    unmount_or_detach(target, lazy).map(|_| ())
+}
+
+/// [`unmount`], saying whether the mount had to be detached (it may still be in use, and
+/// its filesystem alive, after this returns).
+pub fn unmount_or_detach(target: &Path, lazy: bool) -> Result<bool, ApiError> {
     match rustix::mount::unmount(target, UnmountFlags::empty()) {
-        Ok(()) => Ok(()),
+        Ok(()) => Ok(false),
         Err(rustix::io::Errno::BUSY) if lazy => {
             rustix::mount::unmount(target, UnmountFlags::DETACH)
+                .map(|()| true)
                 .map_err(|e| mount_error(&format!("umount -l {}", target.display()), e.into()))
         }
         Err(rustix::io::Errno::BUSY) => Err(ApiError::new(

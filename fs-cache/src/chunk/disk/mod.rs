@@ -395,6 +395,26 @@ impl BlobPin {
         &self.file
     }
 
+    /// The pinned blob.
+    pub fn blob(&self) -> &Digest {
+        &self.blob
+    }
+
+    /// The blob file's path, for a reader that opens the file itself (an EROFS mount's
+    /// `device=`). It names this very file for as long as the pin lives: a blob file with a
+    /// chunk left is never unlinked or replaced.
+    pub fn path(&self) -> PathBuf {
+        self.cache.blob_path(&self.blob)
+    }
+
+    /// Leave this pin's hold ([`BlobPin::hold`]) recorded when the pin goes: the chunks stay
+    /// pinned while this process keeps the pin, and the next [`DiskCache::open`] pins them
+    /// again for as long as the hold's token exists. For a kernel mount that outlives the pin
+    /// (a daemon handing over to the next one, a mount detached lazily while in use).
+    pub fn keep_hold(&mut self) {
+        self.hold = None;
+    }
+
     /// The blob's size in bytes.
     pub fn len(&self) -> u64 {
         self.chunks.last().map_or(0, |(id, size)| {
