@@ -280,6 +280,12 @@ fn scenario(tmp: &Path, store: &str, label: &str) {
         sources.push(src);
     }
     let files = Arc::new(merged(&sources));
+    // One layer wholly in level 2 before its mount: read without the daemon (FUSE
+    // passthrough, or a local device where the kernel refuses that), through every kill and
+    // the takeover below.
+    let mut c = strata(&home, &store, &run_dir);
+    c.args(["warm", names[2]]);
+    run_ok(c);
     let upper = tmp.join("upper");
     let mut c = strata(&home, &store, &run_dir);
     c.arg("mount")
@@ -499,10 +505,27 @@ fn scenario(tmp: &Path, store: &str, label: &str) {
     }
     assert!(reads.load(Ordering::Relaxed) > 1000);
 
+    // The warm layer is still read without the daemon after every restart.
+    let mut c = strata(&home, &store, &run_dir);
+    c.args(["--json", "status"]);
+    let status: serde_json::Value = serde_json::from_str(&run_ok(c)).unwrap();
+    let warm = status["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["refs"].to_string().contains(names[2]))
+        .unwrap_or_else(|| panic!("{label}: no {} in {status}", names[2]));
+    assert_eq!(warm["passthrough_blobs"], 1, "{label}: {warm}");
+    let token = Path::new(warm["mnt"].as_str().unwrap())
+        .parent()
+        .unwrap()
+        .join("local-device");
+
     // A clean stop unmounts everything, and the holder goes with it.
     let mut c = strata(&home, &store, &run_dir);
     c.arg("umount").arg(&mp);
     run_ok(c);
+    assert!(!token.exists(), "{label}: {} outlived the layer", token.display());
     rustix::process::kill_process(
         rustix::process::Pid::from_raw(pid).unwrap(),
         rustix::process::Signal::TERM,
