@@ -525,7 +525,11 @@ fn scenario(tmp: &Path, store: &str, label: &str) {
     let mut c = strata(&home, &store, &run_dir);
     c.arg("umount").arg(&mp);
     run_ok(c);
-    assert!(!token.exists(), "{label}: {} outlived the layer", token.display());
+    assert!(
+        !token.exists(),
+        "{label}: {} outlived the layer",
+        token.display()
+    );
     rustix::process::kill_process(
         rustix::process::Pid::from_raw(pid).unwrap(),
         rustix::process::Signal::TERM,
