@@ -116,7 +116,8 @@ enum Command {
     /// The node daemon's layers, mounts and cache counters.
     Status(node_cmd::StatusArgs),
     /// Bring every chunk of layers into the node's local cache, so that a later mount reads
-    /// them straight from local disk (FUSE passthrough); starts the daemon if needed.
+    /// them straight from local disk (FUSE passthrough, or EROFS on the cache file where the kernel
+    /// refuses that); starts the daemon if needed.
     Warm(node_cmd::WarmArgs),
     /// Layered block devices (OverlayBD) for microVM disks: create, serve (FUSE image file
     /// or ublk), commit.
