@@ -835,8 +835,37 @@ async fn a_warmed_layer_is_mounted_in_passthrough_and_fetches_nothing_more() {
     .await
     .unwrap();
     assert_eq!((entries2, bytes2), (entries, bytes));
-    node.umount(&mp).await.unwrap();
+    // A clean stop while a file of the mount is open: the user mount is only detached, and
+    // (a bind of the layer's mount) keeps the layer's superblock, which reads the level-2 file with
+    // no daemon: the token and its holds stay for good (`local-device.keep`).
+    let token = node.status().await.layers[0]
+        .mnt
+        .parent()
+        .unwrap()
+        .join("local-device");
+    let name = std::fs::read_dir(&src)
+        .unwrap()
+        .flatten()
+        .find(|e| e.path().is_dir())
+        .map(|d| {
+            std::fs::read_dir(d.path())
+                .unwrap()
+                .flatten()
+                .next()
+                .unwrap()
+        })
+        .unwrap();
+    let rel = name.path().strip_prefix(&src).unwrap().to_owned();
+    let mut open = std::fs::File::open(mp.join(&rel)).unwrap();
     node.shutdown().await.unwrap();
+    assert!(
+        token.exists() && token.with_file_name("local-device.keep").exists(),
+        "{}",
+        token.display()
+    );
+    let mut got = Vec::new();
+    std::io::Read::read_to_end(&mut open, &mut got).unwrap();
+    assert_eq!(got, std::fs::read(src.join(&rel)).unwrap());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

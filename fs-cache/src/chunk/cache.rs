@@ -1244,8 +1244,14 @@ impl Inner {
         if !self.claim_disk_writer() {
             return;
         }
-        let inner = self.clone();
+        // The slot is given back however the writer ends (a panic, or a runtime that refuses
+        // the task at shutdown).
+        let mut slot = WriterSlot {
+            inner: self.clone(),
+            ended: false,
+        };
         tokio::task::spawn_blocking(move || loop {
+            let inner = &slot.inner;
             let batch: Vec<(ChunkId, Bytes, tokio::sync::OwnedSemaphorePermit)> = {
                 let mut q = lock(&inner.disk_queue);
                 let n = q.len().min(DISK_BATCH);
@@ -1257,6 +1263,7 @@ impl Inner {
                 // slot taken and started none: take it on (or leave it to a writer that
                 // claimed a slot meanwhile).
                 if lock(&inner.disk_queue).is_empty() || !inner.claim_disk_writer() {
+                    slot.end();
                     return;
                 }
                 continue;
@@ -1283,6 +1290,31 @@ impl Inner {
                 Ok(_) => return true,
                 Err(now) => n = now,
             }
+        }
+    }
+}
+
+/// A level-2 writer's slot. A writer that ends normally gives its slot back itself (`ended`);
+/// dropped otherwise (a panic, a task the runtime refused), it gives the slot back and drops
+/// what is queued, so that no chunk's pending-write permit waits for a writer that is gone
+/// (`flush` and `warm_local` wait for all of them).
+struct WriterSlot {
+    inner: Arc<Inner>,
+    ended: bool,
+}
+
+impl WriterSlot {
+    /// The writer gave its slot back itself.
+    fn end(&mut self) {
+        self.ended = true;
+    }
+}
+
+impl Drop for WriterSlot {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.inner.disk_writers.fetch_sub(1, Ordering::AcqRel);
+            lock(&self.inner.disk_queue).clear();
         }
     }
 }

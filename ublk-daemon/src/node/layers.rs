@@ -199,12 +199,18 @@ impl Node {
         let mut local = Vec::new();
         let mut pinned = Self::local_device_bytes(&*self.inner.lock().await);
         for b in &layer.blobs {
-            let path = blobfs.add_blob(b.digest).await.map_err(|e| {
-                ApiError::new(
-                    ErrorKind::BackendUnreachable,
-                    format!("expose blob {} of layer {id}: {e}", b.digest),
-                )
-            })?;
+            let path = match blobfs.add_blob(b.digest).await {
+                Ok(path) => path,
+                Err(e) => {
+                    // The local devices made so far go with their token.
+                    drop(local);
+                    self.end_local_devices(id, false).await;
+                    return Err(ApiError::new(
+                        ErrorKind::BackendUnreachable,
+                        format!("expose blob {} of layer {id}: {e}", b.digest),
+                    ));
+                }
+            };
             // A warm blob: the level-2 file itself where FUSE passthrough cannot serve it
             // (`local.rs`), else passthrough on the blob mount's file.
             match self.try_local_device(&blobfs, &b.digest, id, pinned).await {
@@ -364,6 +370,7 @@ impl Node {
                     Ok(detached) => self.end_local_devices(id, detached).await,
                     Err(e) => {
                         tracing::error!("unmount layer {id}: {e}");
+                        // Still mounted (and listed): its local devices stay as they are.
                         continue;
                     }
                 }
@@ -629,7 +636,9 @@ impl Node {
                 let _ = self.stage(&inner);
                 drop(inner);
                 let target = mp.clone();
-                let _ = blocking(move || sys::unmount(&target, true)).await;
+                if let Ok(true) = blocking(move || sys::unmount_or_detach(&target, true)).await {
+                    self.mark_detached_users(&ids);
+                }
                 result = Err(e);
             }
         }

@@ -19,9 +19,12 @@
 //! and releases any hold an earlier daemon left on it. Across a crash or a handover the
 //! holds stay recorded (the pins keep their holds, [`BlobPin::keep_hold`], before a
 //! handover) and the next daemon, which adopts the mount, keeps the chunks pinned while the
-//! token exists. A mount that could only be detached lazily (still in use) may still be read:
-//! its token stays and its holds are kept (pinned until the token goes or the machine
-//! reboots: a cost in level-2 space, never a wrong byte).
+//! token exists. A mount that could only be detached lazily (still in use) may still be read,
+//! and so may the layer's superblock after its own clean unmount when a user mount on it was
+//! detached (an overlay keeps its own copy of each lower mount), after a failed unmount, and
+//! when a new daemon detached an earlier one's mounts at start: then the marker [`KEEP`] is
+//! written, and the token and holds stay for good (pinned until the run directory goes at
+//! reboot: a cost in level-2 space, never a wrong byte).
 
 use fs_cache::chunk::disk::BlobPin;
 use fs_cache::Digest;
@@ -31,6 +34,10 @@ use crate::blobfs::BlobFs;
 
 /// The token file of a layer's local-device holds, in its layer directory.
 pub(super) const TOKEN: &str = "local-device";
+/// A marker beside it: some mount of the layer (its own, or a user mount on it) was only
+/// detached lazily, so a superblock of it may still read its level-2 files: its token and
+/// holds are never let go again (until the run directory goes, at reboot).
+pub(super) const KEEP: &str = "local-device.keep";
 
 impl Node {
     /// Whether warm blobs are read through local devices on this node: passthrough is
@@ -156,11 +163,17 @@ impl Node {
         let pins = inner.local_devices.remove(id);
         let token_there = token.exists();
         if detached && (pins.is_some() || token_there) {
-            tracing::warn!(
-                layer = id,
-                "layer detached while in use: its level-2 files stay pinned until {} goes",
-                token.display()
-            );
+            self.mark_detached_users(&[id.to_owned()]);
+        }
+        if self.layer_dir(id).join(KEEP).exists() {
+            if pins.is_some() || token_there {
+                tracing::warn!(
+                    layer = id,
+                    "a mount of this layer was detached while in use: its level-2 files stay \
+                     pinned while {} exists",
+                    token.display()
+                );
+            }
             for mut pin in pins.into_iter().flatten() {
                 pin.keep_hold();
                 inner.detached_pins.push(pin);
@@ -180,6 +193,19 @@ impl Node {
         }
     }
 
+    /// Record that mounts of `layers` were only detached lazily (a user mount on them, or
+    /// their own): those with a local-device token keep it for good ([`KEEP`]).
+    pub(super) fn mark_detached_users(&self, layers: &[String]) {
+        for id in layers {
+            let dir = self.layer_dir(id);
+            if dir.join(TOKEN).exists() {
+                if let Err(e) = std::fs::write(dir.join(KEEP), b"") {
+                    tracing::warn!(error = %e, "mark {}", dir.join(KEEP).display());
+                }
+            }
+        }
+    }
+
     /// Release the holds whose token is gone (an earlier daemon's, on a token just removed).
     pub(super) async fn release_token_holds(&self) {
         if let Err(e) = self.cache.release_stale_holds().await {
@@ -192,6 +218,20 @@ impl Node {
     pub(super) fn keep_local_device_holds(inner: &mut super::Inner) {
         for pin in inner.local_devices.values_mut().flatten() {
             pin.keep_hold();
+        }
+    }
+}
+
+/// After an earlier daemon's mounts were detached at start (`detached`: their mount points):
+/// a layer mount among them with a local-device token may still be read by whoever kept it,
+/// so its token and holds stay for good ([`KEEP`]).
+pub(super) fn keep_detached(detached: &[std::path::PathBuf]) {
+    for m in detached.iter().filter(|m| m.ends_with("mnt")) {
+        let Some(dir) = m.parent() else { continue };
+        if dir.join(TOKEN).exists() {
+            if let Err(e) = std::fs::write(dir.join(KEEP), b"") {
+                tracing::warn!(error = %e, "mark {}", dir.join(KEEP).display());
+            }
         }
     }
 }

@@ -514,11 +514,17 @@ impl Node {
             .collect();
         mounts.sort_by_key(|(_, m)| std::cmp::Reverse(m.seq));
         let mut first_error = None;
-        for (mp, _) in &mounts {
+        for (mp, m) in &mounts {
             let target = mp.clone();
-            if let Err(e) = blocking(move || sys::unmount(&target, true)).await {
-                tracing::error!("unmount {}: {e}", mp.display());
-                first_error.get_or_insert(e);
+            match blocking(move || sys::unmount_or_detach(&target, true)).await {
+                // Still in use: it keeps reading its layers (an overlay holds its own copy of
+                // each lower mount), so their local devices must stay held (`local.rs`).
+                Ok(true) => self.mark_detached_users(&m.layer_ids),
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::error!("unmount {}: {e}", mp.display());
+                    first_error.get_or_insert(e);
+                }
             }
         }
         let active: Vec<String> = inner.active.drain().map(|(id, _)| id).collect();
@@ -532,6 +538,8 @@ impl Node {
                 Err(e) => {
                     tracing::error!("unmount layer {id}: {e}");
                     first_error.get_or_insert(e);
+                    // Still mounted: its local devices stay held.
+                    self.end_local_devices_locked(&mut inner, id, true);
                 }
             }
         }

@@ -297,6 +297,7 @@ impl Node {
                     m.display()
                 );
             }
+            super::local::keep_detached(&detached);
             let blobs: Vec<(Digest, u64)> = prev
                 .layers
                 .values()
@@ -349,6 +350,7 @@ impl Node {
                         m.display()
                     );
                 }
+                super::local::keep_detached(&detached);
                 std::fs::create_dir_all(&blobs_dir)
                     .map_err(|e| internal(format!("create {}", blobs_dir.display()), e))?;
                 let (c, h, cfg) = (cache.clone(), holder.clone(), fs_config.clone());
