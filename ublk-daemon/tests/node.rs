@@ -835,9 +835,9 @@ async fn a_warmed_layer_is_mounted_in_passthrough_and_fetches_nothing_more() {
     .await
     .unwrap();
     assert_eq!((entries2, bytes2), (entries, bytes));
-    // A clean stop while a file of the mount is open: the user mount is only detached, and
-    // (a bind of the layer's mount) keeps the layer's superblock, which reads the level-2 file with
-    // no daemon: the token and its holds stay for good (`local-device.keep`).
+    // A clean stop while a file of the mount is open: the user mount (a bind of the layer's
+    // mount) is only detached, and keeps the layer's superblock, which reads the level-2 file
+    // with no daemon: the token and its holds stay for good (`local-device.keep`).
     let token = node.status().await.layers[0]
         .mnt
         .parent()
