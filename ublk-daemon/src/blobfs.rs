@@ -450,19 +450,7 @@ impl BlobFs {
         let Some(token) = self.connection.clone() else {
             return Ok(false);
         };
-        let Some(mut pin) = self.cache.pin_local(blob).await? else {
-            return Ok(false);
-        };
-        let pin = tokio::task::spawn_blocking(move || {
-            if !pin.verify()? {
-                return Ok(None);
-            }
-            pin.hold(&token)?;
-            Ok::<_, fs_cache::Error>(Some(pin))
-        })
-        .await
-        .map_err(|err| Error::io("verify", self.blob_path(blob), std::io::Error::other(err)))??;
-        let Some(pin) = pin else {
+        let Some(pin) = self.cache.pin_local_held(blob, token).await? else {
             return Ok(false);
         };
         *e.local() = Some(Arc::new(pin));

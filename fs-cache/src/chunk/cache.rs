@@ -400,6 +400,25 @@ impl ChunkCache {
             .map_err(|e| Error::io("pin", "disk cache", std::io::Error::other(e)))?
     }
 
+    /// [`Self::pin_local`] for a reader that will not go through the cache (a kernel mount):
+    /// the pinned file is checked whole ([`BlobPin::verify`]) and the pin held by `token`
+    /// ([`BlobPin::hold`], an existing path whose life bounds the reader's), on a blocking
+    /// thread. `None` when a chunk is missing or fails its check (the bad chunk is dropped).
+    pub async fn pin_local_held(&self, blob: &Digest, token: PathBuf) -> Result<Option<BlobPin>> {
+        let Some(mut pin) = self.pin_local(blob).await? else {
+            return Ok(None);
+        };
+        tokio::task::spawn_blocking(move || {
+            if !pin.verify()? {
+                return Ok(None);
+            }
+            pin.hold(&token)?;
+            Ok(Some(pin))
+        })
+        .await
+        .map_err(|e| Error::io("verify", "disk cache", std::io::Error::other(e)))?
+    }
+
     /// Make every chunk of `blob` resident in level 2 (a node warming a layer before it is
     /// mounted): chunks already there are left alone, chunks in level 1 are written from
     /// there, the others are fetched (at prefetch priority, below demand reads; verified as

@@ -29,7 +29,7 @@
 use fs_cache::chunk::disk::BlobPin;
 use fs_cache::Digest;
 
-use super::{blocking, Node};
+use super::Node;
 use crate::blobfs::BlobFs;
 
 /// The token file of a layer's local-device holds, in its layer directory.
@@ -72,40 +72,27 @@ impl Node {
             tracing::debug!(%blob, layer, "no local device: {why}");
             return None;
         }
-        let pin = match self.cache.pin_local(blob).await {
-            Ok(Some(pin)) => pin,
-            Ok(None) => return None,
-            Err(e) => {
-                tracing::warn!(%blob, layer, error = %e, "no local device");
-                return None;
-            }
-        };
         let token = self.layer_dir(layer).join(TOKEN);
         let started = std::time::Instant::now();
-        let checked = blocking(move || {
-            let mut pin = pin;
-            let checked = (|| {
-                if !pin.verify()? {
-                    return Ok(false);
-                }
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .truncate(false)
-                    .write(true)
-                    .open(&token)
-                    .map_err(|source| fs_cache::Error::Io {
-                        op: "create",
-                        path: token.clone(),
-                        source,
-                    })?;
-                pin.hold(&token)?;
-                Ok::<_, fs_cache::Error>(true)
-            })();
-            Ok((pin, checked))
-        })
-        .await;
-        match checked {
-            Ok((pin, Ok(true))) => {
+        // The token exists before the hold names it. One this call makes is named by no
+        // hold yet (the layer's lock keeps other mounts of it out), so it goes again if no
+        // pin is held by it.
+        let made = !token.exists();
+        if let Err(e) = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&token)
+        {
+            tracing::warn!(%blob, layer, error = %e, "no local device: create {}", token.display());
+            return None;
+        }
+        let held = self.cache.pin_local_held(blob, token.clone()).await;
+        if made && !matches!(held, Ok(Some(_))) {
+            let _ = std::fs::remove_file(&token);
+        }
+        match held {
+            Ok(Some(pin)) => {
                 tracing::info!(
                     %blob,
                     layer,
@@ -115,14 +102,7 @@ impl Node {
                 );
                 Some(pin)
             }
-            Ok((_, Ok(false))) => {
-                tracing::warn!(%blob, layer, "a level-2 chunk failed its check: no local device");
-                None
-            }
-            Ok((_, Err(e))) => {
-                tracing::warn!(%blob, layer, error = %e, "no local device");
-                None
-            }
+            Ok(None) => None,
             Err(e) => {
                 tracing::warn!(%blob, layer, error = %e, "no local device");
                 None
@@ -159,13 +139,14 @@ impl Node {
         id: &str,
         detached: bool,
     ) -> bool {
-        let token = self.layer_dir(id).join(TOKEN);
+        let dir = self.layer_dir(id);
+        let token = dir.join(TOKEN);
         let pins = inner.local_devices.remove(id);
         let token_there = token.exists();
-        if detached && (pins.is_some() || token_there) {
-            self.mark_detached_users(&[id.to_owned()]);
+        if detached {
+            keep_token(&dir);
         }
-        if self.layer_dir(id).join(KEEP).exists() {
+        if dir.join(KEEP).exists() {
             if pins.is_some() || token_there {
                 tracing::warn!(
                     layer = id,
@@ -197,12 +178,7 @@ impl Node {
     /// their own): those with a local-device token keep it for good ([`KEEP`]).
     pub(super) fn mark_detached_users(&self, layers: &[String]) {
         for id in layers {
-            let dir = self.layer_dir(id);
-            if dir.join(TOKEN).exists() {
-                if let Err(e) = std::fs::write(dir.join(KEEP), b"") {
-                    tracing::warn!(error = %e, "mark {}", dir.join(KEEP).display());
-                }
-            }
+            keep_token(&self.layer_dir(id));
         }
     }
 
@@ -227,11 +203,17 @@ impl Node {
 /// so its token and holds stay for good ([`KEEP`]).
 pub(super) fn keep_detached(detached: &[std::path::PathBuf]) {
     for m in detached.iter().filter(|m| m.ends_with("mnt")) {
-        let Some(dir) = m.parent() else { continue };
-        if dir.join(TOKEN).exists() {
-            if let Err(e) = std::fs::write(dir.join(KEEP), b"") {
-                tracing::warn!(error = %e, "mark {}", dir.join(KEEP).display());
-            }
+        if let Some(dir) = m.parent() {
+            keep_token(dir);
+        }
+    }
+}
+
+/// If layer directory `dir` has a local-device token, mark it kept for good ([`KEEP`]).
+fn keep_token(dir: &std::path::Path) {
+    if dir.join(TOKEN).exists() {
+        if let Err(e) = std::fs::write(dir.join(KEEP), b"") {
+            tracing::warn!(error = %e, "mark {}", dir.join(KEEP).display());
         }
     }
 }

@@ -37,8 +37,8 @@
 //! # Ordering, and why a crash cannot make the index lie
 //! - **put**: evict LRU chunks until `bytes + in flight + size <= capacity` → `pwrite` the chunk
 //!   at its offset in the blob file → `fdatasync` → put the index entries (a batch of chunks:
-//!   every chunk written, each blob file synced once, one index write; `batch.rs`). The entries are
-//!   written only once the bytes are durable, so a `kill -9` at any point leaves either no
+//!   every chunk written, each blob file synced once, one index write; `batch.rs`). The
+//!   entries are written only once the bytes are durable, so a `kill -9` at any point leaves either no
 //!   entry (the bytes, if any, are unindexed and punched out at the next open) or an entry for
 //!   a whole chunk.
 //! - **evict / remove**: delete the index entries, then punch the range; a crash in between
