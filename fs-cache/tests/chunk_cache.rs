@@ -529,6 +529,75 @@ async fn warming_a_blob_puts_every_chunk_in_level_2_fetching_only_what_is_missin
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn level_2_readahead_skips_short_streams_and_readers_that_skip_forward() {
+    let chunks = 120;
+    let f = fixture((chunks * CHUNK_SIZE) as usize).await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = CacheConfig {
+        disk: Some(DiskCacheConfig {
+            dir: dir.path().join("cache"),
+            capacity: 64 * MIB,
+        }),
+        disk_readahead_bytes: 8 * MIB,
+        ..memory_only(0)
+    };
+    let cache = ChunkCache::open(f.store.clone(), config).await.unwrap();
+    let size = f.bytes.len() as u64;
+    let mut at = 0;
+    while at < size {
+        at += cache.read(&f.blob, at, 4 * MIB).await.unwrap().len() as u64;
+        cache.flush().await.unwrap();
+    }
+    // Staged reads finish in the background: wait until the count stops moving.
+    let staged = || async {
+        let mut last = u64::MAX;
+        loop {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let now = cache.stats().disk_readahead_chunks;
+            if now == last {
+                return now;
+            }
+            last = now;
+        }
+    };
+    let check = |at: u64, got: &[u8]| assert!(got == &f.bytes[at as usize..][..got.len()]);
+
+    // A 300 KiB file read in two requests is a stream, but a short one: nothing read ahead.
+    let before = staged().await;
+    let base = 3 * CHUNK_SIZE + 4096;
+    for (at, len) in [(base, 200 << 10), (base + (200 << 10), 100 << 10)] {
+        check(at, &cache.read(&f.blob, at, len).await.unwrap());
+    }
+    assert_eq!(staged().await, before, "{:?}", cache.stats());
+
+    // A 2 MiB file read sequentially starts a stream that reads ahead (twice what it read);
+    // then a reader that takes 32 KiB of every 512 KiB (every 10th small file) stays inside
+    // the window but is not dense: the window does not follow it through the blob.
+    let before = staged().await;
+    let base = 10 * CHUNK_SIZE;
+    for at in [base, base + MIB] {
+        check(at, &cache.read(&f.blob, at, MIB).await.unwrap());
+    }
+    let mut at = base + 2 * MIB + (512 << 10);
+    while at + (32 << 10) <= size {
+        check(at, &cache.read(&f.blob, at, 32 << 10).await.unwrap());
+        at += 512 << 10;
+    }
+    let ahead = staged().await - before;
+    assert!(
+        ahead > 0,
+        "the 2 MiB stream reads ahead: {:?}",
+        cache.stats()
+    );
+    // At most the 4 MiB window of the stream (16 chunks), far from the 100 chunks after it.
+    assert!(
+        ahead <= 16,
+        "{ahead} chunks read ahead: {:?}",
+        cache.stats()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sequential_readers_of_level_2_are_served_ahead_and_never_get_damaged_bytes() {
     let f = fixture((40 * CHUNK_SIZE + 4321) as usize).await;
     let dir = tempfile::tempdir().unwrap();
