@@ -5,8 +5,10 @@
 # 10th file (name order) with cat, and prints the wall time and the daemon's cache counters:
 # misses, backend requests and their summed latency, and the read and fetch latency
 # histograms (bucket i counts operations that took < 2^i µs). Run as root; STRATA_BIN picks the
-# binary (default: target/release/strata of $CARGO_TARGET_DIR). Everything it made goes at
-# the end, also when it fails. Figures: bench/README.md, "peers".
+# binary (default: target/release/strata of $CARGO_TARGET_DIR); PERF_CMD profiles the daemon
+# during the read, e.g. PERF_CMD="perf record -F 4999 -g -o /tmp/perf.data" (the script
+# appends `-p <daemon pid>`). Everything it made goes at the end, also when it fails.
+# Figures: bench/README.md, "peers".
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 bin="${STRATA_BIN:-${CARGO_TARGET_DIR:-/var/cache/strata/target}/release/strata}"
@@ -33,9 +35,11 @@ daemon=$!
 (cd "$tree" && find . -type f | LC_ALL=C sort | awk 'NR % 10 == 1') >"$work/list"
 sync
 echo 3 >/proc/sys/vm/drop_caches
+[[ -n "${PERF_CMD:-}" ]] && { $PERF_CMD -p $daemon & pp=$!; sleep 1; }
 start=$(date +%s.%N)
 (cd "$work/mnt" && xargs -d '\n' -a "$work/list" cat >/dev/null)
 end=$(date +%s.%N)
+[[ -n "${PERF_CMD:-}" ]] && { kill -INT $pp; wait $pp || true; }
 echo "cold read of $(wc -l <"$work/list") files: $(echo "$end - $start" | bc) s"
 "$bin" "${store[@]}" --json status --run-dir "$work/run" | python3 -c '
 import json, sys
