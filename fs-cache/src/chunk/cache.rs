@@ -234,7 +234,7 @@ impl Sequential {
     /// Only a dense stream reads ahead: a reader that skips forward through the blob (every
     /// 10th small file of a packed tree, in layout order) stays inside the window and would
     /// otherwise keep it moving, reading most of the blob for a tenth of it (`peers`: a 10%
-    /// read of the minbase root through the cache read 127 MB of level 2 ahead for 17 MB).
+    /// read of the minbase root through the cache read 127 MB of level 2 ahead for 13 MB).
     fn dense(&self) -> bool {
         self.covered.saturating_mul(4) >= self.last_end.saturating_sub(self.start).saturating_mul(3)
     }
@@ -244,8 +244,8 @@ impl Sequential {
 /// for so far (up to the window): a file of a few hundred KiB read in two requests is a
 /// stream, and reading 8 MiB of level 2 past it (into other files' chunks) for every such
 /// file made a 10% read of small files through the cache 2.3-2.8x slower than native; with
-/// this floor and ramp, 1.2-1.4x (minbase root, `peers`), and sequential reads of large files
-/// no slower.
+/// this floor and ramp, 1.2-1.4x (minbase root, `bench/level2_read.sh`), and sequential reads
+/// of large files no slower.
 const STREAM_MIN_BYTES: u64 = 1 << 20;
 
 /// The staging area holds this many `disk_readahead_bytes` windows (several streams at once).
