@@ -233,7 +233,7 @@ impl Sequential {
     /// moved over (reads that FUSE threads finish out of order leave gaps that fill soon).
     /// Only a dense stream reads ahead: a reader that skips forward through the blob (every
     /// 10th small file of a packed tree, in layout order) stays inside the window and would
-    /// otherwise keep it moving, reading most of the blob for a tenth of it (`peers`: a 10%
+    /// otherwise keep it moving, reading most of the blob for a tenth of it (a 10%
     /// read of the minbase root through the cache read 127 MB of level 2 ahead for 13 MB).
     fn dense(&self) -> bool {
         self.covered.saturating_mul(4) >= self.last_end.saturating_sub(self.start).saturating_mul(3)
