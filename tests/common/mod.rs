@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 
+pub mod cli;
+
 /// Whether this process runs as root. Otherwise prints a loud SKIPPED line for `test` and
 /// returns false, or fails when `CI=true` (CI runs these tests as root).
 pub fn require_root(test: &str) -> bool {
