@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use fs_cache::chunk::disk::DiskCacheConfig;
+use fs_cache::chunk::table::ChunkTable;
 use fs_cache::chunk::{CacheConfig, ChunkCache, CHUNK_SIZE};
+use fs_cache::store::{sidecar_key, CHUNKS_SUFFIX};
 use fs_cache::{
     Backend, Digest, Error, FaultConfig, FaultyBackend, MemoryBackend, RetryPolicy, Store,
 };
@@ -526,6 +528,64 @@ async fn warming_a_blob_puts_every_chunk_in_level_2_fetching_only_what_is_missin
     cache.blob_size(&f.blob).await.unwrap();
     f.faulty.update(|c| c.error_rate = 1.0);
     assert!(cache.warm_local(&f.blob).await.is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn chunks_larger_than_level_2_takes_stay_in_level_1_and_hold_no_other_write_back() {
+    let mem = Arc::new(MemoryBackend::new());
+    let store = Store::new(mem.clone());
+    // A blob whose table has 1 MiB chunks (a store written by another tool: the table format
+    // allows 4 KiB ..= 64 MiB), and an ordinary one.
+    let big = data(3, (3 * MIB + 777) as usize);
+    let big_d = store
+        .put_blob(Bytes::from(big.clone()))
+        .await
+        .unwrap()
+        .digest;
+    let table = ChunkTable {
+        blob: big_d,
+        blob_size: big.len() as u64,
+        chunk_size: MIB,
+        digests: big.chunks(MIB as usize).map(Digest::of).collect(),
+        stored: None,
+    };
+    mem.put(
+        &sidecar_key(&big_d, CHUNKS_SUFFIX),
+        Bytes::from(table.encode()),
+    )
+    .await
+    .unwrap();
+    let small = data(4, (3 * CHUNK_SIZE) as usize);
+    let small_d = store
+        .put_blob(Bytes::from(small.clone()))
+        .await
+        .unwrap()
+        .digest;
+    let dir = tempfile::tempdir().unwrap();
+    let config = CacheConfig {
+        disk: Some(DiskCacheConfig {
+            dir: dir.path().join("cache"),
+            capacity: 64 * MIB,
+        }),
+        ..memory_only(64 * MIB)
+    };
+    let cache = ChunkCache::open(store, config).await.unwrap();
+    assert_eq!(cache.register(&big_d).await.unwrap().chunk_size, MIB);
+    // Both read in one go, so that their chunks reach the level-2 writers together.
+    let (a, b) = tokio::join!(
+        cache.read(&big_d, 0, big.len() as u64),
+        cache.read(&small_d, 0, small.len() as u64)
+    );
+    assert!(a.unwrap()[..] == big[..]);
+    assert!(b.unwrap()[..] == small[..]);
+    cache.flush().await.unwrap();
+    // The ordinary blob's three chunks are on disk; the big ones are not (and broke nothing).
+    let disk = cache.stats().disk.unwrap();
+    assert_eq!((disk.chunks, disk.bytes), (3, 3 * CHUNK_SIZE), "{disk:?}");
+    // Both read again exactly (the big blob from level 1).
+    let again = cache.read(&big_d, MIB - 5, MIB + 10).await.unwrap();
+    assert!(again[..] == big[(MIB - 5) as usize..(2 * MIB + 5) as usize]);
+    assert!(cache.read(&small_d, 0, 4096).await.unwrap()[..] == small[..4096]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

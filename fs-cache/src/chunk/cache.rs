@@ -17,11 +17,12 @@
 //! 4. Every fetched chunk is verified before it enters either level (level 2 in the
 //!    background: queued, and written by at most `DISK_WRITERS` threads in batches of up to
 //!    `DISK_BATCH` chunks with one `fdatasync` per blob file, [`DiskCache::put_many`]; a
-//!    reader never waits for it): a compressed chunk is
-//!    decoded first, into a buffer of exactly its plain length ([`super::codec`]), and a frame
-//!    that fails to decode or decodes to another length counts as a mismatch; both levels
-//!    hold plain chunks only. A mismatch is retried once
-//!    with a request for that chunk alone, then reported as [`Error::Corrupt`] and counted.
+//!    reader never waits for it; a blob whose table has chunks larger than
+//!    [`CHUNK_SIZE`](super::CHUNK_SIZE) stays in level 1): a compressed chunk is decoded
+//!    first, into a buffer of exactly its plain length ([`super::codec`]), and a frame that
+//!    fails to decode or decodes to another length counts as a mismatch; both levels hold
+//!    plain chunks only. A mismatch is retried once with a request for that chunk alone,
+//!    then reported as [`Error::Corrupt`] and counted.
 //!    Backend errors are retried with backoff up to a deadline under the cache's
 //!    [`RetryPolicy`], which replaces the store's for the cache's requests (one layer of
 //!    retries, see [`crate::backend::retry`]); a body shorter than its range is retried too.
@@ -1278,7 +1279,15 @@ impl Inner {
             Bytes::copy_from_slice(&data)
         };
         self.memory_put(id, data.clone());
-        if let Some(disk) = self.disk.clone() {
+        // Level 2 takes blobs of chunks of at most `CHUNK_SIZE` (its blob files place chunk
+        // `i` at `i × CHUNK_SIZE`): a blob whose table has larger chunks (the format allows up
+        // to 64 MiB) stays in level 1, and its chunks never reach a batch, which they would
+        // fail whole, other blobs' chunks with them.
+        let disk = self
+            .disk
+            .clone()
+            .filter(|_| table.chunk_size <= super::CHUNK_SIZE);
+        if let Some(disk) = disk {
             // Readers get the chunk now; level 2 keeps it in the background (the disk cache
             // indexes a chunk only once its bytes are durable, so this never exposes a partial
             // chunk). Past a bound on pending writes, the chunk is not kept on disk.

@@ -8,7 +8,7 @@
 //! - **Replay**: a trace's entries, in order, become the chunks they cover; these are fetched
 //!   in batches of [`REPLAY_BATCH_CHUNKS`] (each batch's missing chunks sorted and coalesced
 //!   into ranged requests, like any miss), several batches in flight, at
-//!   [`Priority::Trace`]: below demand reads (a demand reader that needs a chunk a replay is
+//!   `Priority::Trace`: below demand reads (a demand reader that needs a chunk a replay is
 //!   fetching joins that fetch and raises it), but not held back while demand reads run.
 //!   Entries beyond a blob's end, and blobs the cache cannot register, are skipped and
 //!   counted: a trace is advice, and a stale one costs fetches, never wrong bytes.
