@@ -530,6 +530,27 @@ async fn warming_a_blob_puts_every_chunk_in_level_2_fetching_only_what_is_missin
     assert!(cache.warm_local(&f.blob).await.is_err());
 }
 
+/// A cache of `f` in `dir` with level 2 and its 8 MiB readahead, and nothing kept in level 1
+/// (every warm read comes from level 2), after every chunk of the blob was read into level 2.
+async fn level_2_filled(f: &Fixture, dir: &std::path::Path) -> ChunkCache {
+    let config = CacheConfig {
+        disk: Some(DiskCacheConfig {
+            dir: dir.join("cache"),
+            capacity: 64 * MIB,
+        }),
+        disk_readahead_bytes: 8 * MIB,
+        ..memory_only(0)
+    };
+    let cache = ChunkCache::open(f.store.clone(), config).await.unwrap();
+    let size = f.bytes.len() as u64;
+    let mut at = 0;
+    while at < size {
+        at += cache.read(&f.blob, at, 4 * MIB).await.unwrap().len() as u64;
+        cache.flush().await.unwrap();
+    }
+    cache
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn chunks_larger_than_level_2_takes_stay_in_level_1_and_hold_no_other_write_back() {
     let mem = Arc::new(MemoryBackend::new());
@@ -593,21 +614,8 @@ async fn level_2_readahead_skips_short_streams_and_readers_that_skip_forward() {
     let chunks = 120;
     let f = fixture((chunks * CHUNK_SIZE) as usize).await;
     let dir = tempfile::tempdir().unwrap();
-    let config = CacheConfig {
-        disk: Some(DiskCacheConfig {
-            dir: dir.path().join("cache"),
-            capacity: 64 * MIB,
-        }),
-        disk_readahead_bytes: 8 * MIB,
-        ..memory_only(0)
-    };
-    let cache = ChunkCache::open(f.store.clone(), config).await.unwrap();
+    let cache = level_2_filled(&f, dir.path()).await;
     let size = f.bytes.len() as u64;
-    let mut at = 0;
-    while at < size {
-        at += cache.read(&f.blob, at, 4 * MIB).await.unwrap().len() as u64;
-        cache.flush().await.unwrap();
-    }
     // Staged reads finish in the background: wait until the count stops moving.
     let staged = || async {
         let mut last = u64::MAX;
@@ -661,22 +669,8 @@ async fn level_2_readahead_skips_short_streams_and_readers_that_skip_forward() {
 async fn sequential_readers_of_level_2_are_served_ahead_and_never_get_damaged_bytes() {
     let f = fixture((40 * CHUNK_SIZE + 4321) as usize).await;
     let dir = tempfile::tempdir().unwrap();
-    let config = CacheConfig {
-        disk: Some(DiskCacheConfig {
-            dir: dir.path().join("cache"),
-            capacity: 64 * MIB,
-        }),
-        disk_readahead_bytes: 8 * MIB,
-        // Nothing stays in level 1: every warm read comes from level 2.
-        ..memory_only(0)
-    };
-    let cache = Arc::new(ChunkCache::open(f.store.clone(), config).await.unwrap());
+    let cache = Arc::new(level_2_filled(&f, dir.path()).await);
     let size = f.bytes.len() as u64;
-    let mut at = 0;
-    while at < size {
-        at += cache.read(&f.blob, at, 4 * MIB).await.unwrap().len() as u64;
-        cache.flush().await.unwrap();
-    }
     let fetched = cache.stats().bytes_fetched;
     assert_eq!(fetched, size);
 
