@@ -13,7 +13,7 @@
 //!   "layer": "base/debian:12.7",
 //!   "meta": { "digest": "<blake3 hex>", "size": 1234 },
 //!   "blobs": [ { "digest": "<blake3 hex>", "size": 56789,
-//!                "compression": "zstd", "stored_size": 20480 } ],
+//!                "compression": "zstd", "stored_size": 20480, "chunk_size": 65536 } ],
 //!   "parents": [ "base/debian:12.6" ],
 //!   "created": "2026-11-30T22:00:00Z",
 //!   "source": "dir:/srv/rootfs",
@@ -28,7 +28,9 @@
 //! `digest` and `size` are those of its plain bytes; `compression` and `stored_size` say how
 //! it is stored when it is not plain (`"zstd"`: chunks as zstd frames,
 //! [`crate::chunk::codec`]) and are absent for a plain blob, so manifests of plain layers are
-//! unchanged. They are informational: readers take how a blob is stored from its chunk table.
+//! unchanged. `chunk_size` is the chunk size of the blob's chunk table, absent when it is
+//! 256 KiB (every blob before it existed). All three are informational: readers take how a
+//! blob is stored, and its chunk size, from its chunk table.
 //! Unknown fields are ignored; a `schema_version` newer than this code understands is
 //! refused.
 //!
@@ -197,6 +199,11 @@ pub struct BlobRef {
     /// Bytes of the stored object, when not plain.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stored_size: Option<u64>,
+    /// The chunk size of the blob's chunk table, when not 256 KiB
+    /// ([`crate::chunk::CHUNK_SIZE`]). Informational: readers take the chunk size from the
+    /// table ([`Store::chunk_table`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunk_size: Option<u64>,
 }
 
 impl BlobRef {
@@ -207,6 +214,7 @@ impl BlobRef {
             size,
             compression: None,
             stored_size: None,
+            chunk_size: None,
         }
     }
 
@@ -543,6 +551,35 @@ mod tests {
             Error::VersionExists { .. }
         ));
         assert_eq!(store.push_manifest(&m).await.unwrap(), Pushed::Created);
+    }
+
+    #[test]
+    fn blob_chunk_size_is_optional_in_manifests() {
+        let r: LayerRef = "base/os:3".parse().unwrap();
+        let d = Digest::of(b"blob");
+        // A manifest written before `chunk_size` existed: 256 KiB chunks, `None`.
+        let old = format!(
+            r#"{{"schema_version": 1, "layer": "base/os:3", "created": "",
+                "blobs": [{{"digest": "{d}", "size": 7, "compression": "zstd", "stored_size": 5}}]}}"#
+        );
+        let m = Manifest::parse(&r, old.as_bytes()).unwrap();
+        assert_eq!(m.blobs[0].chunk_size, None);
+        assert_eq!(m.blobs[0].stored_bytes(), 5);
+        // Absent when `None` (manifests of 256 KiB blobs are unchanged), kept when set.
+        let json = String::from_utf8(m.to_json()).unwrap();
+        assert!(!json.contains("chunk_size"), "{json}");
+        let mut tails = m.clone();
+        tails.blobs.push(BlobRef {
+            chunk_size: Some(64 << 10),
+            ..BlobRef::plain(Digest::of(b"tails"), 3)
+        });
+        let json = String::from_utf8(tails.to_json()).unwrap();
+        assert!(json.contains(r#""chunk_size": 65536"#), "{json}");
+        let back = Manifest::parse(&r, json.as_bytes()).unwrap();
+        assert_eq!(back, tails);
+        // Informational: the same content whatever it says.
+        assert!(back.same_content(&tails));
+        assert_eq!(BlobRef::plain(d, 7).chunk_size, None);
     }
 
     #[tokio::test]

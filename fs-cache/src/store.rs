@@ -5,7 +5,7 @@
 //! | --- | --- |
 //! | `blobs/<d[0..2]>/<d>` | the blob whose blake3 digest is `d` (64 lowercase hex): its plain bytes, or, for a compressed blob, its chunks each stored as a zstd frame or plain, in order ([`crate::chunk::codec`]) |
 //! | `blobs/<d[0..2]>/<d>.<suffix>` | a sidecar of blob `d`; it lives and dies with the blob |
-//! | `blobs/<d[0..2]>/<d>.chunks` | the chunk table of blob `d` ([`crate::chunk::table`]). A plain blob's is written right after the blob (version 1); plain blobs of at most one chunk have none (their one chunk digest is the blob digest). A compressed blob's (version 2, with each chunk's stored range) is written **before** the blob, and every compressed blob has one |
+//! | `blobs/<d[0..2]>/<d>.chunks` | the chunk table of blob `d` ([`crate::chunk::table`]). A plain blob of 256 KiB chunks has its table written right after the blob (version 1); such blobs of at most one chunk have none (their one chunk digest is the blob digest). A compressed blob's (version 2, with each chunk's stored range) and the table of a blob of any other chunk size (version 1 or 2) are written **before** the blob, and every such blob has one |
 //! | `leases/<d>` | a note that blob `d` was (re)announced by a push; protects it from gc for the grace period |
 //!
 //! # Invariants
@@ -16,12 +16,19 @@
 //!   aborted, leaving no object.
 //! - Whole-blob reads are verified against the digest. Ranged reads are verified per chunk by
 //!   the chunk cache, which owns the chunk tables.
+//! - **Only a blob of 256 KiB chunks can lack a table.** A blob stored with another chunk size
+//!   ([`PutOptions::chunk_size`]) has its table stored, and stored **before** the blob object,
+//!   whatever its size (even empty) and encoding. So [`Store::chunk_table`]'s fallback for a
+//!   blob without a table (256 KiB chunks: legacy blobs, and small plain ones, are 256 KiB by
+//!   construction) never describes a blob stored with another chunk size. A put that finds
+//!   the blob already stored keeps it and its table as they are, whatever their chunk size,
+//!   and says which ([`PutBlob::chunk_size`]).
 //!
 //! # Compressed blobs
 //! A blob's name is the digest of its **plain** bytes, however it is stored: a layer's meta
 //! image names its data blob (EROFS device tag) and the node serves it (FUSE file name,
-//! level 2) by that name, as plain bytes. [`Store::put_blob_file_with`] and
-//! [`Store::put_blob_with`] with [`Compression::Zstd`] store each chunk that shrinks as a zstd
+//! level 2) by that name, as plain bytes. [`Store::put_blob_file_opts`] and
+//! [`Store::put_blob_opts`] with [`Compression::Zstd`] store each chunk that shrinks as a zstd
 //! frame; a blob in which none shrinks is stored plain, as if no compression was asked for.
 //! [`PutBlob::stored_size`] says what was stored, and a layer's manifest records it
 //! ([`crate::BlobRef`]). Readers do not need the manifest: the chunk table says how the blob is
@@ -56,7 +63,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::backend::{file_stream, Backend, ObjectMeta, PutMode, RetryPolicy, RetryingBackend};
 use crate::chunk::codec::{encode_chunks, EncodedChunk};
-use crate::chunk::table::{ChunkTable, ChunkTableBuilder, StoredChunk};
+use crate::chunk::table::{check_chunk_size, ChunkTable, ChunkTableBuilder, StoredChunk};
 use crate::chunk::{Compression, CHUNK_SIZE};
 use crate::error::{Error, Result};
 
@@ -74,63 +81,80 @@ impl Digest {
     /// hashed on all cores, so that the process holds 16 MiB of it, not the whole file
     /// (a mapping would count every page of the file as resident).
     pub fn of_file(path: &Path) -> Result<(Self, u64)> {
-        const PIECE: usize = 8 << 20;
-        let mut f = std::fs::File::open(path).map_err(|e| Error::io("hash", path, e))?;
-        let (full_tx, full_rx) = std::sync::mpsc::sync_channel::<(Vec<u8>, usize)>(1);
-        let (empty_tx, empty_rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(2);
-        for _ in 0..2 {
-            let _ = empty_tx.send(vec![0u8; PIECE]);
-        }
-        let mut hasher = blake3::Hasher::new();
-        let read = std::thread::scope(|s| {
-            let reader = s.spawn(move || -> std::io::Result<()> {
-                use std::io::Read;
-                while let Ok(mut buf) = empty_rx.recv() {
-                    let mut n = 0;
-                    while n < buf.len() {
-                        match f.read(&mut buf[n..]) {
-                            Ok(0) => break,
-                            Ok(k) => n += k,
-                            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                            Err(e) => return Err(e),
-                        }
-                    }
-                    let last = n < buf.len();
-                    if full_tx.send((buf, n)).is_err() || last {
-                        return Ok(());
-                    }
-                }
-                Ok(())
-            });
-            while let Ok((buf, n)) = full_rx.recv() {
-                if n >= 128 << 10 {
-                    hasher.update_rayon(&buf[..n]);
-                } else {
-                    hasher.update(&buf[..n]);
-                }
-                // The reader may be done: what it sent is still received to the end.
-                let _ = empty_tx.send(buf);
-            }
-            drop(empty_tx);
-            reader.join()
-        });
-        match read {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(Error::io("hash", path, e)),
-            Err(_) => {
-                return Err(Error::io(
-                    "hash",
-                    path,
-                    std::io::Error::other("the reading thread panicked"),
-                ))
-            }
-        }
-        Ok((Digest(*hasher.finalize().as_bytes()), hasher.count()))
+        let (d, size, _) = hash_file(path, None)?;
+        Ok((d, size))
     }
 
     pub fn to_hex(&self) -> String {
         hex::encode(self.0)
     }
+}
+
+/// [`Digest::of_file`], also feeding `chunks` (if any) in the same pass (its whole chunks
+/// hashed in parallel too); returns the builder fed with the file's bytes.
+fn hash_file(
+    path: &Path,
+    mut chunks: Option<ChunkTableBuilder>,
+) -> Result<(Digest, u64, Option<ChunkTableBuilder>)> {
+    const PIECE: usize = 8 << 20;
+    let mut f = std::fs::File::open(path).map_err(|e| Error::io("hash", path, e))?;
+    let (full_tx, full_rx) = std::sync::mpsc::sync_channel::<(Vec<u8>, usize)>(1);
+    let (empty_tx, empty_rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(2);
+    for _ in 0..2 {
+        let _ = empty_tx.send(vec![0u8; PIECE]);
+    }
+    let mut hasher = blake3::Hasher::new();
+    let read = std::thread::scope(|s| {
+        let reader = s.spawn(move || -> std::io::Result<()> {
+            use std::io::Read;
+            while let Ok(mut buf) = empty_rx.recv() {
+                let mut n = 0;
+                while n < buf.len() {
+                    match f.read(&mut buf[n..]) {
+                        Ok(0) => break,
+                        Ok(k) => n += k,
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                let last = n < buf.len();
+                if full_tx.send((buf, n)).is_err() || last {
+                    return Ok(());
+                }
+            }
+            Ok(())
+        });
+        while let Ok((buf, n)) = full_rx.recv() {
+            if n >= 128 << 10 {
+                hasher.update_rayon(&buf[..n]);
+            } else {
+                hasher.update(&buf[..n]);
+            }
+            if let Some(b) = chunks.as_mut() {
+                b.update_par(&buf[..n]);
+            }
+            // The reader may be done: what it sent is still received to the end.
+            let _ = empty_tx.send(buf);
+        }
+        drop(empty_tx);
+        reader.join()
+    });
+    match read {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return Err(Error::io("hash", path, e)),
+        Err(_) => {
+            return Err(Error::io(
+                "hash",
+                path,
+                std::io::Error::other("the reading thread panicked"),
+            ))
+        }
+    }
+    Ok((
+        Digest(*hasher.finalize().as_bytes()),
+        hasher.count(),
+        chunks,
+    ))
 }
 
 impl fmt::Display for Digest {
@@ -185,6 +209,10 @@ pub struct PutBlob {
     pub stored_size: u64,
     /// The blob was already stored; nothing was uploaded.
     pub existed: bool,
+    /// The chunk size of the blob's stored chunk table (or 256 KiB for a blob stored without
+    /// one): the size asked for, except for a blob that was already stored, which keeps the
+    /// chunk size it was stored with.
+    pub chunk_size: u64,
 }
 
 impl PutBlob {
@@ -193,14 +221,65 @@ impl PutBlob {
         self.stored_size < self.size
     }
 
-    /// The manifest's reference to this blob (with how it is stored).
+    /// The manifest's reference to this blob (with how it is stored, and its chunk size when
+    /// it is not 256 KiB).
     pub fn blob_ref(&self) -> crate::layer::BlobRef {
         crate::layer::BlobRef {
             digest: self.digest,
             size: self.size,
             compression: self.is_compressed().then(|| "zstd".to_owned()),
             stored_size: self.is_compressed().then_some(self.stored_size),
+            chunk_size: (self.chunk_size != CHUNK_SIZE).then_some(self.chunk_size),
         }
+    }
+}
+
+/// How [`Store::put_blob_opts`] and [`Store::put_blob_file_opts`] store a blob.
+///
+/// ```
+/// use fs_cache::store::PutOptions;
+/// use fs_cache::Compression;
+/// let opts = PutOptions::new(Compression::default()).with_chunk_size(64 << 10);
+/// assert_eq!(opts.chunk_size, 64 << 10);
+/// assert_eq!(PutOptions::default().compression, Compression::None);
+/// ```
+#[non_exhaustive]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PutOptions {
+    /// How the chunks are stored. The default is [`Compression::None`], as
+    /// [`Store::put_blob`] and [`Store::put_blob_file`] store.
+    pub compression: Compression,
+    /// The chunk size of the blob's table: a power of two in 4 KiB..=64 MiB
+    /// ([`crate::chunk::table::is_valid_chunk_size`]; Strata's own blobs use 4 KiB..=256 KiB),
+    /// checked by the put. The default is [`CHUNK_SIZE`] (256 KiB).
+    pub chunk_size: u64,
+}
+
+impl Default for PutOptions {
+    fn default() -> Self {
+        Self::new(Compression::None)
+    }
+}
+
+impl PutOptions {
+    /// Store as `compression` says, in chunks of [`CHUNK_SIZE`].
+    pub fn new(compression: Compression) -> Self {
+        Self {
+            compression,
+            chunk_size: CHUNK_SIZE,
+        }
+    }
+
+    /// The same options with chunks of `chunk_size` bytes (checked by the put).
+    pub fn with_chunk_size(mut self, chunk_size: u64) -> Self {
+        self.chunk_size = chunk_size;
+        self
+    }
+
+    /// Whether the table must be stored before the blob, even for a plain blob of one chunk
+    /// (see the module docs): any chunk size but the default.
+    fn table_first(&self) -> bool {
+        self.chunk_size != CHUNK_SIZE
     }
 }
 
@@ -303,18 +382,32 @@ impl Store {
         self.put_blob_with(data, Compression::None).await
     }
 
-    /// Store `data` under its digest, stored as `compression` says (a no-op, bar the lease, if
-    /// it is already stored, in whatever encoding).
+    /// Store `data` under its digest, stored as `compression` says, in chunks of
+    /// [`CHUNK_SIZE`] (a no-op, bar the lease, if it is already stored, in whatever encoding).
     pub async fn put_blob_with(&self, data: Bytes, compression: Compression) -> Result<PutBlob> {
+        self.put_blob_opts(data, &PutOptions::new(compression))
+            .await
+    }
+
+    /// Store `data` under its digest as `opts` say: its chunks as `opts.compression` says, in
+    /// a table of `opts.chunk_size` (stored before the blob when that is not 256 KiB, see the
+    /// module docs). If the blob is already stored, nothing is uploaded (bar the lease) and
+    /// the result says how it is stored, whatever encoding and chunk size it was stored with.
+    /// A chunk size a table cannot have is refused before anything is stored.
+    pub async fn put_blob_opts(&self, data: Bytes, opts: &PutOptions) -> Result<PutBlob> {
+        check_chunk_size(opts.chunk_size)?;
+        let cs = opts.chunk_size;
         let digest = Digest::of(&data);
         let size = data.len() as u64;
         if let Some(put) = self.existing(&digest, size).await? {
             return Ok(put);
         }
-        if let Compression::Zstd { level } = compression {
+        // The chunk digests, when compression computed them and nothing shrank.
+        let mut plain_digests = None;
+        if let Compression::Zstd { level } = opts.compression {
             let d = data.clone();
             let encoded =
-                tokio::task::spawn_blocking(move || encode_chunks(level, &d, CHUNK_SIZE as usize))
+                tokio::task::spawn_blocking(move || encode_chunks(level, &d, cs as usize))
                     .await
                     .map_err(|e| {
                         Error::io("compress", blob_key(&digest), std::io::Error::other(e))
@@ -324,8 +417,8 @@ impl Store {
                 let mut stored = Vec::with_capacity(encoded.len());
                 let mut digests = Vec::with_capacity(encoded.len());
                 for (i, (chunk_digest, frame)) in encoded.iter().enumerate() {
-                    let start = i * CHUNK_SIZE as usize;
-                    let end = (start + CHUNK_SIZE as usize).min(data.len());
+                    let start = i * cs as usize;
+                    let end = (start + cs as usize).min(data.len());
                     let bytes = frame.as_deref().unwrap_or(&data[start..end]);
                     stored.push(StoredChunk {
                         offset: object.len() as u64,
@@ -338,7 +431,7 @@ impl Store {
                 let table = ChunkTable {
                     blob: digest,
                     blob_size: size,
-                    chunk_size: CHUNK_SIZE,
+                    chunk_size: cs,
                     digests,
                     stored: Some(stored),
                 };
@@ -353,50 +446,91 @@ impl Store {
                     size,
                     stored_size,
                     existed: false,
+                    chunk_size: cs,
                 });
             }
+            // Nothing shrank: stored plain.
+            plain_digests = Some(encoded.into_iter().map(|(d, _)| d).collect::<Vec<_>>());
         }
-        // A single-chunk blob needs no table: its one chunk digest is the blob digest.
-        let table = (size > CHUNK_SIZE).then(|| ChunkTable::for_bytes(digest, &data));
-        self.backend.put(&blob_key(&digest), data).await?;
-        if let Some(table) = table {
+        if opts.table_first() {
+            // Another chunk size than 256 KiB: the table first, always (module docs).
+            let table = match plain_digests {
+                Some(digests) => ChunkTable {
+                    blob: digest,
+                    blob_size: size,
+                    chunk_size: cs,
+                    digests,
+                    stored: None,
+                },
+                None => ChunkTable::for_bytes_with(digest, &data, cs)?,
+            };
             self.put_chunk_table(&table).await?;
+            self.backend.put(&blob_key(&digest), data).await?;
+        } else {
+            // A single-chunk blob needs no table: its one chunk digest is the blob digest.
+            let table = (size > CHUNK_SIZE).then(|| ChunkTable::for_bytes(digest, &data));
+            self.backend.put(&blob_key(&digest), data).await?;
+            if let Some(table) = table {
+                self.put_chunk_table(&table).await?;
+            }
         }
         Ok(PutBlob {
             digest,
             size,
             stored_size: size,
             existed: false,
+            chunk_size: cs,
         })
     }
 
     /// If blob `d` (`size` plain bytes) is stored, and its object and table belong together,
-    /// renew its lease and say what is stored. `None` when it is not stored, or when the pair
-    /// does not hold together (it is then stored again by the caller).
+    /// renew its lease and say what is stored (with the chunk size of its table). `None` when
+    /// it is not stored, or when the pair does not hold together (it is then stored again by
+    /// the caller).
     async fn existing(&self, d: &Digest, size: u64) -> Result<Option<PutBlob>> {
         let Some(meta) = self.stat_blob(d).await? else {
             return Ok(None);
         };
-        // A plain object is as long as the blob; a compressed one is shorter and needs its
-        // version-2 table with that stored size.
-        let sound = meta.size == size
-            || match self.backend.get(&sidecar_key(d, CHUNKS_SUFFIX)).await {
-                Ok(bytes) => ChunkTable::decode(d, &bytes).is_ok_and(|t| {
+        let table_key = sidecar_key(d, CHUNKS_SUFFIX);
+        let chunk_size = if meta.size == size {
+            // A plain object, sound whatever its table (a stale version-2 table over it is
+            // read as plain). Only the table's chunk size is wanted: its header is read.
+            match self
+                .backend
+                .get_range(&table_key, 0..ChunkTable::HEADER_BYTES)
+                .await
+            {
+                Ok(header) => ChunkTable::peek_chunk_size(d, &header).unwrap_or_else(|e| {
+                    tracing::warn!(blob = %d, error = %e, "the stored blob's chunk table is unreadable; put it again with another chunk size to repair it");
+                    CHUNK_SIZE
+                }),
+                // No table: 256 KiB chunks (module docs).
+                Err(e) if e.is_not_found() => CHUNK_SIZE,
+                Err(e) => return Err(e),
+            }
+        } else {
+            // A compressed object is shorter than the blob and needs its version-2 table with
+            // that stored size.
+            let table = match self.backend.get(&table_key).await {
+                Ok(bytes) => ChunkTable::decode(d, &bytes).ok().filter(|t| {
                     t.is_compressed() && t.blob_size == size && t.stored_size() == meta.size
                 }),
-                Err(e) if e.is_not_found() => false,
+                Err(e) if e.is_not_found() => None,
                 Err(e) => return Err(e),
             };
-        if !sound {
-            tracing::warn!(blob = %d, stored = meta.size, size, "stored blob does not match its chunk table; storing it again");
-            return Ok(None);
-        }
+            let Some(table) = table else {
+                tracing::warn!(blob = %d, stored = meta.size, size, "stored blob does not match its chunk table; storing it again");
+                return Ok(None);
+            };
+            table.chunk_size
+        };
         self.renew_lease(d).await?;
         Ok(Some(PutBlob {
             digest: *d,
             size,
             stored_size: meta.size,
             existed: true,
+            chunk_size,
         }))
     }
 
@@ -416,6 +550,11 @@ impl Store {
     /// interrupted writer) is read whole once, verified, and its table is built and stored. A
     /// version-2 (compressed) table is checked against the stored object's size: a plain
     /// object under a stale compressed table is read as plain.
+    ///
+    /// Without a stored table the chunks are 256 KiB ([`CHUNK_SIZE`]): only blobs of 256 KiB
+    /// chunks are ever stored without one (a blob of another chunk size has its table stored
+    /// before the blob object, see the module docs), so this fallback never describes a blob
+    /// stored with another chunk size.
     pub async fn chunk_table(&self, d: &Digest) -> Result<ChunkTable> {
         match self.backend.get(&sidecar_key(d, CHUNKS_SUFFIX)).await {
             Ok(bytes) => self.reconcile(ChunkTable::decode(d, &bytes)?).await,
@@ -463,17 +602,29 @@ impl Store {
         self.put_blob_file_with(path, Compression::None).await
     }
 
-    /// Store the file at `path` under its digest, stored as `compression` says. Plain: as
-    /// [`Store::put_blob_file`]. Compressed: the file is hashed (to learn its name), then read
-    /// again, its chunks hashed and compressed in parallel on all cores into a temporary file
-    /// beside it; the table is stored, then that file (hashed again on its way out). A file
-    /// that changed between the two reads fails the put, and nothing is stored under a name
-    /// its bytes do not have.
+    /// Store the file at `path` under its digest, stored as `compression` says, in chunks of
+    /// [`CHUNK_SIZE`] ([`Store::put_blob_file_opts`]).
     pub async fn put_blob_file_with(
         &self,
         path: &Path,
         compression: Compression,
     ) -> Result<PutBlob> {
+        self.put_blob_file_opts(path, &PutOptions::new(compression))
+            .await
+    }
+
+    /// Store the file at `path` under its digest as `opts` say (see [`Store::put_blob_opts`];
+    /// files up to 4 MiB are read whole and stored by it). Plain: as [`Store::put_blob_file`];
+    /// with a chunk size other than 256 KiB the chunk table is built in the pass that hashes
+    /// the file (to learn its name) and stored before the blob. Compressed: the file is hashed
+    /// (to learn its name), then read again, its chunks hashed and compressed in parallel on
+    /// all cores into a temporary file beside it; the table is stored, then that file (hashed
+    /// again on its way out). A file that changed between two reads fails the put, and
+    /// nothing is stored under a name its bytes do not have (a table stored first may stay
+    /// behind: it describes the blob of that name, and the next put of the blob replaces it).
+    pub async fn put_blob_file_opts(&self, path: &Path, opts: &PutOptions) -> Result<PutBlob> {
+        check_chunk_size(opts.chunk_size)?;
+        let cs = opts.chunk_size;
         let owned = path.to_owned();
         // Small files: one read, one hash, one put.
         let small = tokio::task::spawn_blocking(move || -> Result<Option<Bytes>> {
@@ -494,21 +645,34 @@ impl Store {
         .await
         .map_err(|e| Error::io("read", path, std::io::Error::other(e)))??;
         if let Some(data) = small {
-            return self.put_blob_with(data, compression).await;
+            return self.put_blob_opts(data, opts).await;
         }
+        let level = match opts.compression {
+            Compression::Zstd { level } => Some(level),
+            Compression::None => None,
+        };
+        // A plain blob whose table goes first: its table from the pass that names it.
+        let chunks = if opts.table_first() && level.is_none() {
+            Some(ChunkTableBuilder::with_chunk_size(cs)?)
+        } else {
+            None
+        };
         let owned = path.to_owned();
-        let (digest, size) = tokio::task::spawn_blocking(move || Digest::of_file(&owned))
+        let (digest, size, chunks) = tokio::task::spawn_blocking(move || hash_file(&owned, chunks))
             .await
             .map_err(|e| Error::io("hash", path, std::io::Error::other(e)))??;
         if let Some(put) = self.existing(&digest, size).await? {
             return Ok(put);
         }
-        if let Compression::Zstd { level } = compression {
+        // The table to store before the plain blob (`Some` exactly when `table_first`).
+        let mut first = chunks.map(|b| b.finish(digest));
+        if let Some(level) = level {
             let owned = path.to_owned();
-            let spool =
-                tokio::task::spawn_blocking(move || spool_compressed(&owned, level, digest, size))
-                    .await
-                    .map_err(|e| Error::io("compress", path, std::io::Error::other(e)))??;
+            let spool = tokio::task::spawn_blocking(move || {
+                spool_compressed(&owned, level, digest, size, cs)
+            })
+            .await
+            .map_err(|e| Error::io("compress", path, std::io::Error::other(e)))??;
             if spool.table.is_compressed() {
                 // The table first: a stored compressed blob always has its table.
                 self.put_chunk_table(&spool.table).await?;
@@ -526,23 +690,38 @@ impl Store {
                     size,
                     stored_size,
                     existed: false,
+                    chunk_size: cs,
                 });
             }
-            // Nothing shrank: stored plain.
+            // Nothing shrank: stored plain, and the spool's (version-1) table is the plain
+            // blob's (its bytes hashed to `digest`).
+            if opts.table_first() {
+                first = Some(spool.table);
+            }
         }
-        let table = self
-            .upload_checked(path, &digest, digest, size, true)
-            .await?;
-        if size > CHUNK_SIZE {
-            // The upload checked that the bytes hash to `digest`, so the table built from
-            // them on the way out is this blob's.
-            self.put_chunk_table(&table.finish(digest)).await?;
+        if let Some(table) = first {
+            // Another chunk size than 256 KiB: the table first, always (module docs). It was
+            // built from bytes that hashed to `digest`, and the upload checks that they still
+            // do, so it is this blob's.
+            self.put_chunk_table(&table).await?;
+            self.upload_checked(path, &digest, digest, size, false)
+                .await?;
+        } else {
+            let table = self
+                .upload_checked(path, &digest, digest, size, true)
+                .await?;
+            if size > CHUNK_SIZE {
+                // The upload checked that the bytes hash to `digest`, so the table built from
+                // them on the way out is this blob's.
+                self.put_chunk_table(&table.finish(digest)).await?;
+            }
         }
         Ok(PutBlob {
             digest,
             size,
             stored_size: size,
             existed: false,
+            chunk_size: cs,
         })
     }
 
@@ -730,6 +909,10 @@ impl Store {
     }
 }
 
+/// The bytes of plain blob [`spool_compressed`] reads and compresses at a time (whole chunks;
+/// one chunk if a chunk is larger).
+const SPOOL_PIECE: usize = 8 << 20;
+
 /// A compressed blob spooled to a temporary file: its table and the blake3 of the stored
 /// bytes (checked again as they are uploaded).
 struct Spool {
@@ -738,12 +921,22 @@ struct Spool {
     stored_digest: Digest,
 }
 
-/// Read `path` in pieces of whole chunks, hash and compress each piece's chunks in parallel,
-/// and write the stored form to a temporary file beside `path`. The plain bytes must hash to
-/// `digest` (`size` bytes): a file that changed since it was hashed is refused.
-fn spool_compressed(path: &Path, level: i32, digest: Digest, size: u64) -> Result<Spool> {
+/// Read `path` in pieces of whole chunks of `chunk_size` (about [`SPOOL_PIECE`] bytes), hash
+/// and compress each piece's chunks in parallel, and write the stored form to a temporary file
+/// beside `path`. The plain bytes must hash to `digest` (`size` bytes): a file that changed
+/// since it was hashed is refused. The table is version 2 if any chunk shrank, else version 1
+/// (the plain blob's).
+fn spool_compressed(
+    path: &Path,
+    level: i32,
+    digest: Digest,
+    size: u64,
+    chunk_size: u64,
+) -> Result<Spool> {
     use std::io::Write;
-    const PIECE: usize = 32 * CHUNK_SIZE as usize;
+    let cs = chunk_size as usize;
+    // Whole chunks, at least one: two pieces are held at once (one read ahead).
+    let piece_len = (SPOOL_PIECE / cs).max(1) * cs;
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -759,7 +952,7 @@ fn spool_compressed(path: &Path, level: i32, digest: Digest, size: u64) -> Resul
     let mut digests = Vec::new();
     let mut stored = Vec::new();
     let mut at = 0u64;
-    let mut buf = vec![0u8; PIECE];
+    let mut buf = vec![0u8; piece_len];
     // The next piece is read while this one is compressed.
     let mut n = read_full(&mut src, &mut buf).map_err(|e| Error::io("read", path, e))?;
     loop {
@@ -767,21 +960,21 @@ fn spool_compressed(path: &Path, level: i32, digest: Digest, size: u64) -> Resul
         let (encoded, next) = rayon::join(
             || {
                 plain_hash.update_rayon(piece);
-                encode_chunks(level, piece, CHUNK_SIZE as usize)
+                encode_chunks(level, piece, cs)
             },
             || -> std::io::Result<(Vec<u8>, usize)> {
-                if n < PIECE {
+                if n < piece_len {
                     return Ok((Vec::new(), 0));
                 }
-                let mut next = vec![0u8; PIECE];
+                let mut next = vec![0u8; piece_len];
                 let k = read_full(&mut src, &mut next)?;
                 Ok((next, k))
             },
         );
         let encoded: Vec<EncodedChunk> = encoded;
         for (i, (chunk_digest, frame)) in encoded.iter().enumerate() {
-            let start = i * CHUNK_SIZE as usize;
-            let end = (start + CHUNK_SIZE as usize).min(piece.len());
+            let start = i * cs;
+            let end = (start + cs).min(piece.len());
             let bytes = frame.as_deref().unwrap_or(&piece[start..end]);
             out.write_all(bytes)
                 .map_err(|e| Error::io("write", file.path(), e))?;
@@ -794,7 +987,7 @@ fn spool_compressed(path: &Path, level: i32, digest: Digest, size: u64) -> Resul
             at += bytes.len() as u64;
             digests.push(*chunk_digest);
         }
-        if n < PIECE {
+        if n < piece_len {
             break;
         }
         let (next, k) = next.map_err(|e| Error::io("read", path, e))?;
@@ -817,7 +1010,7 @@ fn spool_compressed(path: &Path, level: i32, digest: Digest, size: u64) -> Resul
         table: ChunkTable {
             blob: digest,
             blob_size: size,
-            chunk_size: CHUNK_SIZE,
+            chunk_size,
             digests,
             stored: compressed.then_some(stored),
         },

@@ -4,9 +4,10 @@
 //! A blob is named by the blake3 digest of its **plain** bytes, whatever its stored form; the
 //! chunk table (see [`super::table`]) names every chunk's plain digest and, for a compressed
 //! blob, where each chunk sits in the stored object and whether it is a zstd frame. Each chunk
-//! of [`CHUNK_SIZE`](super::CHUNK_SIZE) is compressed alone (one frame, content size in its
-//! header, no zstd checksum: blake3 of the plain bytes is the check), so that any chunk can be
-//! fetched and decoded without its neighbours. A chunk whose frame is not smaller than the
+//! (of the table's chunk size: [`CHUNK_SIZE`](super::CHUNK_SIZE) by default, see
+//! [`super::table`]) is compressed alone (one frame, content size in its header, no zstd
+//! checksum: blake3 of the plain bytes is the check), so that any chunk can be fetched and
+//! decoded without its neighbours. A chunk whose frame is not smaller than the
 //! chunk is stored plain; a blob in which no chunk shrinks is stored exactly as a plain blob.
 //!
 //! # Decoding is bounded

@@ -1,11 +1,16 @@
-//! The chunk table of a blob: one blake3 digest per 256 KiB chunk, and where each chunk is
-//! stored.
+//! The chunk table of a blob: its chunk size, one blake3 digest per chunk, and where each
+//! chunk is stored.
+//!
+//! The chunk size is a property of the table, not of the blob's role: 256 KiB
+//! ([`CHUNK_SIZE`]) by default, any power of two in [`MIN_CHUNK_SIZE`]..=[`MAX_CHUNK_SIZE`]
+//! (Strata writes 4 KiB..=256 KiB). Readers always take it from the table.
 //!
 //! It is stored beside its blob as the sidecar object `blobs/xx/<blob>.chunks`, and read by the
 //! chunk cache when a blob is registered. Every chunk the cache fetches is checked against it
-//! (after decompression, for a compressed chunk) before it is kept or served. A plain blob's
-//! table is written right after the blob; a compressed blob's table is written **before** the
-//! blob, so that a stored compressed blob always has its table (see [`crate::store`]).
+//! (after decompression, for a compressed chunk) before it is kept or served. A plain blob of
+//! 256 KiB chunks has its table written right after the blob; a compressed blob, and a blob
+//! of any other chunk size, has its table written **before** the blob, so that such a stored
+//! blob always has its table (see [`crate::store`]).
 //!
 //! # Byte layout (all integers little-endian)
 //!
@@ -14,7 +19,8 @@
 //!   0   magic        [u8; 8]  "STRATACT"
 //!   8   version      u32      1: every chunk plain; 2: chunks may be zstd frames
 //!   12  flags        u32      0 (no table-wide flags are defined)
-//!   16  chunk_size   u32      power of two, 4 KiB ..= 64 MiB (Strata writes 256 KiB)
+//!   16  chunk_size   u32      power of two, 4 KiB ..= 64 MiB (Strata writes 4 KiB ..=
+//!                             256 KiB; 256 KiB unless asked otherwise)
 //!   20  reserved     u32      0
 //!   24  blob_size    u64      bytes of the blob (plain, uncompressed)
 //!   32  stored_size  u64      bytes of the stored object (v1: = blob_size)
@@ -54,6 +60,36 @@ use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
 use super::CHUNK_SIZE;
 use crate::error::{Error, Result};
 use crate::store::Digest;
+
+/// The smallest chunk size a table may have.
+pub const MIN_CHUNK_SIZE: u64 = 4 << 10;
+/// The largest chunk size a table may have (tables of other writers; Strata writes at most
+/// [`CHUNK_SIZE`]).
+pub const MAX_CHUNK_SIZE: u64 = 64 << 20;
+
+/// Whether `chunk_size` is one a chunk table can have: a power of two in
+/// [`MIN_CHUNK_SIZE`]..=[`MAX_CHUNK_SIZE`].
+pub fn is_valid_chunk_size(chunk_size: u64) -> bool {
+    chunk_size.is_power_of_two() && (MIN_CHUNK_SIZE..=MAX_CHUNK_SIZE).contains(&chunk_size)
+}
+
+/// Refuse a chunk size a table cannot have (see [`is_valid_chunk_size`]).
+///
+/// The error is an [`Error::Io`] of kind [`std::io::ErrorKind::InvalidInput`] that names the
+/// size (the crate's error enum has no variant for a refused chunk size yet).
+pub fn check_chunk_size(chunk_size: u64) -> Result<()> {
+    if is_valid_chunk_size(chunk_size) {
+        return Ok(());
+    }
+    Err(Error::io(
+        "use chunk size",
+        chunk_size.to_string(),
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "a chunk size must be a power of two in 4 KiB..=64 MiB (4096..=67108864 bytes)",
+        ),
+    ))
+}
 
 const MAGIC: [u8; 8] = *b"STRATACT";
 const VERSION_PLAIN: u32 = 1;
@@ -136,6 +172,12 @@ pub struct ChunkTable {
 }
 
 impl ChunkTable {
+    /// log2 of the chunk size (12..=26 for a table that was decoded or built; the chunk size
+    /// is a power of two).
+    pub fn chunk_shift(&self) -> u8 {
+        self.chunk_size.trailing_zeros() as u8
+    }
+
     /// Number of chunks.
     pub fn chunk_count(&self) -> u64 {
         self.digests.len() as u64
@@ -213,12 +255,50 @@ impl ChunkTable {
             && self.digests.get(index as usize) == Some(&Digest::of(data))
     }
 
-    /// The table of `data`, whose digest is `blob`.
+    /// The table of `data`, whose digest is `blob`, in chunks of [`CHUNK_SIZE`].
     pub fn for_bytes(blob: Digest, data: &[u8]) -> Self {
         let mut b = ChunkTableBuilder::new();
         b.update(data);
         b.finish(blob)
     }
+
+    /// The table of `data`, whose digest is `blob`, in chunks of `chunk_size` (refused unless
+    /// [`is_valid_chunk_size`]). The chunks are hashed in parallel.
+    pub fn for_bytes_with(blob: Digest, data: &[u8], chunk_size: u64) -> Result<Self> {
+        let mut b = ChunkTableBuilder::with_chunk_size(chunk_size)?;
+        b.update_par(data);
+        Ok(b.finish(blob))
+    }
+
+    /// Read the chunk size from the first bytes of an encoded table of blob `blob` (at least
+    /// its 80-byte header), without the rest of it: the magic, version, flags, chunk size and
+    /// blob are checked, but nothing is verified against the trailer, so this is for
+    /// information only (a reader decodes the whole table with [`Self::decode`]).
+    pub fn peek_chunk_size(blob: &Digest, prefix: &[u8]) -> Result<u64> {
+        let bad = |reason: String| Error::BadChunkTable {
+            blob: blob.to_hex(),
+            reason,
+        };
+        let (header, _) = Header::ref_from_prefix(prefix)
+            .map_err(|_| bad(format!("{} bytes is shorter than the header", prefix.len())))?;
+        let version = header.version.get();
+        let chunk_size = u64::from(header.chunk_size.get());
+        if header.magic != MAGIC
+            || (version != VERSION_PLAIN && version != VERSION_STORED)
+            || header.flags.get() != 0
+            || header.reserved.get() != 0
+            || !is_valid_chunk_size(chunk_size)
+        {
+            return Err(bad("not a chunk table header this code reads".into()));
+        }
+        if header.blob != blob.0 {
+            return Err(bad(format!("it belongs to blob {}", Digest(header.blob))));
+        }
+        Ok(chunk_size)
+    }
+
+    /// Bytes of a table's header: enough for [`Self::peek_chunk_size`].
+    pub const HEADER_BYTES: u64 = HEADER_LEN as u64;
 
     /// Serialise (see the module docs for the layout): version 1 without `stored`, else 2.
     pub fn encode(&self) -> Vec<u8> {
@@ -275,7 +355,7 @@ impl ChunkTable {
             return Err(bad("unknown flags".into()));
         }
         let chunk_size = u64::from(header.chunk_size.get());
-        if !chunk_size.is_power_of_two() || !(4096..=64 << 20).contains(&chunk_size) {
+        if !is_valid_chunk_size(chunk_size) {
             return Err(bad(format!(
                 "chunk size {chunk_size} is not a power of two in 4 KiB..=64 MiB"
             )));
@@ -386,6 +466,8 @@ impl ChunkTable {
 /// Builds a chunk table from a blob's bytes fed in pieces of any size.
 #[derive(Debug)]
 pub struct ChunkTableBuilder {
+    /// A valid chunk size ([`is_valid_chunk_size`]).
+    chunk_size: u64,
     current: blake3::Hasher,
     in_current: u64,
     total: u64,
@@ -399,8 +481,10 @@ impl Default for ChunkTableBuilder {
 }
 
 impl ChunkTableBuilder {
+    /// A builder of a table in chunks of [`CHUNK_SIZE`] (256 KiB).
     pub fn new() -> Self {
         Self {
+            chunk_size: CHUNK_SIZE,
             current: blake3::Hasher::new(),
             in_current: 0,
             total: 0,
@@ -408,21 +492,61 @@ impl ChunkTableBuilder {
         }
     }
 
+    /// A builder of a table in chunks of `chunk_size`, which must be a power of two in
+    /// [`MIN_CHUNK_SIZE`]..=[`MAX_CHUNK_SIZE`] (else an error, see [`check_chunk_size`]).
+    pub fn with_chunk_size(chunk_size: u64) -> Result<Self> {
+        check_chunk_size(chunk_size)?;
+        Ok(Self {
+            chunk_size,
+            ..Self::new()
+        })
+    }
+
+    /// The chunk size of the table being built.
+    pub fn chunk_size(&self) -> u64 {
+        self.chunk_size
+    }
+
+    /// Feed the next bytes of the blob.
     pub fn update(&mut self, mut data: &[u8]) {
         while !data.is_empty() {
-            let room = (CHUNK_SIZE - self.in_current) as usize;
-            let n = room.min(data.len());
-            self.current.update(&data[..n]);
-            self.in_current += n as u64;
-            self.total += n as u64;
-            data = &data[n..];
-            if self.in_current == CHUNK_SIZE {
-                self.digests
-                    .push(Digest(*self.current.finalize().as_bytes()));
-                self.current.reset();
-                self.in_current = 0;
-            }
+            data = self.update_partial(data);
         }
+    }
+
+    /// [`Self::update`], hashing the whole chunks in `data` in parallel on all cores (for
+    /// large pieces; the result is the same).
+    pub fn update_par(&mut self, data: &[u8]) {
+        use rayon::prelude::*;
+        let mut data = data;
+        if self.in_current > 0 {
+            data = self.update_partial(data);
+        }
+        let cs = self.chunk_size as usize;
+        let whole = data.len() / cs * cs;
+        if whole > cs {
+            let digests: Vec<Digest> = data[..whole].par_chunks_exact(cs).map(Digest::of).collect();
+            self.digests.extend(digests);
+            self.total += whole as u64;
+            data = &data[whole..];
+        }
+        self.update(data);
+    }
+
+    /// Feed bytes up to the end of the current chunk; the bytes left.
+    fn update_partial<'a>(&mut self, data: &'a [u8]) -> &'a [u8] {
+        let room = (self.chunk_size - self.in_current) as usize;
+        let n = room.min(data.len());
+        self.current.update(&data[..n]);
+        self.in_current += n as u64;
+        self.total += n as u64;
+        if self.in_current == self.chunk_size {
+            self.digests
+                .push(Digest(*self.current.finalize().as_bytes()));
+            self.current.reset();
+            self.in_current = 0;
+        }
+        &data[n..]
     }
 
     /// Bytes fed so far.
@@ -442,7 +566,7 @@ impl ChunkTableBuilder {
         ChunkTable {
             blob,
             blob_size: self.total,
-            chunk_size: CHUNK_SIZE,
+            chunk_size: self.chunk_size,
             digests: self.digests,
             stored: None,
         }
@@ -483,6 +607,89 @@ mod tests {
             let enc = t.encode();
             assert_eq!(enc.len(), 80 + 48 * t.digests.len() + 32);
             assert_eq!(ChunkTable::decode(&blob, &enc).unwrap(), t);
+        }
+    }
+
+    #[test]
+    fn builders_of_other_chunk_sizes() {
+        for cs in [4096u64, 16 << 10, 64 << 10] {
+            let c = cs as usize;
+            for n in [0usize, 1, c - 1, c, c + 1, 5 * c + 123, 40 * c] {
+                let d = data(n);
+                let blob = Digest::of(&d);
+                let t = ChunkTable::for_bytes_with(blob, &d, cs).unwrap();
+                assert_eq!((t.chunk_size, t.blob_size), (cs, n as u64));
+                assert_eq!(1u64 << t.chunk_shift(), cs);
+                // One digest per `cs` piece, each the blake3 of that piece.
+                let want: Vec<Digest> = d.chunks(c).map(Digest::of).collect();
+                assert_eq!(t.digests, want, "{cs} {n}");
+                for (i, piece) in d.chunks(c).enumerate() {
+                    assert_eq!(
+                        t.chunk_range(i as u64).end - t.chunk_range(i as u64).start,
+                        piece.len() as u64
+                    );
+                    assert!(t.verify_plain(i as u64, piece));
+                    assert_eq!(t.open_chunk(i as u64, piece).unwrap(), piece);
+                }
+                // Fed in pieces of any size, serially or in parallel: the same table.
+                let mut b = ChunkTableBuilder::with_chunk_size(cs).unwrap();
+                assert_eq!(b.chunk_size(), cs);
+                for (k, piece) in d.chunks(10_007).enumerate() {
+                    if k % 2 == 0 {
+                        b.update(piece);
+                    } else {
+                        b.update_par(piece);
+                    }
+                }
+                assert_eq!(b.len(), n as u64);
+                assert_eq!(b.finish(blob), t);
+                let enc = t.encode();
+                assert_eq!(&enc[16..20], &(cs as u32).to_le_bytes());
+                assert_eq!(ChunkTable::decode(&blob, &enc).unwrap(), t);
+                assert_eq!(ChunkTable::peek_chunk_size(&blob, &enc[..80]).unwrap(), cs);
+                // The 256 KiB table of the same bytes is another table.
+                if n > c {
+                    assert_ne!(ChunkTable::for_bytes(blob, &d).digests, t.digests);
+                }
+            }
+        }
+        let d = data(600_000);
+        let blob = Digest::of(&d);
+        let t = ChunkTable::for_bytes_with(blob, &d, CHUNK_SIZE).unwrap();
+        assert_eq!(t, ChunkTable::for_bytes(blob, &d));
+        assert_eq!(t.chunk_shift(), 18);
+        assert_eq!(ChunkTableBuilder::new().chunk_size(), CHUNK_SIZE);
+        // The header alone is not enough for the wrong blob or a short prefix.
+        let enc = t.encode();
+        assert!(ChunkTable::peek_chunk_size(&Digest::of(b"x"), &enc).is_err());
+        assert!(ChunkTable::peek_chunk_size(&blob, &enc[..79]).is_err());
+    }
+
+    #[test]
+    fn invalid_chunk_sizes_are_refused() {
+        for cs in [
+            0u64,
+            1,
+            2048,
+            3000,
+            4095,
+            4097,
+            3 << 16,
+            128 << 20,
+            1 << 63,
+            u64::MAX,
+        ] {
+            let e = ChunkTableBuilder::with_chunk_size(cs).unwrap_err();
+            let msg = e.to_string();
+            assert!(
+                msg.contains("power of two") && msg.contains(&cs.to_string()),
+                "{cs}: {msg}"
+            );
+            assert!(ChunkTable::for_bytes_with(Digest::of(b""), b"", cs).is_err());
+            assert!(!is_valid_chunk_size(cs));
+        }
+        for cs in [MIN_CHUNK_SIZE, 1 << 13, CHUNK_SIZE, 1 << 20, MAX_CHUNK_SIZE] {
+            assert!(ChunkTableBuilder::with_chunk_size(cs).is_ok(), "{cs}");
         }
     }
 
@@ -537,7 +744,12 @@ mod tests {
     /// A compressed table of `d`: even chunks as zstd frames, odd ones plain; with the stored
     /// object.
     fn compressed(d: &[u8]) -> (ChunkTable, Vec<u8>) {
-        let mut t = ChunkTable::for_bytes(Digest::of(d), d);
+        compressed_with(d, CHUNK_SIZE)
+    }
+
+    /// [`compressed`] in chunks of `chunk_size`.
+    fn compressed_with(d: &[u8], chunk_size: u64) -> (ChunkTable, Vec<u8>) {
+        let mut t = ChunkTable::for_bytes_with(Digest::of(d), d, chunk_size).unwrap();
         let mut c = crate::chunk::codec::ChunkCompressor::new(3).unwrap();
         let mut object = Vec::new();
         let mut stored = Vec::new();
@@ -600,6 +812,28 @@ mod tests {
             .open_chunk(1, &d[r.start as usize..r.end as usize])
             .is_ok());
         assert!(!plain.is_compressed());
+    }
+
+    #[test]
+    fn compressed_tables_of_small_chunks_round_trip() {
+        for cs in [4096u64, 16 << 10, 64 << 10] {
+            let d = data(7 * cs as usize + 1000);
+            let (t, object) = compressed_with(&d, cs);
+            assert!(t.is_compressed() && t.chunk_count() == 8);
+            let back = ChunkTable::decode(&t.blob, &t.encode()).unwrap();
+            assert_eq!(back, t);
+            assert_eq!(back.chunk_size, cs);
+            for i in 0..t.chunk_count() {
+                let sr = t.stored_range(i);
+                let r = t.chunk_range(i);
+                assert_eq!(r.start, i * cs);
+                assert_eq!(
+                    back.open_chunk(i, &object[sr.start as usize..sr.end as usize])
+                        .unwrap(),
+                    &d[r.start as usize..r.end as usize]
+                );
+            }
+        }
     }
 
     #[test]
