@@ -501,7 +501,7 @@ impl Store {
                 .await
             {
                 Ok(header) => ChunkTable::peek_chunk_size(d, &header).unwrap_or_else(|e| {
-                    tracing::warn!(blob = %d, error = %e, "the stored blob's chunk table is unreadable; put it again with another chunk size to repair it");
+                    tracing::warn!(blob = %d, error = %e, "a stored plain blob's chunk table has an unreadable header; its chunk size is reported as 256 KiB, and readers will refuse the table");
                     CHUNK_SIZE
                 }),
                 // No table: 256 KiB chunks (module docs).
@@ -620,8 +620,11 @@ impl Store {
     /// (to learn its name), then read again, its chunks hashed and compressed in parallel on
     /// all cores into a temporary file beside it; the table is stored, then that file (hashed
     /// again on its way out). A file that changed between two reads fails the put, and
-    /// nothing is stored under a name its bytes do not have (a table stored first may stay
-    /// behind: it describes the blob of that name, and the next put of the blob replaces it).
+    /// nothing is stored under a name its bytes do not have. A table stored first may stay
+    /// behind; it is still right (it was built from bytes that hash to the blob's name), and
+    /// the next put of the blob that stores a table replaces it. (A later put at 256 KiB of a
+    /// blob of at most one chunk stores none: the blob then keeps the stale table's chunk
+    /// size, while that put reports 256 KiB.)
     pub async fn put_blob_file_opts(&self, path: &Path, opts: &PutOptions) -> Result<PutBlob> {
         check_chunk_size(opts.chunk_size)?;
         let cs = opts.chunk_size;
