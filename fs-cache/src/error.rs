@@ -117,6 +117,10 @@ pub enum Error {
     #[error("invalid digest {0:?}: expected 64 lowercase hex characters")]
     InvalidDigest(String),
 
+    /// A chunk size that is not a power of two in 4 KiB..=64 MiB.
+    #[error("invalid chunk size {0}: a chunk size must be a power of two in 4 KiB..=64 MiB (4096..=67108864 bytes)")]
+    InvalidChunkSize(u64),
+
     /// A layer reference is not `KIND/NAME:VERSION`.
     #[error("invalid layer reference {reference:?}: {reason}; expected KIND/NAME:VERSION with KIND one of base, workspace, toolkit, snapshot")]
     InvalidLayerRef { reference: String, reason: String },
@@ -186,6 +190,7 @@ impl Error {
             | Error::InvalidRange { .. }
             | Error::InvalidUrl { .. }
             | Error::InvalidDigest(_)
+            | Error::InvalidChunkSize(_)
             | Error::InvalidCompression(_)
             | Error::InvalidLayerRef { .. } => ErrorKind::InvalidInput,
             Error::DigestMismatch { .. }
@@ -308,6 +313,7 @@ mod tests {
                 ErrorKind::InvalidInput,
             ),
             (Error::InvalidDigest(s("x")), ErrorKind::InvalidInput),
+            (Error::InvalidChunkSize(3000), ErrorKind::InvalidInput),
             (
                 Error::InvalidLayerRef {
                     reference: s("r"),

@@ -81,14 +81,7 @@ pub fn check_chunk_size(chunk_size: u64) -> Result<()> {
     if is_valid_chunk_size(chunk_size) {
         return Ok(());
     }
-    Err(Error::io(
-        "use chunk size",
-        chunk_size.to_string(),
-        std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            "a chunk size must be a power of two in 4 KiB..=64 MiB (4096..=67108864 bytes)",
-        ),
-    ))
+    Err(Error::InvalidChunkSize(chunk_size))
 }
 
 const MAGIC: [u8; 8] = *b"STRATACT";
