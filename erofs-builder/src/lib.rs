@@ -60,15 +60,19 @@
 
 use std::path::PathBuf;
 
+mod dictionary;
 pub mod layer;
 mod merge;
 pub mod ondisk;
+mod placer;
 pub mod reader;
 mod source;
 pub mod tar;
 mod writer;
 
-pub use layer::{build_layer, build_layer_from, ChunkDictionary, LayerOptions, LayerStats};
+pub use layer::{
+    build_layer, build_layer_from, ChunkDictionary, LayerOptions, LayerStats, TailsBlob, TailsStats,
+};
 pub use reader::{DeviceInfo, DirEntry, Extent, FileType, Image, Inode, Location};
 pub use source::{Phase, Progress, ProgressSnapshot, Source, TarOptions};
 pub use writer::{build_image, build_image_from, BuildOptions, BuildStats};
