@@ -8,6 +8,8 @@
 //! names the size it wants and misses unless both the digest and the size match. So a
 //! full-chunk lookup (256 KiB) only ever finds a chunk of a 256 KiB table, and a tails lookup
 //! (T) a chunk of a T table; chunk `j` of blob `b` is at block `j × chunk blocks` of `b`.
+//! The digests of tables with chunks under 256 KiB are also kept in order (32 bytes per
+//! chunk), so that a tail spanning several chunks can be checked chunk by chunk.
 
 use std::collections::HashMap;
 
@@ -46,6 +48,10 @@ pub(crate) struct DictBlob {
     pub(crate) blocks: u64,
     /// The blob's chunk size in blocks.
     pub(crate) chunk_blocks: u64,
+    /// Its full chunks' digests, for blobs whose chunks are smaller than 256 KiB (tails
+    /// blobs: a tail may span several of their chunks, see [`ChunkDictionary::chunk_digest`]);
+    /// empty for 256 KiB tables.
+    digests: Vec<[u8; 32]>,
 }
 
 impl ChunkDictionary {
@@ -94,10 +100,16 @@ impl ChunkDictionary {
                 self.chunks.entry(*d).or_insert((b, j as u32));
             }
         }
+        let full = &digests[..(size / chunk_size) as usize];
         self.blobs.push(DictBlob {
             tag: tag.to_vec(),
             blocks,
             chunk_blocks,
+            digests: if chunk_size < CHUNK_SIZE {
+                full.to_vec()
+            } else {
+                Vec::new()
+            },
         });
         Some(b as usize)
     }
@@ -116,6 +128,18 @@ impl ChunkDictionary {
     pub(crate) fn lookup(&self, digest: &[u8; 32], blocks: u64) -> Option<(u32, u32)> {
         let (b, j) = self.chunks.get(digest).copied()?;
         (self.blobs[b as usize].chunk_blocks == blocks).then_some((b, j))
+    }
+}
+
+impl ChunkDictionary {
+    /// The digest of full chunk `j` of blob `b` if `b`'s chunks are smaller than 256 KiB
+    /// (what a tail spanning several chunks is checked against, even where a digest occurs
+    /// at several places in the blob and [`Self::lookup`] names only the first).
+    pub(crate) fn chunk_digest(&self, b: u32, j: u64) -> Option<&[u8; 32]> {
+        self.blobs
+            .get(b as usize)?
+            .digests
+            .get(usize::try_from(j).ok()?)
     }
 }
 
@@ -159,6 +183,11 @@ mod tests {
         assert_eq!(d.lookup(&c, 16), Some((1, 1)));
         assert_eq!(d.lookup(&c, 64), None);
         assert_eq!(d.lookup(&zero64k, 16), None);
+        // Tails tables keep their digests in order; 256 KiB tables do not.
+        assert_eq!(d.chunk_digest(1, 1), Some(&c));
+        assert_eq!(d.chunk_digest(1, 0), Some(&zero64k));
+        assert_eq!(d.chunk_digest(1, 2), None);
+        assert_eq!(d.chunk_digest(0, 0), None);
         // Refused: not whole blocks, digests not matching the size, bad chunk sizes.
         assert_eq!(d.add_blob(b"x", 4097, CHUNK_SIZE, &[[0; 32]; 1]), None);
         assert_eq!(d.add_blob(b"x", 4096, CHUNK_SIZE, &[]), None);

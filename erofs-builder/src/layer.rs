@@ -4,7 +4,7 @@
 //! partial chunks (`docs/format.md`, "Layers").
 //!
 //! Every non-empty regular file is a chunk-based inode (256 KiB chunks, 8-byte chunk indexes
-//! on device 1 = the blob). In the blob (placement: [`crate::placer`]):
+//! on device 1 = the blob). In the blob (placement: `placer.rs`):
 //!
 //! * a **full chunk** (256 KiB of file data) starts at a 256 KiB-aligned blob offset, so it is
 //!   exactly one cache chunk;
@@ -366,17 +366,22 @@ fn second_pass(
     let ctx = || format!("read {}", packed_tmp.display());
     let chunk_blocks = packer.chunk_blocks;
     let mut remap = HashMap::new();
+    let mut digests = Vec::new();
     let mut buf = vec![0u8; (chunk_blocks * BLOCK_SIZE) as usize];
     for c in 0..packer.blocks / chunk_blocks {
         packer
             .file
             .read_exact_at(&mut buf, c * chunk_blocks * BLOCK_SIZE)
             .map_err(io_err(ctx()))?;
+        let digest = *blake3::hash(&buf).as_bytes();
         let hit = dict
-            .lookup(blake3::hash(&buf).as_bytes(), chunk_blocks)
+            .lookup(&digest, chunk_blocks)
             .filter(|&(b, _)| (b as usize) < first.dict_limit);
         if let Some(hit) = hit {
             remap.insert(c, hit);
+        }
+        if tmps.1.is_some() {
+            digests.push(digest);
         }
     }
     if remap.is_empty() {
@@ -392,6 +397,7 @@ fn second_pass(
         let mut blob = BlobWriter::create(tmps.0, tmps.1, opts)?;
         blob.remap = Some(Remap {
             chunks: remap,
+            digests,
             chunk_blocks,
             spans: tmps.1.is_some(),
             pass1: File::open(&pass1).map_err(io_err(format!("open {}", pass1.display())))?,
@@ -409,6 +415,8 @@ fn second_pass(
 #[derive(Debug)]
 struct Remap {
     chunks: HashMap<u64, (u32, u32)>,
+    /// With a tails blob: the digest of each full chunk of the first pass's tails blob.
+    digests: Vec<[u8; 32]>,
     /// The packing blob's chunk size in blocks (that of the dictionary chunks mapped to).
     chunk_blocks: u64,
     /// Whether a tail may span several chunks (with a tails blob; without one a tail must
@@ -679,9 +687,9 @@ impl BlobWriter {
     }
 
     /// In a second pass: where a tail placed at `start` (`blocks` blocks) is found in a
-    /// dictionary blob (the first pass's packing-blob chunks holding it map to consecutive
-    /// chunks of one dictionary blob, or it lies inside one such chunk when spans are not
-    /// allowed, and held exactly these bytes there); `None` to write it.
+    /// dictionary blob (the first pass's packing-blob chunks holding it are, in order,
+    /// consecutive chunks of one dictionary blob, see [`Self::span_in_dict`], and held exactly
+    /// these bytes there); `None` to write it.
     fn remapped(&mut self, start: u64, blocks: u64, data: &[u8]) -> Result<Option<(u16, u32)>> {
         let Some(r) = &self.remap else {
             return Ok(None);
@@ -691,15 +699,9 @@ impl BlobWriter {
         if last != c && !r.spans {
             return Ok(None);
         }
-        let Some(&(b, j)) = r.chunks.get(&c) else {
+        let Some((b, j)) = self.span_in_dict(r, c, last) else {
             return Ok(None);
         };
-        for k in 1..=last - c {
-            let next = r.chunks.get(&(c + k)).map(|&(b, j)| (b, u64::from(j)));
-            if next != Some((b, u64::from(j) + k)) {
-                return Ok(None);
-            }
-        }
         let mut was = vec![0u8; data.len()];
         r.pass1
             .read_exact_at(&mut was, start * BLOCK_SIZE)
@@ -710,11 +712,32 @@ impl BlobWriter {
         if was != data {
             return Ok(None);
         }
-        let Ok(blk) = u32::try_from(u64::from(j) * cb + (start - c * cb)) else {
+        let Ok(blk) = u32::try_from(j * cb + (start - c * cb)) else {
             return Ok(None);
         };
         let device = self.device_for(b);
         Ok(Some((device, blk)))
+    }
+
+    /// The dictionary blob and chunk `(b, j)` such that the first pass's packing-blob chunks
+    /// `c..=last` are its chunks `j..=j + (last - c)`. One chunk: the dictionary's hit for it.
+    /// Several (tails blobs only): each of them anchors a candidate, which every chunk's
+    /// digest must confirm (a digest held at several places of a blob names only one).
+    fn span_in_dict(&self, r: &Remap, c: u64, last: u64) -> Option<(u32, u64)> {
+        if last == c {
+            return r.chunks.get(&c).map(|&(b, j)| (b, u64::from(j)));
+        }
+        let dict = self.dict.as_ref()?;
+        (c..=last).find_map(|a| {
+            let &(b, ja) = r.chunks.get(&a)?;
+            let j = u64::from(ja).checked_sub(a - c)?;
+            (c..=last)
+                .all(|k| {
+                    let mine = usize::try_from(k).ok().and_then(|k| r.digests.get(k));
+                    mine.is_some() && dict.chunk_digest(b, j + (k - c)) == mine
+                })
+                .then_some((b, j))
+        })
     }
 
     /// The writer reaches the files of another directory, whose partial chunks take
