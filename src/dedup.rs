@@ -70,7 +70,12 @@ pub async fn dictionary(store: &Store, layer: &LayerRef, from: &[LayerRef]) -> R
             };
             let digests: Vec<[u8; 32]> = table.digests.iter().map(|x| x.0).collect();
             if dict
-                .add_blob(b.digest.to_hex().as_bytes(), b.size, &digests)
+                .add_blob(
+                    b.digest.to_hex().as_bytes(),
+                    b.size,
+                    erofs_builder::layer::CHUNK_SIZE,
+                    &digests,
+                )
                 .is_some()
             {
                 blobs.push(b.clone());

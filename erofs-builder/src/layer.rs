@@ -1,9 +1,10 @@
 //! Lazy layers: a **meta image** (superblock, device table, inodes, xattrs, directories,
 //! symlinks; no regular file data) plus one **data blob** holding the data of every regular
-//! file, addressed chunk by chunk (`docs/format.md`, "Layers").
+//! file, addressed chunk by chunk, and optionally a second blob, the **tails blob**, for the
+//! partial chunks (`docs/format.md`, "Layers").
 //!
 //! Every non-empty regular file is a chunk-based inode (256 KiB chunks, 8-byte chunk indexes
-//! on device 1 = the blob). In the blob:
+//! on device 1 = the blob). In the blob (placement: `placer.rs`):
 //!
 //! * a **full chunk** (256 KiB of file data) starts at a 256 KiB-aligned blob offset, so it is
 //!   exactly one cache chunk;
@@ -35,126 +36,120 @@
 //!   the first pass's there (a source changed between the passes is written, never
 //!   mis-pointed). The space stays in the blob, as zeros (stored as an almost empty frame).
 //!
-//! File data is streamed through one 256 KiB buffer. The blob's blake3 digest is computed
-//! after it is complete (a second, sequential read) and becomes the device tag (unless the
-//! caller supplies one), patched into the meta image before its checksum is taken.
+//! ## With a tails blob ([`LayerOptions::tails`])
+//!
+//! The layer has two blobs of its own, and the EROFS chunk stays 256 KiB:
+//!
+//! * **device 1, the main blob**, holds only full chunks, each at the next 256 KiB offset:
+//!   no gaps, no packed tails, its length a multiple of 256 KiB, each 256 KiB cache chunk one
+//!   file chunk. Dictionary lookups and in-layer dedup of full chunks are as above.
+//! * **device 2, the tails blob**, holds every partial chunk. Its cache chunk size is its own,
+//!   T ([`TailsBlob::chunk_size`], a power of two, 4 KiB..=128 KiB; 64 KiB is meant as the
+//!   default), and the packing rules above apply in units of T: a directory whose tails take
+//!   at least half of T (at most [`TAIL_RUN_MIN_BLOCKS`] blocks) gets a run of whole T
+//!   chunks at a T boundary; gaps are what runs and alignment leave. A tail is one chunk
+//!   index `(device 2, block)`; it may span several T chunks. Identical tails are stored
+//!   once. The tails blob is never empty: without tails it is one zero block.
+//! * **dictionary devices** come after: ids 3.. in order of first use, at most
+//!   [`MAX_DICT_DEVICES_WITH_TAILS`] (32 devices in all); [`LayerStats::devices`] lists them
+//!   in that order, so device id = 3 + position.
+//! * the second pass hashes the first pass's *tails blob* in T chunks and looks them up in the
+//!   dictionary's blobs with T chunks (an earlier version's tails blob). A tail whose first
+//!   pass T chunks `c..=c+k` map to consecutive chunks `j..=j+k` of one such blob is pointed
+//!   at the same offset there (after the same byte compare); so a rebuild where a few small
+//!   files changed (same sizes) reuses every T chunk that holds none of them.
+//!
+//! File data is streamed through one 256 KiB buffer. Each blob's blake3 digest is computed
+//! after it is complete (a second, sequential read); the main blob's becomes its device tag
+//! (unless the caller supplies one), the tails blob's always is its tag; both are patched
+//! into the meta image before its checksum is taken.
 
 use std::collections::HashMap;
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use zerocopy::IntoBytes;
 
+pub use crate::dictionary::{
+    ChunkDictionary, MAX_DICT_CHUNKS, MAX_DICT_DEVICES, MAX_DICT_DEVICES_WITH_TAILS,
+};
 use crate::ondisk::{ChunkIndex, DeviceSlot, BLOCK_SIZE, CHUNK_FORMAT_INDEXES, NULL_ADDR};
+use crate::placer::Placer;
 use crate::source::ProgressGuard;
-use crate::writer::{build, tmp_path, write_nonzero, DataFile};
+use crate::writer::{build, tmp_path, DataFile};
 use crate::{io_err, BuildOptions, BuildStats, Error, Result, Source};
 
 /// log2 of the chunk size in blocks (256 KiB / 4 KiB = 2^6).
 pub const CHUNK_BLKBITS: u16 = 6;
-/// Chunk size of chunk-based files in layers: 256 KiB, the cache chunk.
+/// Chunk size of chunk-based files in layers: 256 KiB, the main blob's cache chunk.
 pub const CHUNK_SIZE: u64 = BLOCK_SIZE << CHUNK_BLKBITS;
 const CHUNK_BLOCKS: u64 = 1 << CHUNK_BLKBITS;
 /// `i_u.c.format` of our chunk-based inodes: 8-byte indexes, chunk = block << 6.
 pub const CHUNK_FORMAT: u16 = CHUNK_FORMAT_INDEXES | CHUNK_BLKBITS;
-/// The device id chunk indexes use for the blob.
+/// The device id chunk indexes use for the (main) blob.
 pub const BLOB_DEVICE_ID: u16 = 1;
+/// The device id chunk indexes use for the tails blob, when the layer has one.
+pub const TAILS_DEVICE_ID: u16 = 2;
 
-/// At most this many blobs besides its own a layer's chunks point into (the device table's
-/// extra slots reserved when a dictionary is given).
-pub const MAX_DICT_DEVICES: usize = 31;
-
-/// At most this many chunks a [`ChunkDictionary`] holds (about 64 MiB of memory; 256 GiB of
-/// chunks).
-pub const MAX_DICT_CHUNKS: usize = 1 << 20;
-
-/// The chunks of stored blobs a build may point into instead of storing them again: per
-/// blob its device tag and size, and each full 256 KiB chunk's blake3. Bounded: at most
-/// [`MAX_DICT_DEVICES`] blobs and [`MAX_DICT_CHUNKS`] chunks; a chunk held twice keeps its
-/// first blob.
-#[derive(Debug, Default, Clone)]
-pub struct ChunkDictionary {
-    blobs: Vec<DictBlob>,
-    chunks: HashMap<[u8; 32], (u32, u32)>,
-}
-
-#[derive(Debug, Clone)]
-struct DictBlob {
-    tag: Vec<u8>,
-    blocks: u64,
-}
-
-impl ChunkDictionary {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Adds a blob of `size` bytes (a multiple of 4 KiB: a layer's data blob), tagged `tag`
-    /// (what the device table names it by: Strata's blob digest in hex), whose chunks have
-    /// the blake3 digests `digests` (one per 256 KiB chunk, the last possibly shorter). Its
-    /// index among the added blobs, or `None` if the dictionary is full or the blob is not a
-    /// layer blob (size not whole blocks, too large, a tag over 64 bytes, digests that do not
-    /// match the size).
-    pub fn add_blob(&mut self, tag: &[u8], size: u64, digests: &[[u8; 32]]) -> Option<usize> {
-        let blocks = size / BLOCK_SIZE;
-        if self.blobs.len() >= MAX_DICT_DEVICES
-            || tag.len() > 64
-            || size % BLOCK_SIZE != 0
-            || blocks > u64::from(u32::MAX)
-            || digests.len() as u64 != size.div_ceil(CHUNK_SIZE)
-        {
-            return None;
-        }
-        let b = self.blobs.len() as u32;
-        let zero = zero_chunk_digest();
-        for (j, d) in digests
-            .iter()
-            .enumerate()
-            .take((size / CHUNK_SIZE) as usize)
-        {
-            if self.chunks.len() >= MAX_DICT_CHUNKS {
-                break;
-            }
-            if *d != zero {
-                self.chunks.entry(*d).or_insert((b, j as u32));
-            }
-        }
-        self.blobs.push(DictBlob {
-            tag: tag.to_vec(),
-            blocks,
-        });
-        Some(b as usize)
-    }
-
-    /// Blobs added.
-    pub fn blobs(&self) -> usize {
-        self.blobs.len()
-    }
-
-    /// Distinct chunks held.
-    pub fn chunks(&self) -> usize {
-        self.chunks.len()
-    }
-
-    fn lookup(&self, digest: &[u8; 32]) -> Option<(u32, u32)> {
-        self.chunks.get(digest).copied()
-    }
-}
-
-/// blake3 of 256 KiB of zeros (such chunks are holes, never looked up).
-fn zero_chunk_digest() -> [u8; 32] {
-    static ZERO: std::sync::OnceLock<[u8; 32]> = std::sync::OnceLock::new();
-    *ZERO.get_or_init(|| *blake3::hash(&vec![0u8; CHUNK_SIZE as usize]).as_bytes())
-}
+/// The tails blob's chunk size meant as the default (64 KiB).
+pub const DEFAULT_TAIL_CHUNK_SIZE: u32 = 64 << 10;
+/// The smallest tails chunk size (one block).
+pub const MIN_TAIL_CHUNK_SIZE: u32 = BLOCK_SIZE as u32;
+/// The largest tails chunk size (128 KiB: half an EROFS chunk).
+pub const MAX_TAIL_CHUNK_SIZE: u32 = 128 << 10;
 
 /// A directory whose files' partial chunks take at least this many blocks (128 KiB) gets a
-/// run of its own (see the module docs).
+/// run of its own (see the module docs; a tails blob's runs need half of its chunk size).
 pub const TAIL_RUN_MIN_BLOCKS: u64 = 32;
 
 /// The blocks a file of `size` bytes's partial chunk takes in the blob (0: none).
 pub(crate) fn tail_blocks(size: u64) -> u64 {
     (size % CHUNK_SIZE).div_ceil(BLOCK_SIZE)
+}
+
+/// Where a layer's tails blob goes and its chunk size ([`LayerOptions::tails`]).
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct TailsBlob {
+    /// The tails blob file (written atomically like the main blob, after it).
+    pub path: PathBuf,
+    /// The tails blob's cache chunk size T in bytes: a power of two in
+    /// [`MIN_TAIL_CHUNK_SIZE`]..=[`MAX_TAIL_CHUNK_SIZE`] ([`DEFAULT_TAIL_CHUNK_SIZE`]).
+    pub chunk_size: u32,
+}
+
+impl TailsBlob {
+    pub fn new(path: impl Into<PathBuf>, chunk_size: u32) -> Self {
+        Self {
+            path: path.into(),
+            chunk_size,
+        }
+    }
+
+    /// Refuses a bad chunk size, or a path that is one of the other outputs.
+    fn check(&self, meta_out: &Path, blob_out: &Path) -> Result<()> {
+        let reason = if !self.chunk_size.is_power_of_two()
+            || !(MIN_TAIL_CHUNK_SIZE..=MAX_TAIL_CHUNK_SIZE).contains(&self.chunk_size)
+        {
+            format!(
+                "tails chunk size {} is not a power of two in 4 KiB..=128 KiB",
+                self.chunk_size
+            )
+        } else if self.path == blob_out || self.path == meta_out {
+            "the tails blob's path is another output's".to_owned()
+        } else {
+            return Ok(());
+        };
+        Err(Error::UnsupportedInput {
+            path: self.path.clone(),
+            reason,
+        })
+    }
+
+    fn chunk_blocks(&self) -> u64 {
+        u64::from(self.chunk_size) / BLOCK_SIZE
+    }
 }
 
 /// Options for [`build_layer`].
@@ -167,7 +162,7 @@ pub struct LayerOptions {
     /// lowercase hex characters (filling the tag, no NUL), which is what Strata names blobs by.
     pub tag: Option<Vec<u8>>,
     /// Chunks already stored elsewhere, pointed at instead of stored again (`None`: the
-    /// layer's data is all in its own blob).
+    /// layer's data is all in its own blob(s)).
     pub dictionary: Option<std::sync::Arc<ChunkDictionary>>,
     /// Regular files (paths relative to the source's root, `a/b/c`) whose data is laid out
     /// before everything else, in this order, their partial chunks packed together: a
@@ -175,6 +170,9 @@ pub struct LayerOptions {
     /// trace read together is stored, and fetched, together. Paths that are not regular files
     /// with data in the source are ignored.
     pub first: Vec<std::path::PathBuf>,
+    /// A second blob for the partial chunks (device 2, see the module docs). `None`: one
+    /// blob, laid out exactly as without this option.
+    pub tails: Option<TailsBlob>,
 }
 
 /// What [`build_layer`] wrote.
@@ -183,7 +181,7 @@ pub struct LayerOptions {
 pub struct LayerStats {
     /// Counts for the tree; `image_bytes` is the meta image's size.
     pub meta: BuildStats,
-    /// Bytes in the blob file (a multiple of 4096).
+    /// Bytes in the (main) blob file (a multiple of 4096; of 256 KiB with a tails blob).
     pub blob_bytes: u64,
     /// blake3 of the whole blob file.
     pub blob_blake3: [u8; 32],
@@ -195,11 +193,14 @@ pub struct LayerStats {
     pub hole_chunks: u64,
     /// Blob bytes occupied by stored chunks (the rest is alignment padding).
     pub stored_bytes: u64,
-    /// The dictionary's blobs the meta image points into, in device order (device id 2 is
-    /// `devices[0]`): indexes of [`ChunkDictionary::add_blob`]. Empty without a dictionary.
+    /// The dictionary's blobs the meta image points into, in device order: indexes of
+    /// [`ChunkDictionary::add_blob`]. `devices[i]` is device id 2 + i, or 3 + i with a tails
+    /// blob (device 2). Empty without a dictionary.
     pub devices: Vec<usize>,
-    /// Chunk indexes that point into a dictionary's blob (not stored in this blob).
+    /// Chunk indexes that point into a dictionary's blob (not stored in this layer's blobs).
     pub dict_chunks: u64,
+    /// The tails blob, with [`LayerOptions::tails`].
+    pub tails: Option<TailsStats>,
 }
 
 impl LayerStats {
@@ -209,14 +210,41 @@ impl LayerStats {
     }
 }
 
+/// What [`build_layer`] wrote to the tails blob.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TailsStats {
+    /// Bytes in the tails blob file (a multiple of 4096, at least 4096).
+    pub bytes: u64,
+    /// blake3 of the whole tails blob file (its device tag, in hex).
+    pub blake3: [u8; 32],
+    /// Chunk indexes that point into the tails blob.
+    pub chunks: u64,
+    /// Distinct partial chunks stored in it.
+    pub unique_chunks: u64,
+    /// Bytes occupied by stored partial chunks (the rest is padding, or zeros left where
+    /// the second pass pointed a tail into a dictionary blob).
+    pub stored_bytes: u64,
+    /// Its cache chunk size ([`TailsBlob::chunk_size`]).
+    pub chunk_size: u32,
+}
+
+impl TailsStats {
+    /// The tails blob's blake3 digest in lowercase hex (its device tag).
+    pub fn blake3_hex(&self) -> String {
+        hex(&self.blake3)
+    }
+}
+
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// Builds a lazy layer from the tree at `src_dir`: the meta image at `meta_out` and the data
-/// blob at `blob_out` (each replaced atomically by a rename: the meta image first, then the
-/// blob; on error neither temporary file is left behind). The same as [`build_layer_from`]
-/// with [`Source::Dir`].
+/// Builds a lazy layer from the tree at `src_dir`: the meta image at `meta_out`, the data
+/// blob at `blob_out` and, with [`LayerOptions::tails`], the tails blob at its path (each
+/// replaced atomically by a rename: the meta image first, then the blob, then the tails blob;
+/// on error no temporary file is left behind). The same as [`build_layer_from`] with
+/// [`Source::Dir`].
 pub fn build_layer(
     src_dir: &Path,
     meta_out: &Path,
@@ -241,22 +269,33 @@ pub fn build_layer_from(
             reason: "device tag longer than 64 bytes".into(),
         });
     }
+    if let Some(t) = &opts.tails {
+        t.check(meta_out, blob_out)?;
+    }
     let again = match (&source, &opts.dictionary) {
         (Source::Dir(p), Some(_)) => Some(Source::Dir(p.clone())),
         (Source::OverlayUpper(p), Some(_)) => Some(Source::OverlayUpper(p.clone())),
         _ => None,
     };
     let blob_tmp = tmp_path(blob_out);
-    let mut blob = match BlobWriter::create(&blob_tmp, opts) {
+    let tails_tmp = opts.tails.as_ref().map(|t| tmp_path(&t.path));
+    let remove_tmps = || {
+        let _ = std::fs::remove_file(&blob_tmp);
+        if let Some(t) = &tails_tmp {
+            let _ = std::fs::remove_file(t);
+        }
+    };
+    let mut blob = match BlobWriter::create(&blob_tmp, tails_tmp.as_deref(), opts) {
         Ok(b) => b,
         Err(e) => {
-            let _ = std::fs::remove_file(&blob_tmp);
+            remove_tmps();
             return Err(e);
         }
     };
     let mut meta = build(source, meta_out, &opts.build, Some(&mut blob));
     if let (Some(src), Ok(_)) = (again, &meta) {
-        match second_pass(src, meta_out, &blob_tmp, opts, &blob) {
+        let tmps = (blob_tmp.as_path(), tails_tmp.as_deref());
+        match second_pass(src, meta_out, tmps, opts, &blob) {
             Ok(Some((m, b))) => {
                 meta = Ok(m);
                 blob = b;
@@ -265,73 +304,102 @@ pub fn build_layer_from(
             Err(e) => meta = Err(e),
         }
     }
-    let done = meta.and_then(|meta| {
-        std::fs::rename(&blob_tmp, blob_out).map_err(io_err(format!(
+    let rename = |from: &Path, to: &Path| {
+        std::fs::rename(from, to).map_err(io_err(format!(
             "rename {} to {}",
-            blob_tmp.display(),
-            blob_out.display()
-        )))?;
+            from.display(),
+            to.display()
+        )))
+    };
+    let done = meta.and_then(|meta| {
+        rename(&blob_tmp, blob_out)?;
+        if let (Some(tmp), Some(t)) = (&tails_tmp, &opts.tails) {
+            rename(tmp, &t.path)?;
+        }
         Ok(meta)
     });
     let meta = match done {
         Ok(m) => m,
         Err(e) => {
-            let _ = std::fs::remove_file(&blob_tmp);
+            remove_tmps();
             return Err(e);
         }
     };
+    let tails = blob.tails.as_ref().map(|t| TailsStats {
+        bytes: t.blocks * BLOCK_SIZE,
+        blake3: blob.tails_digest,
+        chunks: blob.tails_count.chunks,
+        unique_chunks: blob.tails_count.unique,
+        stored_bytes: blob.tails_count.stored_blocks * BLOCK_SIZE,
+        chunk_size: (t.chunk_blocks * BLOCK_SIZE) as u32,
+    });
     Ok(LayerStats {
         meta,
-        blob_bytes: blob.blocks * BLOCK_SIZE,
+        blob_bytes: blob.main.blocks * BLOCK_SIZE,
         blob_blake3: blob.digest,
-        chunks: blob.chunks,
-        unique_chunks: blob.unique_chunks,
+        chunks: blob.main_count.chunks,
+        unique_chunks: blob.main_count.unique,
         hole_chunks: blob.hole_chunks,
-        stored_bytes: blob.stored_blocks * BLOCK_SIZE,
+        stored_bytes: blob.main_count.stored_blocks * BLOCK_SIZE,
         devices: blob.used.clone(),
         dict_chunks: blob.dict_chunks,
+        tails,
     })
 }
 
 /// The second pass of a dictionary build (see the module docs): `None` if no chunk of the
-/// first pass's blob at `blob_tmp` is in the dictionary; else the meta image rebuilt at
-/// `meta_out` and the new blob's writer (its file at `blob_tmp`, the first pass's removed).
+/// first pass's packing blob (the tails blob if there is one, else the blob) is in the
+/// dictionary; else the meta image rebuilt at `meta_out` and the new blobs' writer (files at
+/// `tmps` = (blob, tails), the first pass's packing blob removed).
 fn second_pass(
     source: Source,
     meta_out: &Path,
-    blob_tmp: &Path,
+    tmps: (&Path, Option<&Path>),
     opts: &LayerOptions,
     first: &BlobWriter,
 ) -> Result<Option<(BuildStats, BlobWriter)>> {
     let Some(dict) = &opts.dictionary else {
         return Ok(None);
     };
-    let ctx = || format!("read {}", blob_tmp.display());
+    let packer = first.packer();
+    let packed_tmp = tmps.1.unwrap_or(tmps.0);
+    let ctx = || format!("read {}", packed_tmp.display());
+    let chunk_blocks = packer.chunk_blocks;
     let mut remap = HashMap::new();
-    let mut buf = vec![0u8; CHUNK_SIZE as usize];
-    let full = first.blocks / CHUNK_BLOCKS;
-    for c in 0..full {
-        first
+    let mut digests = Vec::new();
+    let mut buf = vec![0u8; (chunk_blocks * BLOCK_SIZE) as usize];
+    for c in 0..packer.blocks / chunk_blocks {
+        packer
             .file
-            .read_exact_at(&mut buf, c * CHUNK_SIZE)
+            .read_exact_at(&mut buf, c * chunk_blocks * BLOCK_SIZE)
             .map_err(io_err(ctx()))?;
-        if let Some(hit) = dict.lookup(blake3::hash(&buf).as_bytes()) {
+        let digest = *blake3::hash(&buf).as_bytes();
+        let hit = dict
+            .lookup(&digest, chunk_blocks)
+            .filter(|&(b, _)| (b as usize) < first.dict_limit);
+        if let Some(hit) = hit {
             remap.insert(c, hit);
+        }
+        if tmps.1.is_some() {
+            digests.push(digest);
         }
     }
     if remap.is_empty() {
         return Ok(None);
     }
-    let pass1 = blob_tmp.with_extension("pass1");
-    std::fs::rename(blob_tmp, &pass1).map_err(io_err(format!(
+    let pass1 = packed_tmp.with_extension("pass1");
+    std::fs::rename(packed_tmp, &pass1).map_err(io_err(format!(
         "rename {} to {}",
-        blob_tmp.display(),
+        packed_tmp.display(),
         pass1.display()
     )))?;
     let result = (|| {
-        let mut blob = BlobWriter::create(blob_tmp, opts)?;
+        let mut blob = BlobWriter::create(tmps.0, tmps.1, opts)?;
         blob.remap = Some(Remap {
             chunks: remap,
+            digests,
+            chunk_blocks,
+            spans: tmps.1.is_some(),
             pass1: File::open(&pass1).map_err(io_err(format!("open {}", pass1.display())))?,
         });
         let meta = build(source, meta_out, &opts.build, Some(&mut blob))?;
@@ -342,86 +410,119 @@ fn second_pass(
     result.map(Some)
 }
 
-/// The second pass's map: first-pass blob chunk → (dictionary blob, its chunk), and the
-/// first pass's blob to check tails against.
+/// The second pass's map: first-pass packing blob chunk → (dictionary blob, its chunk), and
+/// the first pass's packing blob to check tails against.
 #[derive(Debug)]
 struct Remap {
     chunks: HashMap<u64, (u32, u32)>,
+    /// With a tails blob: the digest of each full chunk of the first pass's tails blob.
+    digests: Vec<[u8; 32]>,
+    /// The packing blob's chunk size in blocks (that of the dictionary chunks mapped to).
+    chunk_blocks: u64,
+    /// Whether a tail may span several chunks (with a tails blob; without one a tail must
+    /// lie inside one chunk, as before tails blobs existed).
+    spans: bool,
     pass1: File,
 }
 
-/// Writes the data blob: places, dedupes and writes chunks; emits chunk indexes.
+/// Chunk indexes and stored chunks of one of the layer's own blobs.
+#[derive(Debug, Default)]
+struct Counts {
+    chunks: u64,
+    unique: u64,
+    stored_blocks: u64,
+}
+
+/// Writes the layer's blob(s): places, dedupes and writes chunks; emits chunk indexes.
 #[derive(Debug)]
 pub(crate) struct BlobWriter {
-    file: File,
-    path: PathBuf,
+    /// The (main) blob, device 1.
+    main: Placer,
+    /// The tails blob, device 2, if the layer has one.
+    tails: Option<Placer>,
+    main_count: Counts,
+    tails_count: Counts,
     tag: Option<Vec<u8>>,
     fsync: bool,
-    /// Blob length in blocks so far (the end of the last placed chunk).
-    blocks: u64,
-    /// Alignment gaps `[start, end)` (blocks) left before full chunks, oldest first.
-    gaps: Vec<(u64, u64)>,
     /// (blocks, blake3 of the block-padded chunk) → device and start block.
     stored: HashMap<(u64, [u8; 32]), (u16, u32)>,
     buf: Vec<u8>,
     digest: [u8; 32],
-    chunks: u64,
-    unique_chunks: u64,
+    tails_digest: [u8; 32],
     hole_chunks: u64,
-    stored_blocks: u64,
     dict: Option<std::sync::Arc<ChunkDictionary>>,
-    /// Dictionary blobs pointed into, in order of first use (device id = 2 + position).
+    /// Dictionary blobs with an index below this may be pointed into.
+    dict_limit: usize,
+    /// Dictionary blobs pointed into, in order of first use (device id = the first
+    /// dictionary device's + position).
     used: Vec<usize>,
     /// Dictionary blob → its device id here.
     device_of: HashMap<u32, u16>,
     dict_chunks: u64,
     /// In a second pass: the tails to point into dictionary chunks.
     remap: Option<Remap>,
-    /// The current directory's run of partial chunks `[next, end)` (blocks), if it has one.
-    run: Option<(u64, u64)>,
     /// [`LayerOptions::first`].
     pub(crate) first: Vec<PathBuf>,
 }
 
 impl BlobWriter {
-    const MAX_GAPS: usize = 64;
-
-    fn create(path: &Path, opts: &LayerOptions) -> Result<Self> {
-        let file = OpenOptions::new()
-            .write(true)
-            .read(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o644)
-            .open(path)
-            .map_err(io_err(format!("create {}", path.display())))?;
+    /// Creates the blob file at `path` and, if `tails` is given, the tails blob file there
+    /// (with [`LayerOptions::tails`]'s chunk size).
+    fn create(path: &Path, tails: Option<&Path>, opts: &LayerOptions) -> Result<Self> {
+        let main = Placer::create(path, CHUNK_BLOCKS)?;
+        let tails = match (tails, &opts.tails) {
+            (Some(p), Some(t)) => Some(Placer::create(p, t.chunk_blocks())?),
+            _ => None,
+        };
+        let dict_limit = if tails.is_some() {
+            MAX_DICT_DEVICES_WITH_TAILS
+        } else {
+            MAX_DICT_DEVICES
+        };
         Ok(Self {
-            file,
-            path: path.to_path_buf(),
+            main,
+            tails,
+            main_count: Counts::default(),
+            tails_count: Counts::default(),
             tag: opts.tag.clone(),
             fsync: opts.build.fsync,
-            blocks: 0,
-            gaps: Vec::new(),
             stored: HashMap::new(),
             buf: vec![0u8; CHUNK_SIZE as usize],
             digest: [0; 32],
-            chunks: 0,
-            unique_chunks: 0,
+            tails_digest: [0; 32],
             hole_chunks: 0,
-            stored_blocks: 0,
             dict: opts.dictionary.clone(),
+            dict_limit,
             used: Vec::new(),
             device_of: HashMap::new(),
             dict_chunks: 0,
             remap: None,
-            run: None,
             first: opts.first.clone(),
         })
     }
 
-    /// Device table slots the meta image reserves: the blob's, and one per dictionary blob.
+    /// The blob partial chunks are packed into: the tails blob if there is one.
+    fn packer(&self) -> &Placer {
+        self.tails.as_ref().unwrap_or(&self.main)
+    }
+
+    /// The device id of the first dictionary blob pointed into.
+    fn first_dict_device(&self) -> u16 {
+        if self.tails.is_some() {
+            TAILS_DEVICE_ID + 1
+        } else {
+            BLOB_DEVICE_ID + 1
+        }
+    }
+
+    /// Device table slots the meta image reserves: the blob's, the tails blob's, and one
+    /// per dictionary blob that may be pointed into.
     pub(crate) fn device_slots(&self) -> usize {
-        1 + self.dict.as_ref().map_or(0, |d| d.blobs())
+        let dict = self
+            .dict
+            .as_ref()
+            .map_or(0, |d| d.blobs().min(self.dict_limit));
+        1 + usize::from(self.tails.is_some()) + dict
     }
 
     /// Streams one regular file into the blob and appends its `ceil(size / CHUNK_SIZE)`
@@ -480,7 +581,7 @@ impl BlobWriter {
     }
 
     /// Stores one chunk (see [`Self::store`]) and appends its index to `idx`: the hole
-    /// marker if it is all zeros, else its place in the blob.
+    /// marker if it is all zeros, else its place in a blob.
     fn add_chunk(&mut self, data: &[u8], idx: &mut Vec<u8>) -> Result<()> {
         match self.store(data)? {
             None => self.add_holes(1, idx),
@@ -492,7 +593,9 @@ impl BlobWriter {
                 };
                 idx.extend_from_slice(e.as_bytes());
                 if device == BLOB_DEVICE_ID {
-                    self.chunks += 1;
+                    self.main_count.chunks += 1;
+                } else if device == TAILS_DEVICE_ID && self.tails.is_some() {
+                    self.tails_count.chunks += 1;
                 }
             }
         }
@@ -511,8 +614,17 @@ impl BlobWriter {
         self.hole_chunks += n;
     }
 
+    /// The dictionary chunk (blob, index) with this digest and size, among the blobs this
+    /// layer may point into.
+    fn dict_lookup(&self, digest: &[u8; 32], blocks: u64) -> Option<(u32, u32)> {
+        let d = self.dict.as_ref()?;
+        d.lookup(digest, blocks)
+            .filter(|&(b, _)| (b as usize) < self.dict_limit)
+    }
+
     /// Stores one chunk's bytes (unless all zero: `None`) and returns its device and start
-    /// block: in this blob, or in a dictionary blob that holds it already.
+    /// block: in this layer's blob (full chunks, and partial ones without a tails blob), its
+    /// tails blob (partial chunks), or a dictionary blob that holds it already.
     fn store(&mut self, data: &[u8]) -> Result<Option<(u16, u32)>> {
         if data.iter().all(|&b| b == 0) {
             return Ok(None);
@@ -527,28 +639,38 @@ impl BlobWriter {
             return Ok(Some(at));
         }
         if blocks == CHUNK_BLOCKS {
-            if let Some((b, j)) = self.dict.as_ref().and_then(|d| d.lookup(&key.1)) {
+            if let Some((b, j)) = self.dict_lookup(&key.1, CHUNK_BLOCKS) {
                 let device = self.device_for(b);
                 self.dict_chunks += 1;
                 return Ok(Some((device, j << CHUNK_BLKBITS)));
             }
         }
-        let start = self.place(blocks);
+        let (device, placer) = match &mut self.tails {
+            Some(t) if blocks < CHUNK_BLOCKS => (TAILS_DEVICE_ID, t),
+            _ => (BLOB_DEVICE_ID, &mut self.main),
+        };
+        let start = placer.place(blocks);
         let blk = u32::try_from(start)
             .ok()
             .filter(|&b| b != NULL_ADDR && start + blocks <= u64::from(u32::MAX))
             .ok_or_else(|| Error::TooLarge("blob of 2^32 blocks or more".into()))?;
-        if let Some(at) = self.remapped(start, blocks, data)? {
-            self.stored.insert(key, at);
-            self.dict_chunks += 1;
-            return Ok(Some(at));
+        // Only the packing blob's chunks are remapped (without a tails blob, the blob's).
+        if self.tails.is_none() || device == TAILS_DEVICE_ID {
+            if let Some(at) = self.remapped(start, blocks, data)? {
+                self.stored.insert(key, at);
+                self.dict_chunks += 1;
+                return Ok(Some(at));
+            }
         }
-        write_nonzero(&self.file, data, start * BLOCK_SIZE)
-            .map_err(io_err(format!("write {}", self.path.display())))?;
-        self.stored.insert(key, (BLOB_DEVICE_ID, blk));
-        self.unique_chunks += 1;
-        self.stored_blocks += blocks;
-        Ok(Some((BLOB_DEVICE_ID, blk)))
+        let (placer, count) = match &mut self.tails {
+            Some(t) if device == TAILS_DEVICE_ID => (&*t, &mut self.tails_count),
+            _ => (&self.main, &mut self.main_count),
+        };
+        placer.write(data, start)?;
+        count.unique += 1;
+        count.stored_blocks += blocks;
+        self.stored.insert(key, (device, blk));
+        Ok(Some((device, blk)))
     }
 
     /// The device id of dictionary blob `b` in this layer (given at its first use).
@@ -556,7 +678,7 @@ impl BlobWriter {
         match self.device_of.get(&b) {
             Some(&d) => d,
             None => {
-                let d = BLOB_DEVICE_ID + 1 + self.used.len() as u16;
+                let d = self.first_dict_device() + self.used.len() as u16;
                 self.used.push(b as usize);
                 self.device_of.insert(b, d);
                 d
@@ -565,17 +687,19 @@ impl BlobWriter {
     }
 
     /// In a second pass: where a tail placed at `start` (`blocks` blocks) is found in a
-    /// dictionary chunk (the first pass's blob chunk holding it is one, and held exactly
+    /// dictionary blob (the first pass's packing-blob chunks holding it are, in order,
+    /// consecutive chunks of one dictionary blob, see [`Self::span_in_dict`], and held exactly
     /// these bytes there); `None` to write it.
     fn remapped(&mut self, start: u64, blocks: u64, data: &[u8]) -> Result<Option<(u16, u32)>> {
         let Some(r) = &self.remap else {
             return Ok(None);
         };
-        let c = start / CHUNK_BLOCKS;
-        if (start + blocks).div_ceil(CHUNK_BLOCKS) != c + 1 {
+        let cb = r.chunk_blocks;
+        let (c, last) = (start / cb, (start + blocks - 1) / cb);
+        if last != c && !r.spans {
             return Ok(None);
         }
-        let Some(&(b, j)) = r.chunks.get(&c) else {
+        let Some((b, j)) = self.span_in_dict(r, c, last) else {
             return Ok(None);
         };
         let mut was = vec![0u8; data.len()];
@@ -583,149 +707,91 @@ impl BlobWriter {
             .read_exact_at(&mut was, start * BLOCK_SIZE)
             .map_err(io_err(format!(
                 "read the first pass's blob of {}",
-                self.path.display()
+                self.packer().path.display()
             )))?;
         if was != data {
             return Ok(None);
         }
+        let Ok(blk) = u32::try_from(j * cb + (start - c * cb)) else {
+            return Ok(None);
+        };
         let device = self.device_for(b);
-        let blk = (j << CHUNK_BLKBITS) + (start - c * CHUNK_BLOCKS) as u32;
         Ok(Some((device, blk)))
     }
 
+    /// The dictionary blob and chunk `(b, j)` such that the first pass's packing-blob chunks
+    /// `c..=last` are its chunks `j..=j + (last - c)`. One chunk: the dictionary's hit for it.
+    /// Several (tails blobs only): each of them anchors a candidate, which every chunk's
+    /// digest must confirm (a digest held at several places of a blob names only one).
+    fn span_in_dict(&self, r: &Remap, c: u64, last: u64) -> Option<(u32, u64)> {
+        if last == c {
+            return r.chunks.get(&c).map(|&(b, j)| (b, u64::from(j)));
+        }
+        let dict = self.dict.as_ref()?;
+        (c..=last).find_map(|a| {
+            let &(b, ja) = r.chunks.get(&a)?;
+            let j = u64::from(ja).checked_sub(a - c)?;
+            (c..=last)
+                .all(|k| {
+                    let mine = usize::try_from(k).ok().and_then(|k| r.digests.get(k));
+                    mine.is_some() && dict.chunk_digest(b, j + (k - c)) == mine
+                })
+                .then_some((b, j))
+        })
+    }
+
     /// The writer reaches the files of another directory, whose partial chunks take
-    /// `tail_blocks` blocks: a run of whole chunks for them if that is enough
-    /// ([`TAIL_RUN_MIN_BLOCKS`]); the previous run's rest becomes a gap.
+    /// `tail_blocks` blocks: the packing blob's placer may reserve a run for them.
     pub(crate) fn begin_dir(&mut self, tail_blocks: u64) {
-        if let Some((next, end)) = self.run.take() {
-            if end > next {
-                self.add_gap(next, end);
-            }
-        }
-        if tail_blocks >= TAIL_RUN_MIN_BLOCKS {
-            let start = self.blocks.next_multiple_of(CHUNK_BLOCKS);
-            if start > self.blocks {
-                self.add_gap(self.blocks, start);
-            }
-            let end = start + tail_blocks.next_multiple_of(CHUNK_BLOCKS);
-            self.blocks = end;
-            self.run = Some((start, end));
-        }
+        self.tails
+            .as_mut()
+            .unwrap_or(&mut self.main)
+            .begin_dir(tail_blocks);
     }
 
-    fn add_gap(&mut self, start: u64, end: u64) {
-        if self.gaps.len() == Self::MAX_GAPS {
-            self.gaps.remove(0);
-        }
-        self.gaps.push((start, end));
-    }
-
-    /// Chooses the start block of a new chunk of `blocks` blocks (see the module docs).
-    fn place(&mut self, blocks: u64) -> u64 {
-        if blocks < CHUNK_BLOCKS {
-            if let Some((next, end)) = &mut self.run {
-                if *end - *next >= blocks {
-                    let start = *next;
-                    *next += blocks;
-                    return start;
-                }
-            }
-        }
-        if blocks == CHUNK_BLOCKS {
-            let start = self.blocks.next_multiple_of(CHUNK_BLOCKS);
-            if start > self.blocks {
-                if self.gaps.len() == Self::MAX_GAPS {
-                    self.gaps.remove(0);
-                }
-                self.gaps.push((self.blocks, start));
-            }
-            self.blocks = start + blocks;
-            return start;
-        }
-        if let Some(i) = self.gaps.iter().position(|&(s, e)| e - s >= blocks) {
-            let start = self.gaps[i].0;
-            self.gaps[i].0 += blocks;
-            if self.gaps[i].0 == self.gaps[i].1 {
-                self.gaps.remove(i);
-            }
-            return start;
-        }
-        let start = self.blocks;
-        self.blocks += blocks;
-        start
-    }
-
-    /// Completes the blob (length, fsync, digest) and returns the device table: the blob's
-    /// slot, then the dictionary blobs pointed into; `meta_blocks` is the meta image's size
-    /// (the blob's place in the flat address space, the others' after it).
+    /// Completes the blobs (length, fsync, digest) and returns the device table: the blob's
+    /// slot, the tails blob's, then the dictionary blobs pointed into; `meta_blocks` is the
+    /// meta image's size (the blob's place in the flat address space, the others' after it).
     pub(crate) fn finish(&mut self, meta_blocks: u32) -> Result<Vec<DeviceSlot>> {
-        let ctx = || format!("write {}", self.path.display());
-        self.file
-            .set_len(self.blocks * BLOCK_SIZE)
-            .map_err(io_err(ctx()))?;
-        if self.fsync {
-            self.file.sync_all().map_err(io_err(ctx()))?;
-        }
-        // Read back in 1 MiB pieces (an mmap would count the whole blob as resident).
-        let mut h = blake3::Hasher::new();
-        let mut off = 0u64;
-        let len = self.blocks * BLOCK_SIZE;
-        let mut buf = vec![0u8; 1 << 20];
-        while off < len {
-            let n = (len - off).min(buf.len() as u64) as usize;
-            self.file
-                .read_exact_at(&mut buf[..n], off)
-                .map_err(io_err(format!("hash {}", self.path.display())))?;
-            h.update_rayon(&buf[..n]);
-            off += n as u64;
-        }
-        self.digest = *h.finalize().as_bytes();
+        self.digest = self.main.finish(0, self.fsync)?;
         let tag = self
             .tag
             .clone()
             .unwrap_or_else(|| hex(&self.digest).into_bytes());
-        let mut slot = DeviceSlot::default();
-        slot.tag[..tag.len()].copy_from_slice(&tag);
-        slot.blocks_lo = u32::try_from(self.blocks)
-            .map_err(|_| Error::TooLarge("blob of 2^32 blocks or more".into()))?
-            .into();
-        // Where the blob would start if appended to the meta image (flat addressing).
-        slot.mapped_blkaddr_lo = meta_blocks.into();
-        let mut slots = vec![slot];
-        let mut next = u64::from(meta_blocks) + self.blocks;
+        let too_large = || Error::TooLarge("blob of 2^32 blocks or more".into());
+        let blocks = u32::try_from(self.main.blocks).map_err(|_| too_large())?;
+        let mut slots = vec![device_slot(&tag, blocks, meta_blocks)];
+        // Where each device would start if appended to the meta image (flat addressing).
+        let mut next = u64::from(meta_blocks) + self.main.blocks;
+        let mapped = |next: u64| {
+            u32::try_from(next)
+                .map_err(|_| Error::TooLarge("devices of 2^32 blocks or more".into()))
+        };
+        if let Some(t) = &mut self.tails {
+            // Never empty: one zero block if no tail was written (a valid device).
+            self.tails_digest = t.finish(1, self.fsync)?;
+            let blocks = u32::try_from(t.blocks).map_err(|_| too_large())?;
+            let tag = hex(&self.tails_digest);
+            slots.push(device_slot(tag.as_bytes(), blocks, mapped(next)?));
+            next += t.blocks;
+        }
         if let Some(dict) = &self.dict {
             for &b in &self.used {
                 let d = &dict.blobs[b];
-                let mut slot = DeviceSlot::default();
-                slot.tag[..d.tag.len()].copy_from_slice(&d.tag);
-                slot.blocks_lo = (d.blocks as u32).into();
-                slot.mapped_blkaddr_lo = u32::try_from(next)
-                    .map_err(|_| Error::TooLarge("devices of 2^32 blocks or more".into()))?
-                    .into();
+                slots.push(device_slot(&d.tag, d.blocks as u32, mapped(next)?));
                 next += d.blocks;
-                slots.push(slot);
             }
         }
         Ok(slots)
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn full_chunks_are_aligned_and_partial_ones_fill_gaps() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut w = BlobWriter::create(&dir.path().join("b"), &LayerOptions::default()).unwrap();
-        assert_eq!(w.place(3), 0);
-        assert_eq!(w.place(CHUNK_BLOCKS), CHUNK_BLOCKS);
-        assert_eq!(w.gaps, vec![(3, CHUNK_BLOCKS)]);
-        assert_eq!(w.place(60), 3);
-        assert_eq!(w.place(2), 2 * CHUNK_BLOCKS);
-        assert_eq!(w.place(1), 63);
-        assert!(w.gaps.is_empty());
-        assert_eq!(w.place(CHUNK_BLOCKS), 3 * CHUNK_BLOCKS);
-        assert_eq!(w.gaps, vec![(2 * CHUNK_BLOCKS + 2, 3 * CHUNK_BLOCKS)]);
-    }
+/// A device table slot: `tag` (at most 64 bytes), `blocks`, and where the device starts in
+/// the flat block address space.
+fn device_slot(tag: &[u8], blocks: u32, mapped_blkaddr: u32) -> DeviceSlot {
+    let mut slot = DeviceSlot::default();
+    slot.tag[..tag.len()].copy_from_slice(tag);
+    slot.blocks_lo = blocks.into();
+    slot.mapped_blkaddr_lo = mapped_blkaddr.into();
+    slot
 }

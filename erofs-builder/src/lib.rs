@@ -3,7 +3,8 @@
 //! Writes and reads [EROFS](https://docs.kernel.org/filesystems/erofs.html) images, the
 //! read-only filesystem format every Strata layer is stored in. It builds a **full image**
 //! ([`build_image_from`]) and a **lazy layer** = meta image + data blob with chunk-based
-//! files ([`build_layer_from`], see [`layer`]) from any [`Source`]: a directory tree, an
+//! files, optionally with a second "tails" blob for small files and file tails
+//! ([`build_layer_from`], see [`layer`]) from any [`Source`]: a directory tree, an
 //! overlayfs upper directory (whiteouts and opaque directories kept, overlay bookkeeping
 //! xattrs dropped, `redirect`/`metacopy` refused), or an OCI/Docker layer tar stream (plain,
 //! gzip or zstd; ustar, GNU and PAX; OCI whiteouts become overlayfs whiteouts; see [`tar`]),
@@ -60,15 +61,19 @@
 
 use std::path::PathBuf;
 
+mod dictionary;
 pub mod layer;
 mod merge;
 pub mod ondisk;
+mod placer;
 pub mod reader;
 mod source;
 pub mod tar;
 mod writer;
 
-pub use layer::{build_layer, build_layer_from, ChunkDictionary, LayerOptions, LayerStats};
+pub use layer::{
+    build_layer, build_layer_from, ChunkDictionary, LayerOptions, LayerStats, TailsBlob, TailsStats,
+};
 pub use reader::{DeviceInfo, DirEntry, Extent, FileType, Image, Inode, Location};
 pub use source::{Phase, Progress, ProgressSnapshot, Source, TarOptions};
 pub use writer::{build_image, build_image_from, BuildOptions, BuildStats};

@@ -422,6 +422,7 @@ fn a_layer_deduped_against_stored_blobs_points_into_them_and_reads_exactly() {
         dict.add_blob(
             so.blob_blake3_hex().as_bytes(),
             so.blob_bytes,
+            CHUNK_SIZE,
             &chunk_digests(&bo)
         ),
         Some(0)
@@ -430,13 +431,14 @@ fn a_layer_deduped_against_stored_blobs_points_into_them_and_reads_exactly() {
         dict.add_blob(
             s1.blob_blake3_hex().as_bytes(),
             s1.blob_bytes,
+            CHUNK_SIZE,
             &chunk_digests(&b1)
         ),
         Some(1)
     );
     // Not a layer blob: refused.
-    assert_eq!(dict.add_blob(b"x", 4097, &[[0; 32]; 2]), None);
-    assert_eq!(dict.add_blob(b"x", 4096, &[]), None);
+    assert_eq!(dict.add_blob(b"x", 4097, CHUNK_SIZE, &[[0; 32]; 2]), None);
+    assert_eq!(dict.add_blob(b"x", 4096, CHUNK_SIZE, &[]), None);
     let mut opts = LayerOptions::default();
     opts.dictionary = Some(std::sync::Arc::new(dict));
     let (m2, b2) = (dir.path().join("m2"), dir.path().join("b2"));
