@@ -127,8 +127,9 @@ fn draw(s: &ProgressSnapshot, elapsed: Duration) {
     let _ = std::io::stderr().flush();
 }
 
-/// Build a lazy layer (meta image + data blob) from `source`, against `dictionary` if given
-/// (`crate::dedup`), the files `first` laid out first (`crate::order`).
+/// Build a lazy layer (meta image + data blob, and a tails blob when `tails`) from `source`,
+/// against `dictionary` if given (`crate::dedup`), the files `first` laid out first
+/// (`crate::order`).
 #[allow(clippy::too_many_arguments)]
 pub async fn build_layer(
     input: &InputArgs,
@@ -140,11 +141,13 @@ pub async fn build_layer(
     json: bool,
     dictionary: Option<std::sync::Arc<erofs_builder::ChunkDictionary>>,
     first: Vec<PathBuf>,
+    tails: Option<erofs_builder::TailsBlob>,
 ) -> Result<erofs_builder::LayerStats> {
     input.check_chunk_size()?;
     let progress = Progress::new();
     let mut opts = erofs_builder::LayerOptions::default();
     opts.dictionary = dictionary;
+    opts.tails = tails;
     opts.first = first;
     opts.build.epoch = timestamp.map(|t| (t, 0));
     opts.build.xattrs = !no_xattrs;

@@ -2,13 +2,16 @@
 //! built against, from what the store already holds.
 //!
 //! Which blobs, in this order, until the dictionary is full (at most
-//! [`erofs_builder::layer::MAX_DICT_DEVICES`] blobs, [`erofs_builder::layer::MAX_DICT_CHUNKS`]
-//! chunks): the data blobs of the layers given with `--dedup-from` (in the order given), then
+//! [`erofs_builder::layer::MAX_DICT_DEVICES`] blobs, one fewer for a layer with a tails
+//! blob, and [`erofs_builder::layer::MAX_DICT_CHUNKS`] chunks): the data blobs of the layers given with `--dedup-from` (in the order given), then
 //! of the other versions of the same `KIND/NAME` (its lineage, newest first), then of the
 //! other layers of the same kind (newest first). Each blob's chunk digests come from its
-//! chunk table (`blobs/xx/<digest>.chunks`), which the store wrote with it.
+//! chunk table (`blobs/xx/<digest>.chunks`), which the store wrote with it, at that table's
+//! chunk size: a layer's main blob (256 KiB) and its tails blob (64 KiB by default) are both
+//! in the dictionary, and a chunk matches only a chunk of its own size.
 //!
-//! Invariants: a layer built against a dictionary lists, after its own blob, exactly the
+//! Invariants: a layer built against a dictionary lists, after its own blobs (device 1, and
+//! the tails blob on device 2), exactly the
 //! dictionary blobs its meta image points into, in device-table order, so the node mounts it
 //! with `device=` in that order and gc keeps those blobs while the layer exists (gc marks
 //! every blob of every manifest). A blob that disappears between the dictionary and the push
@@ -25,8 +28,19 @@ pub struct Dictionary {
     pub blobs: Vec<BlobRef>,
 }
 
-/// The dictionary for building `layer`, `from` first.
-pub async fn dictionary(store: &Store, layer: &LayerRef, from: &[LayerRef]) -> Result<Dictionary> {
+/// The dictionary for building `layer`, `from` first; `tails`: the layer gets a tails blob
+/// (device 2), which leaves one device fewer for the dictionary.
+pub async fn dictionary(
+    store: &Store,
+    layer: &LayerRef,
+    from: &[LayerRef],
+    tails: bool,
+) -> Result<Dictionary> {
+    let max_blobs = if tails {
+        erofs_builder::layer::MAX_DICT_DEVICES_WITH_TAILS
+    } else {
+        erofs_builder::layer::MAX_DICT_DEVICES
+    };
     let mut candidates: Vec<Manifest> = Vec::new();
     for l in from {
         candidates.push(
@@ -52,9 +66,7 @@ pub async fn dictionary(store: &Store, layer: &LayerRef, from: &[LayerRef]) -> R
     let mut seen = std::collections::HashSet::new();
     'layers: for m in &candidates {
         for b in &m.blobs {
-            if blobs.len() >= erofs_builder::layer::MAX_DICT_DEVICES
-                || dict.chunks() >= erofs_builder::layer::MAX_DICT_CHUNKS
-            {
+            if blobs.len() >= max_blobs || dict.chunks() >= erofs_builder::layer::MAX_DICT_CHUNKS {
                 break 'layers;
             }
             if !seen.insert(b.digest) {
@@ -73,7 +85,7 @@ pub async fn dictionary(store: &Store, layer: &LayerRef, from: &[LayerRef]) -> R
                 .add_blob(
                     b.digest.to_hex().as_bytes(),
                     b.size,
-                    erofs_builder::layer::CHUNK_SIZE,
+                    table.chunk_size,
                     &digests,
                 )
                 .is_some()

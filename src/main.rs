@@ -221,7 +221,7 @@ enum LayerCmd {
         #[arg(long)]
         no_dedup: bool,
         /// Dedup against these layers first (then the other versions of KIND/NAME, then the
-        /// kind's other layers, newest first; at most 31 blobs).
+        /// kind's other layers, newest first; at most 31 blobs, 30 with a tails blob).
         #[arg(long = "dedup-from", conflicts_with = "no_dedup")]
         dedup_from: Vec<String>,
         /// Lay the files out in the order this layer's recorded access trace first read them
@@ -229,6 +229,13 @@ enum LayerCmd {
         /// version's first readers read together is then stored, and fetched, together.
         #[arg(long = "order-from")]
         order_from: Option<String>,
+        /// Chunk size of the layer's tails blob (its device 2): small files and the last
+        /// partial 256 KiB of larger files are packed there, in chunks of this size (a power
+        /// of two, 4096..=131072), so a node fetches, verifies and dedups them in smaller
+        /// units than the main blob's 256 KiB. `0`: no tails blob (one data blob, as layers
+        /// built before it).
+        #[arg(long, value_name = "BYTES", default_value_t = erofs_builder::layer::DEFAULT_TAIL_CHUNK_SIZE)]
+        tail_chunk_size: u32,
     },
     /// Export a stack of layers (REFs lowest first, each with its parents) as an OCI image
     /// layout (--oci DIR or FILE.tar; one gzip/zstd layer tar per layer, whiteouts as OCI
@@ -448,8 +455,37 @@ async fn blob_get(store: &Store, digest: &str, output: Option<&Path>) -> Result<
     Ok(())
 }
 
+/// A built layer's own data blobs in device order: the main blob at `blob` (256 KiB chunks)
+/// and, when the build made one, the tails blob at `tails` (its chunk size).
+fn own_blobs(blob: &Path, tails: &Path, s: &erofs_builder::LayerStats) -> Vec<fs_cache::BlobFile> {
+    let mut v = vec![fs_cache::BlobFile::new(
+        blob,
+        fs_cache::Digest(s.blob_blake3),
+        build_cmd::LAYER_CHUNK_SIZE,
+    )];
+    if let Some(t) = &s.tails {
+        v.push(fs_cache::BlobFile::new(
+            tails,
+            fs_cache::Digest(t.blake3),
+            u64::from(t.chunk_size),
+        ));
+    }
+    v
+}
+
 fn layer_stats_json(meta: &Path, blob: &Path, s: &erofs_builder::LayerStats) -> serde_json::Value {
+    let tails = s.tails.as_ref().map(|t| {
+        serde_json::json!({
+            "bytes": t.bytes,
+            "digest": t.blake3_hex(),
+            "chunk_size": t.chunk_size,
+            "chunks": t.chunks,
+            "unique_chunks": t.unique_chunks,
+            "stored_bytes": t.stored_bytes,
+        })
+    });
     serde_json::json!({
+        "tails": tails,
         "meta": meta.display().to_string(),
         "meta_bytes": s.meta.image_bytes,
         "blob": blob.display().to_string(),
@@ -707,6 +743,7 @@ async fn run(cli: Cli) -> Result<()> {
             no_dedup,
             dedup_from,
             order_from,
+            tail_chunk_size,
         }) => {
             let layer: LayerRef = name.parse()?;
             let first = match &order_from {
@@ -721,7 +758,7 @@ async fn run(cli: Cli) -> Result<()> {
                     .iter()
                     .map(|p| p.parse::<LayerRef>())
                     .collect::<Result<Vec<_>, _>>()?;
-                Some(dedup::dictionary(&store, &layer, &from).await?)
+                Some(dedup::dictionary(&store, &layer, &from, tail_chunk_size != 0).await?)
             };
             let parents = parents
                 .iter()
@@ -732,6 +769,9 @@ async fn run(cli: Cli) -> Result<()> {
                 .with_context(|| format!("create {}", tmp_root.display()))?;
             let tmp = tempfile::tempdir_in(&tmp_root).context("create a build directory")?;
             let (meta_path, blob_path) = (tmp.path().join("meta.erofs"), tmp.path().join("blob"));
+            let tails_path = tmp.path().join("tails");
+            let tails = (tail_chunk_size != 0)
+                .then(|| erofs_builder::TailsBlob::new(&tails_path, tail_chunk_size));
             let started = Instant::now();
             let stats = build_cmd::build_layer(
                 &input,
@@ -743,23 +783,21 @@ async fn run(cli: Cli) -> Result<()> {
                 cli.json,
                 dedup.as_ref().map(|d| d.dict.clone()),
                 first,
+                tails,
             )
             .await?;
             let built = started.elapsed().as_secs_f64();
-            let meta = store
-                .put_blob_file_with(&meta_path, compress)
+            let (meta, own) = store
+                .put_built_layer(
+                    &meta_path,
+                    &own_blobs(&blob_path, &tails_path, &stats),
+                    compress,
+                )
                 .await
-                .context("store the meta image")?;
-            let blob = store
-                .put_blob_file_with(&blob_path, compress)
-                .await
-                .context("store the data blob")?;
-            if blob.digest.0 != stats.blob_blake3 {
-                anyhow::bail!("the data blob changed between build and upload");
-            }
-            // The layer's own blob, then the stored blobs its meta image points into (its
-            // device table's order).
-            let mut blobs = vec![blob.blob_ref()];
+                .context("store the layer's meta image and blobs")?;
+            // The layer's own blobs (device 1, and the tails blob on device 2), then the
+            // stored blobs its meta image points into (its device table's order).
+            let mut blobs: Vec<_> = own.iter().map(|p| p.blob_ref()).collect();
             if let Some(d) = &dedup {
                 blobs.extend(stats.devices.iter().map(|&i| d.blobs[i].clone()));
             }
@@ -778,10 +816,13 @@ async fn run(cli: Cli) -> Result<()> {
                 v["outcome"] = serde_json::json!(format!("{outcome:?}").to_lowercase());
                 v["meta_digest"] = serde_json::json!(meta.digest.to_hex());
                 v["meta_stored_bytes"] = serde_json::json!(meta.stored_size);
-                v["blob_stored_bytes"] = serde_json::json!(blob.stored_size);
+                v["blob_stored_bytes"] = serde_json::json!(own[0].stored_size);
+                if let Some(put) = own.get(1) {
+                    v["tails_stored_bytes"] = serde_json::json!(put.stored_size);
+                }
                 v["compression"] = serde_json::json!(compress.to_string());
-                v["uploaded_bytes"] = serde_json::json!([&meta, &blob]
-                    .iter()
+                v["uploaded_bytes"] = serde_json::json!(std::iter::once(&meta)
+                    .chain(&own)
                     .filter(|p| !p.existed)
                     .map(|p| p.stored_size)
                     .sum::<u64>());
@@ -808,14 +849,26 @@ async fn run(cli: Cli) -> Result<()> {
                 } else {
                     String::new()
                 };
+                let tails = match (&stats.tails, own.get(1)) {
+                    (Some(t), Some(put)) => format!(
+                        " + tails {}{} ({} of {} tails stored, {} chunks)",
+                        human(put.size),
+                        stored(put),
+                        t.unique_chunks,
+                        t.chunks,
+                        human(u64::from(t.chunk_size))
+                    ),
+                    _ => String::new(),
+                };
+                let tail_chunks = stats.tails.as_ref().map_or(0, |t| t.chunks);
                 println!(
-                    "{layer}: {outcome:?}; meta image {}{} + blob {}{} ({} of {} chunks stored{deduped}) from {} files, in {:.2} s",
+                    "{layer}: {outcome:?}; meta image {}{} + blob {}{} ({} of {} chunks stored{deduped}){tails} from {} files, in {:.2} s",
                     human(meta.size),
                     stored(&meta),
-                    human(blob.size),
-                    stored(&blob),
+                    human(own[0].size),
+                    stored(&own[0]),
                     stats.unique_chunks,
-                    stats.chunks + stats.dict_chunks,
+                    stats.chunks + tail_chunks + stats.dict_chunks,
                     stats.meta.files,
                     seconds
                 );
@@ -859,6 +912,7 @@ async fn run(cli: Cli) -> Result<()> {
                 cli.json,
                 None,
                 Vec::new(),
+                None,
             )
             .await?;
             if cli.json {

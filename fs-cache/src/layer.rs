@@ -352,6 +352,61 @@ pub enum Pushed {
     Unchanged,
 }
 
+/// One of a built layer's own data blobs, to store with [`Store::put_built_layer`]: the file,
+/// the blake3 digest its builder computed, and the chunk size its chunk table gets (256 KiB
+/// for the main blob, device 1; the builder's tail chunk size for a tails blob, device 2).
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct BlobFile {
+    pub path: std::path::PathBuf,
+    pub digest: Digest,
+    pub chunk_size: u64,
+}
+
+impl BlobFile {
+    pub fn new(path: impl Into<std::path::PathBuf>, digest: Digest, chunk_size: u64) -> Self {
+        Self {
+            path: path.into(),
+            digest,
+            chunk_size,
+        }
+    }
+}
+
+impl Store {
+    /// Stores a built layer's files: the meta image (256 KiB chunks), then its own data
+    /// blobs in device order, each at its chunk size (its chunk table stored before it where
+    /// the store needs that), all with `compression`. A data blob whose digest is not the
+    /// one its builder computed (the file changed between the build and the upload) fails
+    /// with [`Error::DigestMismatch`]: a manifest listing it would point the meta image's
+    /// chunk indexes at other bytes. Returns the puts of the meta image and of the blobs, in
+    /// the order given.
+    pub async fn put_built_layer(
+        &self,
+        meta: &std::path::Path,
+        blobs: &[BlobFile],
+        compression: crate::Compression,
+    ) -> Result<(crate::PutBlob, Vec<crate::PutBlob>)> {
+        let meta = self
+            .put_blob_file_opts(meta, &crate::store::PutOptions::new(compression))
+            .await?;
+        let mut puts = Vec::with_capacity(blobs.len());
+        for b in blobs {
+            let opts = crate::store::PutOptions::new(compression).with_chunk_size(b.chunk_size);
+            let put = self.put_blob_file_opts(&b.path, &opts).await?;
+            if put.digest != b.digest {
+                return Err(Error::DigestMismatch {
+                    blob: b.path.display().to_string(),
+                    expected: b.digest.to_hex(),
+                    actual: put.digest.to_hex(),
+                });
+            }
+            puts.push(put);
+        }
+        Ok((meta, puts))
+    }
+}
+
 impl Store {
     async fn read_manifest_at(&self, layer: &LayerRef, key: &str) -> Result<Option<Manifest>> {
         match self.backend().get(key).await {

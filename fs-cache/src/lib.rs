@@ -42,6 +42,6 @@ pub use backend::{
 pub use chunk::Compression;
 pub use error::{BoxError, Error, ErrorKind, Result};
 pub use fsutil::{write_atomic, AtomicFile};
-pub use layer::{BlobRef, BuiltBy, LayerKind, LayerRef, Manifest, Pushed};
-pub use store::{Digest, PutBlob, Store};
+pub use layer::{BlobFile, BlobRef, BuiltBy, LayerKind, LayerRef, Manifest, Pushed};
+pub use store::{Digest, PutBlob, PutOptions, Store};
 pub mod chunk;

@@ -23,6 +23,9 @@ pub struct ImportOptions {
     pub flatten: bool,
     /// Where the built meta images and blobs (and the builder's spool) go.
     pub work_dir: PathBuf,
+    /// The chunk size of each built layer's tails blob (its device 2, holding small files
+    /// and the partial last chunks of larger ones); `None`: no tails blob.
+    pub tail_chunk_size: Option<u32>,
 }
 
 impl ImportOptions {
@@ -31,7 +34,14 @@ impl ImportOptions {
         Self {
             flatten: false,
             work_dir: work_dir.to_path_buf(),
+            tail_chunk_size: Some(erofs_builder::layer::DEFAULT_TAIL_CHUNK_SIZE),
         }
+    }
+
+    /// With tails blobs of `chunk_size` (`None`: one data blob per layer).
+    pub fn tail_chunk_size(mut self, chunk_size: Option<u32>) -> Self {
+        self.tail_chunk_size = chunk_size;
+        self
     }
 
     /// With `flatten`.
@@ -49,6 +59,8 @@ pub struct BuiltLayer {
     pub meta: PathBuf,
     /// The data blob.
     pub blob: PathBuf,
+    /// The tails blob, when the builder wrote one (`stats.tails` says what it holds).
+    pub tails: Option<PathBuf>,
     /// What the builder wrote.
     pub stats: LayerStats,
     /// The diff_ids of the image layers in it (one, or all of them when flattened).
@@ -240,19 +252,23 @@ impl Checked {
     }
 }
 
-fn layer_options(work: &Path) -> LayerOptions {
+/// The builder's options for one layer, its tails blob (if any) at `tails`.
+fn layer_options(opts: &ImportOptions, tails: &Path) -> LayerOptions {
     let mut o = LayerOptions::default();
     o.build.fsync = false;
-    o.build.tar.temp_dir = Some(work.to_path_buf());
+    o.build.tar.temp_dir = Some(opts.work_dir.clone());
+    o.tails = opts
+        .tail_chunk_size
+        .map(|cs| erofs_builder::TailsBlob::new(tails, cs));
     o
 }
 
-/// Builds the image's layers into `opts.work_dir` (`layer-<i>.meta` / `layer-<i>.blob`),
+/// Builds the image's layers into `opts.work_dir` (`layer-<i>.meta` / `layer-<i>.blob` /
+/// `layer-<i>.tails`),
 /// checking every blob; returns them lowest first. On error nothing built is returned (the
 /// caller removes the work directory).
 pub fn build_layers(plan: &ImagePlan, opts: &ImportOptions) -> Result<Vec<BuiltLayer>> {
     let work = &opts.work_dir;
-    let lopts = layer_options(work);
     if opts.flatten {
         let checked = (0..plan.layers.len())
             .map(|i| Checked::open(plan, i))
@@ -263,7 +279,12 @@ pub fn build_layers(plan: &ImagePlan, opts: &ImportOptions) -> Result<Vec<BuiltL
         } else {
             Source::TarStack(checked.iter().map(Checked::reader).collect())
         };
-        let (meta, blob) = (work.join("flat.meta"), work.join("flat.blob"));
+        let (meta, blob, tails) = (
+            work.join("flat.meta"),
+            work.join("flat.blob"),
+            work.join("flat.tails"),
+        );
+        let lopts = layer_options(opts, &tails);
         let stats = erofs_builder::build_layer_from(source, &meta, &blob, &lopts).map_err(|e| {
             checked
                 .iter()
@@ -279,6 +300,7 @@ pub fn build_layers(plan: &ImagePlan, opts: &ImportOptions) -> Result<Vec<BuiltL
         return Ok(vec![BuiltLayer {
             meta,
             blob,
+            tails: lopts.tails.map(|t| t.path),
             stats,
             diff_ids: plan.layers.iter().map(|l| l.diff_id).collect(),
             compressed_bytes: compressed,
@@ -288,10 +310,12 @@ pub fn build_layers(plan: &ImagePlan, opts: &ImportOptions) -> Result<Vec<BuiltL
     let mut out = Vec::with_capacity(plan.layers.len());
     for i in 0..plan.layers.len() {
         let c = Checked::open(plan, i)?;
-        let (meta, blob) = (
+        let (meta, blob, tails) = (
             work.join(format!("layer-{i}.meta")),
             work.join(format!("layer-{i}.blob")),
+            work.join(format!("layer-{i}.tails")),
         );
+        let lopts = layer_options(opts, &tails);
         let stats = erofs_builder::build_layer_from(Source::Tar(c.reader()), &meta, &blob, &lopts)
             .map_err(|e| match c.recheck(plan) {
                 // A damaged blob explains a broken stream better than the tar error.
@@ -302,6 +326,7 @@ pub fn build_layers(plan: &ImagePlan, opts: &ImportOptions) -> Result<Vec<BuiltL
         out.push(BuiltLayer {
             meta,
             blob,
+            tails: lopts.tails.map(|t| t.path),
             stats,
             diff_ids: vec![plan.layers[i].diff_id],
             compressed_bytes,

@@ -44,7 +44,7 @@ pub struct PushedLayer {
     pub parents: Vec<String>,
     /// Meta image and blob sizes.
     pub meta_bytes: u64,
-    /// Blob bytes.
+    /// Bytes of its data blobs (the main blob and its tails blob).
     pub blob_bytes: u64,
     /// The image layers' diff_ids it holds.
     pub diff_ids: Vec<String>,
@@ -62,19 +62,24 @@ pub async fn push_stack(
     let names = layer_names(name, built.len())?;
     let mut manifests = Vec::new();
     for (i, b) in built.iter().enumerate() {
-        let meta = store.put_blob_file_with(&b.meta, compression).await?;
-        let blob = store.put_blob_file_with(&b.blob, compression).await?;
-        if blob.digest.0 != b.stats.blob_blake3 {
-            return Err(Error::Unsupported(format!(
-                "the data blob of {} changed between build and upload",
-                names[i]
-            )));
+        let mut own = vec![fs_cache::BlobFile::new(
+            &b.blob,
+            fs_cache::Digest(b.stats.blob_blake3),
+            fs_cache::chunk::CHUNK_SIZE,
+        )];
+        if let (Some(path), Some(t)) = (&b.tails, &b.stats.tails) {
+            own.push(fs_cache::BlobFile::new(
+                path,
+                fs_cache::Digest(t.blake3),
+                u64::from(t.chunk_size),
+            ));
         }
+        let (meta, own) = store.put_built_layer(&b.meta, &own, compression).await?;
         let diff_ids: Vec<String> = b.diff_ids.iter().map(|d| d.to_string()).collect();
         let mut m = Manifest::new(
             names[i].clone(),
             Some(meta.blob_ref()),
-            vec![blob.blob_ref()],
+            own.iter().map(|p| p.blob_ref()).collect(),
             format!(
                 "{source} layer {}/{} diff_id {}",
                 i + 1,
@@ -83,7 +88,7 @@ pub async fn push_stack(
             ),
         );
         m.parents = names[..i].to_vec();
-        manifests.push((m, meta.size, blob.size, diff_ids));
+        manifests.push((m, meta.size, own.iter().map(|p| p.size).sum(), diff_ids));
     }
     let mut out = Vec::new();
     for (m, meta_bytes, blob_bytes, diff_ids) in manifests {

@@ -79,6 +79,7 @@ pub struct PackResult {
     pub packed_files: u64,
     pub packed_bytes: u64,
     pub meta_bytes: u64,
+    /// Bytes of the layer's own data blobs: the main blob and its tails blob.
     pub blob_bytes: u64,
     pub whiteouts: u64,
     pub opaque_dirs: u64,
@@ -323,14 +324,26 @@ impl Manager {
     ) -> Result<PackResult> {
         let t = Instant::now();
         let store = self.node.store();
-        let meta = store
-            .put_blob_file_with(&out.join("meta.erofs"), fs_cache::Compression::default())
+        let mut own = vec![fs_cache::BlobFile::new(
+            out.join("blob"),
+            fs_cache::Digest(built.stats.blob_blake3),
+            fs_cache::chunk::CHUNK_SIZE,
+        )];
+        if let Some(t) = &built.stats.tails {
+            own.push(fs_cache::BlobFile::new(
+                out.join("tails"),
+                fs_cache::Digest(t.blake3),
+                u64::from(t.chunk_size),
+            ));
+        }
+        let (meta, own) = store
+            .put_built_layer(
+                &out.join("meta.erofs"),
+                &own,
+                fs_cache::Compression::default(),
+            )
             .await
-            .map_err(|e| store_err("store the meta image", &e))?;
-        let blob = store
-            .put_blob_file_with(&out.join("blob"), fs_cache::Compression::default())
-            .await
-            .map_err(|e| store_err("store the data blob", &e))?;
+            .map_err(|e| store_err("store the layer's meta image and blobs", &e))?;
         let parents = record
             .layers
             .iter()
@@ -340,7 +353,7 @@ impl Manager {
         let mut m = Manifest::new(
             layer.clone(),
             Some(meta.blob_ref()),
-            vec![blob.blob_ref()],
+            own.iter().map(|p| p.blob_ref()).collect(),
             format!("sandbox:{}", record.id),
         );
         m.parents = parents.clone();
@@ -375,7 +388,7 @@ impl Manager {
             packed_files: plan.packed_files,
             packed_bytes: plan.packed_bytes,
             meta_bytes: meta.size,
-            blob_bytes: blob.size,
+            blob_bytes: own.iter().map(|p| p.size).sum(),
             whiteouts: plan.whiteouts,
             opaque_dirs: plan.opaque_dirs,
             noop_whiteouts: plan.noop_whiteouts,
@@ -444,6 +457,7 @@ impl Manager {
 /// What the blocking half of a pack produced.
 struct Built {
     plan: diff::Plan,
+    stats: erofs_builder::LayerStats,
     frozen_ms: Option<u64>,
     walk_ms: u64,
     build_ms: u64,
@@ -474,7 +488,11 @@ fn walk_and_build(
     let t = Instant::now();
     let mut opts = erofs_builder::LayerOptions::default();
     opts.build.exclude = Some(Arc::new(std::mem::take(&mut plan.exclude)));
-    erofs_builder::build_layer_from(
+    opts.tails = Some(erofs_builder::TailsBlob::new(
+        out.join("tails"),
+        erofs_builder::layer::DEFAULT_TAIL_CHUNK_SIZE,
+    ));
+    let stats = erofs_builder::build_layer_from(
         erofs_builder::Source::OverlayUpper(upper.to_path_buf()),
         &out.join("meta.erofs"),
         &out.join("blob"),
@@ -483,6 +501,7 @@ fn walk_and_build(
     .map_err(|e| Error::Refused(format!("building the layer: {e}")))?;
     Ok(Built {
         plan,
+        stats,
         frozen_ms: None,
         walk_ms,
         build_ms: t.elapsed().as_millis() as u64,
