@@ -284,6 +284,15 @@ fn layer_build_pushes_a_lazy_layer_that_reads_back() {
     let meta = m["meta"]["digest"].as_str().unwrap().to_owned();
     let blob = m["blobs"][0]["digest"].as_str().unwrap().to_owned();
     assert_eq!(blob, built["blob_digest"].as_str().unwrap());
+    // By default a layer has a tails blob (device 2, 64 KiB chunks): "small" and the last
+    // 700,000 - 2 × 262,144 bytes of "d/big" are there; the main blob holds two whole chunks.
+    let tails = m["blobs"][1]["digest"].as_str().unwrap().to_owned();
+    assert_eq!(m["blobs"].as_array().unwrap().len(), 2, "{m}");
+    assert_eq!(m["blobs"][1]["chunk_size"], 65536, "{m}");
+    assert!(m["blobs"][0].get("chunk_size").is_none(), "{m}");
+    assert_eq!(m["blobs"][0]["size"], 2 * 262_144, "{m}");
+    assert_eq!(built["tails"]["digest"].as_str(), Some(tails.as_str()));
+    assert_eq!(built["tails"]["chunk_size"], 65536, "{built}");
     let path = |d: &str| store.join("blobs").join(&d[..2]).join(d);
     // Stored compressed by default (zstd per chunk): the manifest says so, the stored object
     // is smaller than the blob, and its chunk table sits beside it.
@@ -298,7 +307,11 @@ fn layer_build_pushes_a_lazy_layer_that_reads_back() {
         .join(format!("{blob}.chunks"))
         .exists());
     // `blob get` writes the plain bytes (decoded and verified): the image reads from them.
-    let (meta_file, blob_file) = (tmp.path().join("meta.out"), tmp.path().join("blob.out"));
+    let (meta_file, blob_file, tails_file) = (
+        tmp.path().join("meta.out"),
+        tmp.path().join("blob.out"),
+        tmp.path().join("tails.out"),
+    );
     ok(run(&[
         "blob",
         "get",
@@ -313,11 +326,28 @@ fn layer_build_pushes_a_lazy_layer_that_reads_back() {
         "-o",
         blob_file.to_str().unwrap(),
     ]));
+    ok(run(&[
+        "blob",
+        "get",
+        &tails,
+        "-o",
+        tails_file.to_str().unwrap(),
+    ]));
     assert_eq!(
         std::fs::metadata(&blob_file).unwrap().len(),
         m["blobs"][0]["size"].as_u64().unwrap()
     );
-    let img = erofs_builder::Image::open_with_devices(&meta_file, &[blob_file.as_path()]).unwrap();
+    // The tails blob's chunk table is at 64 KiB: a table is stored before its blob.
+    assert!(store
+        .join("blobs")
+        .join(&tails[..2])
+        .join(format!("{tails}.chunks"))
+        .exists());
+    let img = erofs_builder::Image::open_with_devices(
+        &meta_file,
+        &[blob_file.as_path(), tails_file.as_path()],
+    )
+    .unwrap();
     let f = img.lookup("/d/big").unwrap();
     assert_eq!(img.read_data(&f).unwrap(), big);
     let s = img.lookup("/small").unwrap();
@@ -332,7 +362,8 @@ fn layer_build_pushes_a_lazy_layer_that_reads_back() {
     assert_eq!(part.stdout, std::fs::read(&blob_file).unwrap()[..4096]);
 
     // `--compress none`: the stored objects are the plain meta image and blob (the tree with
-    // one more file, so that the blob is new).
+    // one more file, so that the blob is new); `--tail-chunk-size 0`: one data blob, as
+    // layers built before tails blobs existed.
     std::fs::write(src.join("d/more"), vec![b'm'; 300_000]).unwrap();
     let plain = json(run(&[
         "--json",
@@ -346,9 +377,13 @@ fn layer_build_pushes_a_lazy_layer_that_reads_back() {
         "--compress",
         "none",
         "--no-dedup",
+        "--tail-chunk-size",
+        "0",
     ]));
     assert_eq!(plain["compression"], "none", "{plain}");
     let m2 = json(run(&["--json", "layer", "inspect", "workspace/w:2"]));
+    assert_eq!(m2["blobs"].as_array().unwrap().len(), 1, "{m2}");
+    assert!(plain["tails"].is_null(), "{plain}");
     assert!(m2["blobs"][0].get("compression").is_none(), "{m2}");
     let (meta2, blob2) = (
         m2["meta"]["digest"].as_str().unwrap().to_owned(),
@@ -375,6 +410,25 @@ fn layer_build_pushes_a_lazy_layer_that_reads_back() {
         String::from_utf8_lossy(&bad.stderr).contains("zstd"),
         "{}",
         String::from_utf8_lossy(&bad.stderr)
+    );
+    for size in ["3000", "262144", "2048"] {
+        let bad = run(&[
+            "layer",
+            "build",
+            src.to_str().unwrap(),
+            "--name",
+            "workspace/w:3",
+            "--tail-chunk-size",
+            size,
+        ]);
+        let err = String::from_utf8_lossy(&bad.stderr);
+        assert!(!bad.status.success(), "{size}");
+        assert!(err.contains("power of two"), "{size}: {err}");
+    }
+    let none = json(run(&["--json", "layer", "ls"]));
+    assert!(
+        !none.to_string().contains("workspace/w:3"),
+        "a refused build pushed nothing: {none}"
     );
 }
 
