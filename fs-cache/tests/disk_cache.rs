@@ -763,6 +763,7 @@ fn ranged_reads_check_only_their_blocks_and_catch_damage() {
 fn a_pinned_blob_is_the_blob_and_is_not_evicted() {
     pinned_blob(MAX_DISK_CHUNK_SHIFT);
     pinned_blob(16);
+    pinned_blob(14);
 }
 
 fn pinned_blob(shift: u8) {
