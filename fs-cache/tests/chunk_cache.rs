@@ -818,3 +818,177 @@ async fn refetches_of_corrupt_chunks_run_at_once() {
     assert_eq!(s.backend_errors_by_kind["corrupt"], 8, "{s:?}");
     assert_eq!(bad.most.load(std::sync::atomic::Ordering::SeqCst), 8);
 }
+
+/// Store `bytes` as a blob whose chunk table has `chunk_size` chunks (the table written as
+/// its sidecar, replacing any); its digest.
+async fn put_with_chunks(mem: &Arc<MemoryBackend>, bytes: &[u8], chunk_size: u64) -> Digest {
+    let blob = Store::new(mem.clone())
+        .put_blob(Bytes::copy_from_slice(bytes))
+        .await
+        .unwrap()
+        .digest;
+    set_table(mem, blob, bytes, chunk_size).await;
+    blob
+}
+
+/// Replace the chunk table of `blob` (whose bytes are `bytes`) with one of `chunk_size` chunks.
+async fn set_table(mem: &Arc<MemoryBackend>, blob: Digest, bytes: &[u8], chunk_size: u64) {
+    let table = ChunkTable {
+        blob,
+        blob_size: bytes.len() as u64,
+        chunk_size,
+        digests: bytes.chunks(chunk_size as usize).map(Digest::of).collect(),
+        stored: None,
+    };
+    mem.put(
+        &sidecar_key(&blob, CHUNKS_SUFFIX),
+        Bytes::from(table.encode()),
+    )
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_blob_read_under_two_chunk_tables_never_gets_the_other_tables_chunks() {
+    let mem = Arc::new(MemoryBackend::new());
+    let bytes = data(5, (3 * CHUNK_SIZE + 777) as usize);
+    let blob = put_with_chunks(&mem, &bytes, CHUNK_SIZE).await;
+    // Level 1 only in memory (level 2 then serves nothing: every hit below is level 1), and
+    // level 2 only (nothing kept in memory: every hit is level 2).
+    for memory in [64 * MIB, 0] {
+        let dir = tempfile::tempdir().unwrap();
+        let config = CacheConfig {
+            disk: Some(DiskCacheConfig {
+                dir: dir.path().join("cache"),
+                capacity: 64 * MIB,
+            }),
+            ..memory_only(memory)
+        };
+        let cache = ChunkCache::open(Store::new(mem.clone()), config)
+            .await
+            .unwrap();
+        let size = bytes.len() as u64;
+        // The chunks level 2 holds after each table's reads: those of the table read last,
+        // but for the third read of a cache with memory, which level 1 serves whole.
+        let back = if memory > 0 { 13 } else { 4 };
+        for (chunk_size, chunks) in [(CHUNK_SIZE, 4), (64 << 10, 13), (CHUNK_SIZE, back)] {
+            set_table(&mem, blob, &bytes, chunk_size).await;
+            cache.unregister(&blob);
+            assert_eq!(cache.register(&blob).await.unwrap().chunk_size, chunk_size);
+            // Chunk 1 of either chunking is cached by now (but for the first table's first
+            // read): a read of it must be its own bytes. (A flush after each read: level-2
+            // writes of the new chunking that race the removal of the old one are skipped.)
+            for (at, len) in [(70_000, 1000), (CHUNK_SIZE + 5, 100_000), (0, size)] {
+                let got = cache.read(&blob, at, len).await.unwrap();
+                assert!(
+                    got[..] == bytes[at as usize..][..got.len()],
+                    "{memory} bytes of memory, {chunk_size}-byte chunks, {at}+{len}"
+                );
+                cache.flush().await.unwrap();
+            }
+            let s = cache.stats();
+            let disk = s.disk.unwrap();
+            assert_eq!(
+                (disk.chunks, disk.bytes),
+                (chunks, 3 * CHUNK_SIZE + 4096),
+                "{memory} bytes of memory, {chunk_size}-byte chunks: {s:?}"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_blob_of_64_kib_chunks_reads_exactly_fills_level_2_and_is_pinned_and_warmed() {
+    use std::os::unix::fs::FileExt;
+    let mem = Arc::new(MemoryBackend::new());
+    let chunk = 64 << 10;
+    let bytes = data(6, (40 * chunk + 999) as usize);
+    let size = bytes.len() as u64;
+    let blob = put_with_chunks(&mem, &bytes, chunk).await;
+    let dir = tempfile::tempdir().unwrap();
+    let open = |dir: &std::path::Path, memory, disk_readahead_bytes| {
+        ChunkCache::open(
+            Store::new(mem.clone()),
+            CacheConfig {
+                disk: Some(DiskCacheConfig {
+                    dir: dir.join("cache"),
+                    capacity: 64 * MIB,
+                }),
+                disk_readahead_bytes,
+                ..memory_only(memory)
+            },
+        )
+    };
+    let cache = open(dir.path(), MIB, 0).await.unwrap();
+    assert_eq!(cache.register(&blob).await.unwrap().chunk_size, chunk);
+    for (at, len) in [
+        (0, 1),
+        (chunk - 3, 6),
+        (5 * chunk, 3 * chunk + 17),
+        (size - 10, 100),
+    ] {
+        let got = cache.read(&blob, at, len).await.unwrap();
+        assert!(got[..] == bytes[at as usize..][..got.len()], "{at}+{len}");
+    }
+    cache.flush().await.unwrap();
+    // Chunks 0, 1, 5-8 and the last (999 bytes) in level 2.
+    let disk = cache.stats().disk.unwrap();
+    assert_eq!((disk.chunks, disk.bytes), (7, 6 * chunk + 4096), "{disk:?}");
+    assert!(
+        cache.pin_local(&blob).await.unwrap().is_none(),
+        "chunks missing"
+    );
+    let got = cache.read(&blob, 0, size).await.unwrap();
+    assert!(got[..] == bytes[..]);
+    cache.flush().await.unwrap();
+    assert_eq!(cache.stats().disk.unwrap().chunks, 41);
+    // Wholly cached: the level-2 file is the blob, byte for byte.
+    let pin = cache
+        .pin_local(&blob)
+        .await
+        .unwrap()
+        .expect("all in level 2");
+    assert_eq!((pin.len(), pin.shift()), (size, 16));
+    assert_eq!(pin.file().metadata().unwrap().len(), size);
+    assert!(pin.verify().unwrap());
+    let mut whole = vec![0u8; size as usize];
+    pin.file().read_exact_at(&mut whole, 0).unwrap();
+    assert!(whole == bytes);
+    drop(pin);
+    drop(cache);
+
+    // Reopened with nothing in memory: sequential reads are served from level 2, read ahead
+    // in runs of 64 KiB chunks.
+    let cache = open(dir.path(), 0, 8 * MIB).await.unwrap();
+    let mut out = Vec::new();
+    while (out.len() as u64) < size {
+        let b = cache
+            .read(&blob, out.len() as u64, 128 << 10)
+            .await
+            .unwrap();
+        out.extend_from_slice(&b);
+    }
+    assert!(out == bytes);
+    let s = cache.stats();
+    assert_eq!(s.bytes_fetched, 0, "{s:?}");
+    assert!(s.disk_readahead_hits > 0, "{s:?}");
+    drop(cache);
+
+    // Warmed from cold (two chunks already in level 1), then pinned and held.
+    let cold = tempfile::tempdir().unwrap();
+    let cache = open(cold.path(), MIB, 0).await.unwrap();
+    cache.read(&blob, 3 * chunk, 2 * chunk).await.unwrap();
+    let before = cache.stats().bytes_fetched;
+    assert!(cache.warm_local(&blob).await.unwrap());
+    assert_eq!(cache.stats().bytes_fetched - before, size - 2 * chunk);
+    let token = cold.path().join("token");
+    std::fs::write(&token, b"").unwrap();
+    let pin = cache
+        .pin_local_held(&blob, token)
+        .await
+        .unwrap()
+        .expect("warmed");
+    let mut whole = vec![0u8; size as usize];
+    pin.file().read_exact_at(&mut whole, 0).unwrap();
+    assert!(whole == bytes);
+}

@@ -5,6 +5,10 @@
 mod damage;
 use damage::flip;
 
+#[path = "common/disk.rs"]
+mod disk;
+use disk::*;
+
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -13,107 +17,20 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fs_cache::chunk::disk::{DiskCache, DiskCacheConfig};
-use fs_cache::chunk::{ChunkId, CHUNK_SIZE};
-use fs_cache::Digest;
-
-const KIB: u64 = 1 << 10;
-const MIB: u64 = 1 << 20;
-
-fn id(seed: &str, index: u64) -> ChunkId {
-    ChunkId {
-        blob: Digest::of(seed.as_bytes()),
-        index,
-    }
-}
-
-/// The bytes of a chunk, derived from its id only (so a fresh process can check them).
-fn content(id: &ChunkId, len: u64) -> Vec<u8> {
-    let mut hasher = blake3::Hasher::new();
-    hasher.update(&id.blob.0);
-    hasher.update(&id.index.to_le_bytes());
-    let mut out = vec![0u8; len as usize];
-    hasher.finalize_xof().fill(&mut out);
-    out
-}
-
-fn open(dir: &Path, capacity: u64) -> DiskCache {
-    match DiskCache::open(DiskCacheConfig {
-        dir: dir.to_path_buf(),
-        capacity,
-    }) {
-        Ok(c) => c,
-        Err(e) => panic!("open {}: {e}", dir.display()),
-    }
-}
-
-fn blob_file(dir: &Path, id: &ChunkId) -> PathBuf {
-    let hex = id.blob.to_hex();
-    dir.join("blobs").join(&hex[..2]).join(hex)
-}
-
-/// Whether the chunk's range of its blob file holds any data (not a hole).
-fn chunk_has_data(dir: &Path, id: &ChunkId) -> bool {
-    let Ok(f) = fs::File::open(blob_file(dir, id)) else {
-        return false;
-    };
-    let at = id.index * CHUNK_SIZE;
-    match rustix::fs::seek(&f, rustix::fs::SeekFrom::Data(at)) {
-        Ok(d) => d < at + CHUNK_SIZE,
-        Err(_) => false,
-    }
-}
-
-#[derive(Debug, Default)]
-struct Usage {
-    /// Bytes of blocks allocated to blob files.
-    bytes: u64,
-    files: u64,
-}
-
-/// Bytes a chunk of `len` bytes takes on disk: its blocks.
-fn on_disk(len: u64) -> u64 {
-    len.next_multiple_of(4096)
-}
-
-/// Blocks a filesystem may add for a sparse file's extent tree, per blob file.
-const EXTENT_SLACK: u64 = 64 * KIB;
-
-/// Walk `dir/blobs` (tolerating files that vanish during the walk).
-fn usage(dir: &Path) -> Usage {
-    use std::os::unix::fs::MetadataExt;
-    let mut u = Usage::default();
-    let Ok(shards) = fs::read_dir(dir.join("blobs")) else {
-        return u;
-    };
-    for shard in shards.flatten() {
-        let Ok(files) = fs::read_dir(shard.path()) else {
-            continue;
-        };
-        for f in files.flatten() {
-            let Ok(meta) = f.metadata() else { continue };
-            u.bytes += meta.blocks() * 512;
-            u.files += 1;
-        }
-    }
-    u
-}
-
-/// On-disk usage matches the index: at least the indexed bytes, at most those plus extent
-/// tree blocks.
-fn assert_usage_matches(u: &Usage, bytes: u64, files: u64, what: &str) {
-    assert_eq!(u.files, files, "{what}: {u:?}");
-    assert!(
-        u.bytes >= bytes && u.bytes <= bytes + files * EXTENT_SLACK,
-        "{what}: {u:?} vs {bytes} indexed bytes"
-    );
-}
+use fs_cache::chunk::{ChunkId, CHUNK_SIZE, MAX_DISK_CHUNK_SHIFT};
 
 #[test]
 fn round_trip_and_restart_keep_entries_and_lru_order() {
+    // 64 KiB chunks of a 256 KiB-chunk blob, whole 64 KiB chunks, whole 16 KiB chunks.
+    round_trip(MAX_DISK_CHUNK_SHIFT, 64 * KIB);
+    round_trip(16, 64 * KIB);
+    round_trip(14, 16 * KIB);
+}
+
+fn round_trip(shift: u8, len: u64) {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("cache");
-    let len = 64 * KIB;
-    let ids: Vec<ChunkId> = (0..5).map(|i| id("restart", i)).collect();
+    let ids: Vec<ChunkId> = (0..5).map(|i| id_at("restart", shift, i)).collect();
     {
         let cache = open(&dir, 4 * on_disk(len));
         assert_eq!(cache.get(&ids[0]).unwrap(), None);
@@ -124,9 +41,14 @@ fn round_trip_and_restart_keep_entries_and_lru_order() {
             assert!(cache.contains(c));
             assert_eq!(cache.get(c).unwrap().unwrap(), content(c, len));
         }
-        // A chunk larger than CHUNK_SIZE is refused; an empty one is fine.
-        let big = vec![0u8; CHUNK_SIZE as usize + 1];
-        assert!(cache.put(&id("big", 0), &big).is_err());
+        // A chunk larger than its chunk size is refused, and so is a shift level 2 does
+        // not keep.
+        let big = vec![0u8; (1 << shift) + 1];
+        assert!(cache.put(&id_at("big", shift, 0), &big).is_err());
+        assert!(cache.put(&id_at("big", 11, 0), &[1; 10]).is_err());
+        assert!(cache.put(&id_at("big", 19, 0), &[1; 10]).is_err());
+        // Under another chunking, the chunks are not these.
+        assert!(!cache.contains(&id_at("restart", shift - 1, 0)));
         let s = cache.stats();
         assert_eq!(
             (s.bytes, s.chunks, s.capacity),
@@ -166,6 +88,7 @@ fn round_trip_and_restart_keep_entries_and_lru_order() {
     let s = cache.stats();
     assert_eq!((s.bytes, s.chunks, s.evictions), (2 * on_disk(len), 2, 3));
     assert!(cache.contains(&ids[0]) && cache.contains(&ids[4]));
+    assert!(chunk_has_data(&dir, &ids[0]) && chunk_has_data(&dir, &ids[4]));
     assert_usage_matches(&usage(&dir), 2 * on_disk(len), 1, "after shrinking");
     // A second owner of the directory is refused while the first is open.
     let second = DiskCache::open(DiskCacheConfig {
@@ -177,23 +100,29 @@ fn round_trip_and_restart_keep_entries_and_lru_order() {
 
 #[test]
 fn a_batch_put_indexes_every_chunk_once_and_survives_a_restart() {
+    batch_put(MAX_DISK_CHUNK_SHIFT);
+    batch_put(16);
+}
+
+fn batch_put(shift: u8) {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("cache");
-    let (a, b) = (id("batch-a", 0), id("batch-b", 0));
+    let chunk = 1u64 << shift;
+    let (a, b) = (id_at("batch-a", shift, 0), id_at("batch-b", shift, 0));
     let ids: Vec<ChunkId> = (0..6)
         .map(|i| {
             if i % 2 == 0 {
-                id("batch-a", i)
+                id_at("batch-a", shift, i)
             } else {
-                id("batch-b", i)
+                id_at("batch-b", shift, i)
             }
         })
         .collect();
-    let lens = |c: &ChunkId| if c.index == 5 { 1000 } else { CHUNK_SIZE };
+    let lens = |c: &ChunkId| if c.index == 5 { 1000 } else { chunk };
     {
         let cache = open(&dir, 64 * MIB);
         // One chunk cached before: the batch only marks it used.
-        cache.put(&a, &content(&a, CHUNK_SIZE)).unwrap();
+        cache.put(&a, &content(&a, chunk)).unwrap();
         let data: Vec<Vec<u8>> = ids.iter().map(|c| content(c, lens(c))).collect();
         // Every chunk of the batch, one of them twice, across two blob files.
         let mut batch: Vec<(ChunkId, &[u8])> = ids
@@ -204,15 +133,17 @@ fn a_batch_put_indexes_every_chunk_once_and_survives_a_restart() {
         batch.push((ids[3], &data[3][..]));
         cache.put_many(&batch).unwrap();
         let s = cache.stats();
-        let bytes = 5 * CHUNK_SIZE + on_disk(1000);
+        let bytes = 5 * chunk + on_disk(1000);
         assert_eq!((s.chunks, s.bytes), (6, bytes), "{s:?}");
         for c in &ids {
             assert_eq!(cache.get(c).unwrap().unwrap(), content(c, lens(c)), "{c:?}");
+            assert!(chunk_has_data(&dir, c), "{c:?} in its slot");
         }
         // A chunk over the chunk size fails the whole batch before anything is written.
-        let big = vec![7u8; CHUNK_SIZE as usize + 1];
-        let fresh = content(&b, CHUNK_SIZE);
-        let bad: Vec<(ChunkId, &[u8])> = vec![(b, &fresh[..]), (id("batch-b", 9), &big[..])];
+        let big = vec![7u8; chunk as usize + 1];
+        let fresh = content(&b, chunk);
+        let bad: Vec<(ChunkId, &[u8])> =
+            vec![(b, &fresh[..]), (id_at("batch-b", shift, 9), &big[..])];
         assert!(cache.put_many(&bad).is_err());
         assert!(!cache.contains(&b) && !chunk_has_data(&dir, &b));
         assert_eq!(cache.stats().chunks, 6);
@@ -231,12 +162,7 @@ fn a_batch_put_indexes_every_chunk_once_and_survives_a_restart() {
             "after reopen: {c:?}"
         );
     }
-    assert_usage_matches(
-        &usage(&dir),
-        5 * CHUNK_SIZE + on_disk(1000),
-        2,
-        "after reopen",
-    );
+    assert_usage_matches(&usage(&dir), 5 * chunk + on_disk(1000), 2, "after reopen");
 }
 
 #[test]
@@ -835,43 +761,58 @@ fn ranged_reads_check_only_their_blocks_and_catch_damage() {
 
 #[test]
 fn a_pinned_blob_is_the_blob_and_is_not_evicted() {
+    pinned_blob(MAX_DISK_CHUNK_SHIFT);
+    pinned_blob(16);
+    pinned_blob(14);
+}
+
+fn pinned_blob(shift: u8) {
     use std::os::unix::fs::FileExt;
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("cache");
-    let capacity = 4 * CHUNK_SIZE;
+    let chunk = 1u64 << shift;
+    let capacity = 4 * chunk;
     let cache = Arc::new(open(&dir, capacity));
     // A blob of 2 chunks and a 1000-byte tail.
     let chunks: Vec<(ChunkId, u64)> = (0..3)
-        .map(|i| (id("pinned", i), if i < 2 { CHUNK_SIZE } else { 1000 }))
+        .map(|i| (id_at("pinned", shift, i), if i < 2 { chunk } else { 1000 }))
         .collect();
     let blob = chunks[0].0.blob;
     for (c, len) in &chunks[..2] {
         cache.put(c, &content(c, *len)).unwrap();
     }
     assert!(
-        cache.pin_blob(&blob, 3, 1000).unwrap().is_none(),
+        cache.pin_blob(&blob, shift, 3, 1000).unwrap().is_none(),
         "a chunk is missing"
     );
     cache
         .put(&chunks[2].0, &content(&chunks[2].0, 1000))
         .unwrap();
     assert!(
-        cache.pin_blob(&blob, 3, 999).unwrap().is_none(),
+        cache.pin_blob(&blob, shift, 3, 999).unwrap().is_none(),
         "wrong tail size"
     );
-    let pin = cache.pin_blob(&blob, 3, 1000).unwrap().unwrap();
-    assert_eq!(pin.len(), 2 * CHUNK_SIZE + 1000);
+    assert!(
+        cache.pin_blob(&blob, shift - 1, 3, 1000).unwrap().is_none(),
+        "another chunking"
+    );
+    assert!(cache.pin_blob(&blob, 19, 3, 1000).is_err());
+    let pin = cache.pin_blob(&blob, shift, 3, 1000).unwrap().unwrap();
+    assert_eq!((pin.len(), pin.shift()), (2 * chunk + 1000, shift));
     assert!(pin.verify().unwrap());
+    // The file is the blob, byte for byte.
+    let blob_bytes: Vec<u8> = chunks
+        .iter()
+        .flat_map(|(c, len)| content(c, *len))
+        .collect();
+    assert_eq!(pin.file().metadata().unwrap().len(), pin.len());
     let mut whole = vec![0u8; pin.len() as usize];
     pin.file().read_exact_at(&mut whole, 0).unwrap();
-    for (c, len) in &chunks {
-        let at = (c.index * CHUNK_SIZE) as usize;
-        assert_eq!(&whole[at..at + *len as usize], &content(c, *len)[..]);
-    }
+    assert!(whole == blob_bytes);
     // Fill past the capacity: the pinned chunks stay, others go.
     for i in 0..8 {
-        let c = id("pinned-other", i);
-        cache.put(&c, &content(&c, CHUNK_SIZE)).unwrap();
+        let c = id_at("pinned-other", shift, i);
+        cache.put(&c, &content(&c, chunk)).unwrap();
         assert!(cache.stats().bytes <= capacity);
     }
     assert!(chunks.iter().all(|(c, _)| cache.contains(c)));
@@ -883,10 +824,10 @@ fn a_pinned_blob_is_the_blob_and_is_not_evicted() {
     assert!(!chunk_has_data(&dir, &chunks[0].0));
     // Damage found by verify: false, and the chunk dropped.
     cache
-        .put(&chunks[0].0, &content(&chunks[0].0, CHUNK_SIZE))
+        .put(&chunks[0].0, &content(&chunks[0].0, chunk))
         .unwrap();
-    let pin = cache.pin_blob(&blob, 3, 1000).unwrap().unwrap();
-    flip(&blob_file(&dir, &chunks[1].0), CHUNK_SIZE + 5, 4);
+    let pin = cache.pin_blob(&blob, shift, 3, 1000).unwrap().unwrap();
+    flip(&blob_file(&dir, &chunks[1].0), chunk + 5, 4);
     assert!(!pin.verify().unwrap());
     drop(pin);
     assert!(!cache.contains(&chunks[1].0));
@@ -895,40 +836,56 @@ fn a_pinned_blob_is_the_blob_and_is_not_evicted() {
 
 #[test]
 fn verifying_a_large_pinned_blob_reads_every_chunk_and_finds_damage_anywhere() {
+    verify_large(MAX_DISK_CHUNK_SHIFT);
+    verify_large(16);
+}
+
+fn verify_large(shift: u8) {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("cache");
     let cache = Arc::new(open(&dir, 64 * MIB));
-    // 37 chunks (more than the verifier's readers take in one round), a short last one.
-    let n = 37u64;
-    let size = |i: u64| if i + 1 == n { 4097 } else { CHUNK_SIZE };
+    let chunk = 1u64 << shift;
+    // 9.25 MiB in chunks (more than the verifier's readers take in one round: 4 runs of
+    // 2 MiB), a short last one.
+    let n = 37 * (CHUNK_SIZE >> shift);
+    let id = |i| id_at("verify-large", shift, i);
+    let size = |i: u64| if i + 1 == n { 4097 } else { chunk };
     for i in 0..n {
-        let c = id("verify-large", i);
+        let c = id(i);
         cache.put(&c, &content(&c, size(i))).unwrap();
     }
-    let blob = id("verify-large", 0).blob;
-    let pin = cache.pin_blob(&blob, n, size(n - 1)).unwrap().unwrap();
+    let blob = id(0).blob;
+    let pin = cache
+        .pin_blob(&blob, shift, n, size(n - 1))
+        .unwrap()
+        .unwrap();
     assert!(pin.verify().unwrap());
     assert_eq!(cache.stats().dropped_corrupt, 0);
     drop(pin);
     // One flipped bit in the short last chunk, then in a chunk in the middle.
-    for damaged in [n - 1, 19] {
-        let pin = cache.pin_blob(&blob, n, size(n - 1)).unwrap().unwrap();
-        flip(
-            &blob_file(&dir, &id("verify-large", damaged)),
-            damaged * CHUNK_SIZE + 4096,
-            1,
-        );
+    for damaged in [n - 1, n / 2 + 1] {
+        let pin = cache
+            .pin_blob(&blob, shift, n, size(n - 1))
+            .unwrap()
+            .unwrap();
+        flip(&blob_file(&dir, &id(damaged)), damaged * chunk + 4096, 1);
         assert!(
             !pin.verify().unwrap(),
             "damage in chunk {damaged} was found"
         );
         drop(pin);
-        assert!(!cache.contains(&id("verify-large", damaged)));
-        assert!(cache.pin_blob(&blob, n, size(n - 1)).unwrap().is_none());
-        let c = id("verify-large", damaged);
+        assert!(!cache.contains(&id(damaged)));
+        assert!(cache
+            .pin_blob(&blob, shift, n, size(n - 1))
+            .unwrap()
+            .is_none());
+        let c = id(damaged);
         cache.put(&c, &content(&c, size(damaged))).unwrap();
     }
-    let pin = cache.pin_blob(&blob, n, size(n - 1)).unwrap().unwrap();
+    let pin = cache
+        .pin_blob(&blob, shift, n, size(n - 1))
+        .unwrap()
+        .unwrap();
     assert!(pin.verify().unwrap());
     assert_eq!(cache.stats().dropped_corrupt, 2);
 }
@@ -958,9 +915,15 @@ fn hold_child() {
     let blob = id("held", 0).blob;
     // Two pins of the blob under the same token (a blob pinned again while an earlier pin is
     // still read): dropping the first must not take the second's hold with it.
-    let mut first = cache.pin_blob(&blob, HELD, CHUNK_SIZE).unwrap().unwrap();
+    let mut first = cache
+        .pin_blob(&blob, MAX_DISK_CHUNK_SHIFT, HELD, CHUNK_SIZE)
+        .unwrap()
+        .unwrap();
     first.hold(Path::new(&token)).unwrap();
-    let mut pin = cache.pin_blob(&blob, HELD, CHUNK_SIZE).unwrap().unwrap();
+    let mut pin = cache
+        .pin_blob(&blob, MAX_DISK_CHUNK_SHIFT, HELD, CHUNK_SIZE)
+        .unwrap()
+        .unwrap();
     pin.hold(Path::new(&token).parent().unwrap()).unwrap();
     pin.hold(Path::new(&token)).unwrap();
     drop(first);
@@ -1089,7 +1052,7 @@ fn a_hold_outlives_its_process_while_its_token_exists() {
     let cache = Arc::new(open(&dir, 64 * MIB));
     fill_with(&cache, "held", HELD);
     let mut pin = cache
-        .pin_blob(&held[0].blob, HELD, CHUNK_SIZE)
+        .pin_blob(&held[0].blob, MAX_DISK_CHUNK_SHIFT, HELD, CHUNK_SIZE)
         .unwrap()
         .unwrap();
     pin.hold(&token).unwrap();
@@ -1121,7 +1084,9 @@ fn direct_run_reads_return_checked_chunks_and_drop_damaged_ones() {
         }
     }
     let blob = id(seed, 0).blob;
-    let got = cache.read_chunks_direct(&blob, 0..8).unwrap();
+    let got = cache
+        .read_chunks_direct(&blob, MAX_DISK_CHUNK_SHIFT, 0..8)
+        .unwrap();
     let indexes: Vec<u64> = got.iter().map(|(i, _)| *i).collect();
     assert_eq!(indexes, [0, 1, 2, 4, 5]);
     for (i, bytes) in &got {
@@ -1134,15 +1099,20 @@ fn direct_run_reads_return_checked_chunks_and_drop_damaged_ones() {
     }
     // Nothing of another blob, and an empty range.
     assert!(cache
-        .read_chunks_direct(&id("other", 0).blob, 0..4)
+        .read_chunks_direct(&id("other", 0).blob, MAX_DISK_CHUNK_SHIFT, 0..4)
         .unwrap()
         .is_empty());
-    assert!(cache.read_chunks_direct(&blob, 3..4).unwrap().is_empty());
+    assert!(cache
+        .read_chunks_direct(&blob, MAX_DISK_CHUNK_SHIFT, 3..4)
+        .unwrap()
+        .is_empty());
 
     // A flipped bit in chunk 1: left out and dropped (counted), its neighbours still served.
     let path = blob_file(&dir, &id(seed, 0));
     flip(&path, CHUNK_SIZE + 12_345, 2);
-    let got = cache.read_chunks_direct(&blob, 0..3).unwrap();
+    let got = cache
+        .read_chunks_direct(&blob, MAX_DISK_CHUNK_SHIFT, 0..3)
+        .unwrap();
     assert_eq!(got.iter().map(|(i, _)| *i).collect::<Vec<_>>(), [0, 2]);
     assert!(!cache.contains(&id(seed, 1)));
     assert_eq!(cache.stats().dropped_corrupt, 1);
@@ -1158,7 +1128,9 @@ fn direct_run_reads_return_checked_chunks_and_drop_damaged_ones() {
         .unwrap()
         .set_len(4 * CHUNK_SIZE + 100)
         .unwrap();
-    let got = cache.read_chunks_direct(&blob, 4..6).unwrap();
+    let got = cache
+        .read_chunks_direct(&blob, MAX_DISK_CHUNK_SHIFT, 4..6)
+        .unwrap();
     assert!(
         got.is_empty(),
         "{:?}",

@@ -16,9 +16,10 @@
 //!    is not requested again: the reader waits for that request and shares its result or error.
 //! 4. Every fetched chunk is verified before it enters either level (level 2 in the
 //!    background: queued, and written by at most `DISK_WRITERS` threads in batches of up to
-//!    `DISK_BATCH` chunks with one `fdatasync` per blob file, [`DiskCache::put_many`]; a
-//!    reader never waits for it; a blob whose table has chunks larger than
-//!    [`CHUNK_SIZE`](super::CHUNK_SIZE) stays in level 1): a compressed chunk is decoded
+//!    [`DISK_BATCH_BYTES`] with one `fdatasync` per blob file, [`DiskCache::put_many`]; a
+//!    reader never waits for it; a blob whose table has chunks larger than 256 KiB
+//!    ([`MAX_DISK_CHUNK_SHIFT`](super::MAX_DISK_CHUNK_SHIFT)) stays in level 1): a
+//!    compressed chunk is decoded
 //!    first, into a buffer of exactly its plain length ([`super::codec`]), and a frame that
 //!    fails to decode or decodes to another length counts as a mismatch; both levels hold
 //!    plain chunks only. A mismatch is retried once with a request for that chunk alone,
@@ -35,6 +36,12 @@
 //!    priority, and level-2 readahead of the next `disk_readahead_bytes` (the cached chunks'
 //!    pages are read ahead, so that a sequential reader of level 2 keeps the disk busy); each
 //!    window at most twice what the stream asked for so far.
+//!
+//! A chunk is known by its blob, index and the blob's chunk size ([`ChunkId::shift`], from the
+//! table): the same blob read under two chunk tables (a table replaced, a blob stored again
+//! with another chunk size) never gets a chunk of one chunking served for the other, from
+//! either level. Budgets of chunks (level-2 runs and batches, pending writes) are in bytes, so
+//! that smaller chunks do not shrink them.
 //!
 //! Fetches run in their own tasks, so a reader that gives up (a cancelled future) never leaves
 //! other readers waiting on a request nobody finishes. Prefetches wait while any demand fetch
@@ -251,19 +258,46 @@ const STREAM_MIN_BYTES: u64 = 1 << 20;
 
 /// The staging area holds this many `disk_readahead_bytes` windows (several streams at once).
 const STAGED_WINDOWS: u64 = 4;
-/// Chunks per level-2 readahead read (2 MiB): a window is read as several such runs at once.
-const DISK_RUN_CHUNKS: u64 = 8;
+/// Bytes per level-2 readahead read (a whole number of chunks, at least one): a window is read
+/// as several such runs at once. 8 chunks of 256 KiB.
+pub const DISK_RUN_BYTES: u64 = 2 << 20;
 
-/// Fetched chunks waiting to be written to level 2 in the background; past this, new chunks
-/// are served but not kept on disk (and counted). 64 MiB of chunks, most of them shared with
-/// level 1: with 64 (16 MiB), a cold read of every file of a plain 780 MB layer at 500-700
-/// MB/s left 156-311 chunks out of level 2 (`cargo bench -p bench --bench peers`), so the
-/// layer was not wholly local at its next mount.
-const MAX_PENDING_DISK_WRITES: usize = 256;
+/// Bytes of fetched chunks waiting to be written to level 2 in the background; past this, new
+/// chunks are served but not kept on disk (and counted). 64 MiB, most of it shared with
+/// level 1: with 16 MiB, a cold read of every file of a plain 780 MB layer at 500-700 MB/s
+/// left 156-311 chunks of 256 KiB out of level 2 (`cargo bench -p bench --bench peers`), so
+/// the layer was not wholly local at its next mount.
+pub const MAX_PENDING_DISK_BYTES: u64 = 64 << 20;
+/// The unit of the pending-write permits: a chunk takes one per 4 KiB (at least one).
+const PENDING_UNIT: u64 = 4096;
+/// All the pending-write permits.
+const PENDING_PERMITS: u32 = (MAX_PENDING_DISK_BYTES / PENDING_UNIT) as u32;
+const _: () = assert!(MAX_PENDING_DISK_BYTES / PENDING_UNIT <= Semaphore::MAX_PERMITS as u64);
 /// Level-2 writers at once: while one syncs its batch, the other writes the next.
 const DISK_WRITERS: usize = 2;
-/// Chunks per level-2 write batch (16 MiB of full chunks).
-const DISK_BATCH: usize = 64;
+/// Bytes per level-2 write batch (one chunk at least): 64 chunks of 256 KiB.
+pub const DISK_BATCH_BYTES: u64 = 16 << 20;
+
+/// The log2 of a table's chunk size: part of its chunks' identity ([`ChunkId::shift`]). A
+/// decoded table's chunk size is a power of two (`table.rs`).
+fn shift_of(table: &ChunkTable) -> u8 {
+    table.chunk_size.trailing_zeros() as u8
+}
+
+/// The shift of a table whose chunks level 2 keeps (4 KiB ..= 256 KiB, a power of two).
+fn disk_shift(table: &ChunkTable) -> Option<u8> {
+    let shift = shift_of(table);
+    (table.chunk_size.is_power_of_two()
+        && (super::MIN_CHUNK_SHIFT..=super::MAX_DISK_CHUNK_SHIFT).contains(&shift))
+    .then_some(shift)
+}
+
+/// The pending-write permits of a chunk of `len` bytes.
+fn pending_permits(len: usize) -> u32 {
+    (len as u64)
+        .div_ceil(PENDING_UNIT)
+        .clamp(1, u64::from(PENDING_PERMITS)) as u32
+}
 /// Bytes per run of [`ChunkCache::warm_local`] (one backend request).
 pub const WARM_RUN_BYTES: u64 = 4 << 20;
 /// Runs of [`ChunkCache::warm_local`] in flight.
@@ -369,7 +403,7 @@ impl ChunkCache {
                 inflight: Mutex::new(HashMap::new()),
                 sequential: Mutex::new(HashMap::new()),
                 staging,
-                disk_writes: Arc::new(Semaphore::new(MAX_PENDING_DISK_WRITES)),
+                disk_writes: Arc::new(Semaphore::new(PENDING_PERMITS as usize)),
                 disk_queue: Mutex::new(Vec::new()),
                 disk_writers: AtomicUsize::new(0),
                 counters: Counters::default(),
@@ -407,23 +441,24 @@ impl ChunkCache {
     /// If every chunk of `blob` is in level 2, pin them there and return the pin, whose file
     /// holds exactly the blob's bytes for as long as it lives (for FUSE passthrough: the
     /// kernel then reads a local file). `None` when a chunk is missing, when there is no level
-    /// 2, or when the blob's chunks are not [`CHUNK_SIZE`](super::CHUNK_SIZE) (its file would
-    /// not be the blob). Reads of the pinned file are not checked block by block; call
+    /// 2, or when the blob's chunks are larger than 256 KiB (level 2 does not keep them). Reads of the pinned file are not checked block by block; call
     /// [`BlobPin::verify`] once to check all of it.
     pub async fn pin_local(&self, blob: &Digest) -> Result<Option<BlobPin>> {
         let table = self.register(blob).await?;
         let Some(disk) = self.inner.disk.clone() else {
             return Ok(None);
         };
-        if table.chunk_size != super::CHUNK_SIZE || table.blob_size == 0 {
+        let Some(shift) = disk_shift(&table).filter(|_| table.blob_size > 0) else {
             return Ok(None);
-        }
+        };
         let chunks = table.chunk_count();
         let last = table.chunk_range(chunks - 1);
         let blob = *blob;
-        tokio::task::spawn_blocking(move || disk.pin_blob(&blob, chunks, last.end - last.start))
-            .await
-            .map_err(|e| Error::io("pin", "disk cache", std::io::Error::other(e)))?
+        tokio::task::spawn_blocking(move || {
+            disk.pin_blob(&blob, shift, chunks, last.end - last.start)
+        })
+        .await
+        .map_err(|e| Error::io("pin", "disk cache", std::io::Error::other(e)))?
     }
 
     /// [`Self::pin_local`] for a reader that will not go through the cache (a kernel mount):
@@ -452,19 +487,19 @@ impl ChunkCache {
     /// time. Unlike readahead, no write to level 2 is skipped for lack of pending-write
     /// slots: this waits for each. Fetched chunks also pass through level 1, as any fetch.
     /// Returns whether every chunk is in level 2 at the end (`false` without a level 2, for a
-    /// blob whose chunks are not [`CHUNK_SIZE`](super::CHUNK_SIZE) — level 2 keeps only
-    /// those — or when level 2 is too small to keep them all).
+    /// blob whose chunks are larger than 256 KiB — level 2 does not keep those — or when
+    /// level 2 is too small to keep them all).
     pub async fn warm_local(&self, blob: &Digest) -> Result<bool> {
         let table = self.register(blob).await?;
         let Some(disk) = self.inner.disk.clone() else {
             return Ok(false);
         };
-        if table.chunk_size != super::CHUNK_SIZE {
+        let Some(shift) = disk_shift(&table) else {
             return Ok(false);
-        }
+        };
         let run_chunks = (WARM_RUN_BYTES / table.chunk_size).max(1) as usize;
         let blob = *blob;
-        let id = move |index| ChunkId { blob, index };
+        let id = move |index| ChunkId { blob, shift, index };
         let chunks = table.chunk_count();
         let mut runs: Vec<Vec<u64>> = Vec::new();
         for index in (0..chunks).filter(|&i| !disk.contains(&id(i))) {
@@ -507,12 +542,7 @@ impl ChunkCache {
             .await?;
         // A fetched chunk may also have been handed to a background level-2 write, which
         // the put above then left alone (already being put): wait for those.
-        drop(
-            self.inner
-                .disk_writes
-                .acquire_many(MAX_PENDING_DISK_WRITES as u32)
-                .await,
-        );
+        drop(self.inner.disk_writes.acquire_many(PENDING_PERMITS).await);
         Ok((0..chunks).all(|i| disk.contains(&id(i))))
     }
 
@@ -653,8 +683,10 @@ impl ChunkCache {
                 let _ = inner.warm(&t, ra, Priority::Readahead).await;
             });
         }
-        if let (Some(ra), Some(disk)) = (disk_ahead, self.inner.disk.clone()) {
-            self.inner.stage(&disk, table.blob, ra);
+        if let (Some(ra), Some(disk), Some(shift)) =
+            (disk_ahead, self.inner.disk.clone(), disk_shift(&table))
+        {
+            self.inner.stage(&disk, table.blob, shift, ra);
         }
 
         let parts = self
@@ -762,7 +794,7 @@ impl ChunkCache {
         let all = self
             .inner
             .disk_writes
-            .acquire_many(MAX_PENDING_DISK_WRITES as u32)
+            .acquire_many(PENDING_PERMITS)
             .await
             .ok();
         drop(all);
@@ -823,15 +855,17 @@ impl Inner {
         }
     }
 
-    /// Read `chunks` of `blob` from level 2 into the staging area ([`Staging`]), in the
-    /// background: runs of [`DISK_RUN_CHUNKS`], each claimed now (readers of its chunks wait
-    /// for it) and read on a blocking thread, so that a window's runs are in flight at once.
-    fn stage(self: &Arc<Self>, disk: &Arc<DiskCache>, blob: Digest, chunks: Range<u64>) {
+    /// Read `chunks` of `blob` (chunks of `1 << shift` bytes) from level 2 into the staging
+    /// area ([`Staging`]), in the background: runs of [`DISK_RUN_BYTES`], each claimed now
+    /// (readers of its chunks wait for it) and read on a blocking thread, so that a window's
+    /// runs are in flight at once.
+    fn stage(self: &Arc<Self>, disk: &Arc<DiskCache>, blob: Digest, shift: u8, chunks: Range<u64>) {
+        let run_chunks = (DISK_RUN_BYTES >> shift).max(1);
         let mut at = chunks.start;
         while at < chunks.end {
-            let run = at..(at + DISK_RUN_CHUNKS).min(chunks.end);
+            let run = at..(at + run_chunks).min(chunks.end);
             at = run.end;
-            let ids = run.map(|index| ChunkId { blob, index });
+            let ids = run.map(|index| ChunkId { blob, shift, index });
             // Chunks in memory need no read; chunks not on local disk cannot be read ahead.
             let skip = |id: &ChunkId| lock(&self.memory).lru.contains(id) || !disk.contains(id);
             let Some(claim) = self.staging.claim(ids, skip) else {
@@ -840,12 +874,12 @@ impl Inner {
             let (inner, disk) = (self.clone(), disk.clone());
             tokio::task::spawn_blocking(move || {
                 let indexes = claim.ids().iter().map(|id| id.index);
-                match disk.read_chunks_direct(&blob, indexes) {
+                match disk.read_chunks_direct(&blob, shift, indexes) {
                     Ok(read) => {
                         add(&inner.counters.disk_readahead_chunks, read.len() as u64);
                         claim.fill(
                             read.into_iter()
-                                .map(|(index, b)| (ChunkId { blob, index }, b))
+                                .map(|(index, b)| (ChunkId { blob, shift, index }, b))
                                 .collect(),
                         );
                     }
@@ -883,8 +917,10 @@ impl Inner {
     ) -> Result<Vec<Bytes>> {
         let n = (range.end - range.start) as usize;
         let mut parts: Vec<Option<Bytes>> = vec![None; n];
+        let shift = shift_of(table);
         let id = |i: u64| ChunkId {
             blob: table.blob,
+            shift,
             index: i,
         };
         let mut missing = Vec::new();
@@ -910,16 +946,16 @@ impl Inner {
             // A caller on a thread that may block (a FUSE worker) reads at once; others try
             // first without waiting for the disk (page-cache hits cost no thread hand-off),
             // then, for what was not in the page cache, on a thread that may block.
-            let mut outcomes = disk_reads(&disk, table.blob, wanted.clone(), !io.may_block());
+            let mut outcomes = disk_reads(&disk, id(0), wanted.clone(), !io.may_block());
             let blocked: Vec<(u64, Range<u64>)> = outcomes
                 .iter()
                 .filter(|(_, _, r)| matches!(r, Ok(RangeRead::WouldBlock)))
                 .map(|(i, p, _)| (*i, p.clone()))
                 .collect();
             if !blocked.is_empty() {
-                let (d, blob) = (disk.clone(), table.blob);
+                let (d, first) = (disk.clone(), id(0));
                 let more =
-                    tokio::task::spawn_blocking(move || disk_reads(&d, blob, blocked, false))
+                    tokio::task::spawn_blocking(move || disk_reads(&d, first, blocked, false))
                         .await
                         .map_err(|e| Error::io("read", "disk cache", std::io::Error::other(e)))?;
                 outcomes.retain(|(_, _, r)| !matches!(r, Ok(RangeRead::WouldBlock)));
@@ -983,11 +1019,13 @@ impl Inner {
         chunks: impl IntoIterator<Item = u64>,
         priority: Priority,
     ) -> Result<u64> {
+        let shift = shift_of(table);
         let missing: Vec<u64> = chunks
             .into_iter()
             .filter(|&i| {
                 let cid = ChunkId {
                     blob: table.blob,
+                    shift,
                     index: i,
                 };
                 !lock(&self.memory).lru.contains(&cid)
@@ -1008,8 +1046,10 @@ impl Inner {
         missing: &[u64],
         priority: Priority,
     ) -> Result<Vec<Bytes>> {
+        let shift = shift_of(table);
         let id = |i: u64| ChunkId {
             blob: table.blob,
+            shift,
             index: i,
         };
         // Join fetches in flight (raising their priority if this is a demand read); claim the
@@ -1203,6 +1243,7 @@ impl Inner {
             for (i, _) in &run {
                 inflight.remove(&ChunkId {
                     blob: table.blob,
+                    shift: shift_of(&table),
                     index: *i,
                 });
             }
@@ -1269,6 +1310,7 @@ impl Inner {
         };
         let id = ChunkId {
             blob: table.blob,
+            shift: shift_of(table),
             index,
         };
         // Own the bytes: a slice would pin the whole coalesced request in memory (a decoded
@@ -1279,19 +1321,17 @@ impl Inner {
             Bytes::copy_from_slice(&data)
         };
         self.memory_put(id, data.clone());
-        // Level 2 takes blobs of chunks of at most `CHUNK_SIZE` (its blob files place chunk
-        // `i` at `i × CHUNK_SIZE`): a blob whose table has larger chunks (the format allows up
-        // to 64 MiB) stays in level 1, and its chunks never reach a batch, which they would
+        // Level 2 takes blobs of chunks of at most 256 KiB (shift 18; its blob files place
+        // chunk `i` at `i << shift`): a blob whose table has larger chunks (the format allows
+        // up to 64 MiB) stays in level 1, and its chunks never reach a batch, which they would
         // fail whole, other blobs' chunks with them.
-        let disk = self
-            .disk
-            .clone()
-            .filter(|_| table.chunk_size <= super::CHUNK_SIZE);
+        let disk = self.disk.clone().filter(|_| disk_shift(table).is_some());
         if let Some(disk) = disk {
             // Readers get the chunk now; level 2 keeps it in the background (the disk cache
             // indexes a chunk only once its bytes are durable, so this never exposes a partial
-            // chunk). Past a bound on pending writes, the chunk is not kept on disk.
-            match self.disk_writes.clone().try_acquire_owned() {
+            // chunk). Past a bound on pending bytes, the chunk is not kept on disk.
+            let permits = pending_permits(data.len());
+            match self.disk_writes.clone().try_acquire_many_owned(permits) {
                 Ok(permit) => {
                     lock(&self.disk_queue).push((id, data.clone(), permit));
                     self.start_disk_writer(disk);
@@ -1302,8 +1342,8 @@ impl Inner {
         Ok(data)
     }
 
-    /// Start a level-2 writer unless [`DISK_WRITERS`] run already. A writer takes up to
-    /// [`DISK_BATCH`] queued chunks at a time and puts them as one batch (one `fdatasync` per
+    /// Start a level-2 writer unless [`DISK_WRITERS`] run already. A writer takes queued
+    /// chunks of up to [`DISK_BATCH_BYTES`] (one at least) at a time and puts them as one batch (one `fdatasync` per
     /// blob file, one index write: [`DiskCache::put_many`]) until the queue is empty; each
     /// chunk's pending-write permit goes once its batch is done.
     fn start_disk_writer(self: &Arc<Self>, disk: Arc<DiskCache>) {
@@ -1320,7 +1360,14 @@ impl Inner {
             let inner = &slot.inner;
             let batch: Vec<(ChunkId, Bytes, tokio::sync::OwnedSemaphorePermit)> = {
                 let mut q = lock(&inner.disk_queue);
-                let n = q.len().min(DISK_BATCH);
+                let mut bytes = 0;
+                let n = (q.iter())
+                    .take_while(|(_, b, _)| {
+                        let fits = bytes == 0 || bytes + b.len() as u64 <= DISK_BATCH_BYTES;
+                        bytes += b.len() as u64;
+                        fits
+                    })
+                    .count();
                 q.drain(..n).collect()
             };
             if batch.is_empty() {
@@ -1400,17 +1447,18 @@ impl Io {
     }
 }
 
-/// Level-2 reads of `wanted` (chunk index, range in the chunk) of `blob`.
+/// Level-2 reads of `wanted` (chunk index, range in the chunk) of the blob (and chunking) of
+/// `chunk`.
 fn disk_reads(
     disk: &DiskCache,
-    blob: Digest,
+    chunk: ChunkId,
     wanted: Vec<(u64, Range<u64>)>,
     nowait: bool,
 ) -> Vec<(u64, Range<u64>, Result<RangeRead>)> {
     wanted
         .into_iter()
         .map(|(i, p)| {
-            let r = disk.read_range(&ChunkId { blob, index: i }, p.clone(), nowait);
+            let r = disk.read_range(&ChunkId { index: i, ..chunk }, p.clone(), nowait);
             (i, p, r)
         })
         .collect()

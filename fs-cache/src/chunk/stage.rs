@@ -166,10 +166,7 @@ mod tests {
     use crate::store::Digest;
 
     fn id(index: u64) -> ChunkId {
-        ChunkId {
-            blob: Digest::of(b"blob"),
-            index,
-        }
+        ChunkId::new(Digest::of(b"blob"), 18, index)
     }
 
     #[tokio::test]

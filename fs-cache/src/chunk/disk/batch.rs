@@ -12,30 +12,54 @@
 use std::collections::HashMap;
 use std::sync::{Arc, PoisonError};
 
-use super::{block_sums, chunk_key, chunk_offset, cost, encode_entry, sums_key};
-use super::{ChunkId, DiskCache, Entry, PendingGuard, CHUNK_SIZE};
+use super::{block_sums, chunk_key, chunk_offset, cost, encode_entry, sums_key, valid_shift};
+use super::{BlobRefs, ChunkId, DiskCache, Entry, PendingGuard, MAX_DISK_CHUNK_SHIFT};
 use crate::error::{Error, Result};
 
 impl DiskCache {
     /// Cache several chunks (see [`DiskCache::put`], which is a batch of one): each durable on
     /// disk before any is indexed, one `fdatasync` per blob file and one index write for the
     /// batch. Chunks already cached (or being put) are only marked used; chunks that cannot
-    /// fit are not cached. A chunk larger than [`CHUNK_SIZE`] fails the whole batch before
-    /// anything is written; a write, sync or index failure leaves none of the batch's chunks
-    /// indexed (their bytes are punched out).
+    /// fit are not cached. A chunk larger than its chunk size (`1 << id.shift`), or of a
+    /// shift level 2 does not keep (outside 12 ..= 18), fails the whole batch before anything
+    /// is written; a write, sync or index failure leaves none of the batch's chunks indexed
+    /// (their bytes are punched out).
+    ///
+    /// A blob's chunks in level 2 share one shift. A chunk of a blob cached under another
+    /// shift first has the blob's old chunks removed; if one of those is in use (pinned, or
+    /// being put or removed), the chunk is not cached (counted in `shift_conflicts`). So is a
+    /// chunk of a blob that this batch also puts under an earlier-listed other shift.
     pub fn put_many(&self, chunks: &[(ChunkId, &[u8])]) -> Result<()> {
         for (id, data) in chunks {
             let size = data.len() as u64;
-            if size > CHUNK_SIZE
-                || chunk_offset(id.index).is_none_or(|o| o.checked_add(size).is_none())
+            if !valid_shift(id.shift)
+                || size > 1 << id.shift
+                || chunk_offset(id.index, id.shift).is_none_or(|o| o.checked_add(size).is_none())
             {
                 return Err(self.error(format!(
-                    "chunk {} of blob {} is {size} bytes, more than the chunk size \
-                     {CHUNK_SIZE} (or beyond any file offset)",
-                    id.index, id.blob
+                    "chunk {} of blob {} is {size} bytes, more than its chunk size 2^{} \
+                     (or beyond any file offset, or a chunk size level 2 does not keep: \
+                     2^12 ..= 2^{MAX_DISK_CHUNK_SHIFT})",
+                    id.index, id.blob, id.shift
                 )));
             }
         }
+        // A blob cached under another shift: its old chunks go first (`State::per_blob`).
+        let moved = {
+            let mut st = self.lock();
+            let mut seen = HashMap::new();
+            let mut victims = Vec::new();
+            for (id, _) in chunks {
+                if seen.insert(id.blob, id.shift).is_none() {
+                    victims.extend(
+                        st.make_way_for_shift(&id.blob, id.shift)
+                            .unwrap_or_default(),
+                    );
+                }
+            }
+            victims
+        };
+        self.discard(moved, None)?;
         // Reserve: the chunks to write, each with the guard that undoes its reservation
         // unless it ends up indexed.
         let mut victims = Vec::new();
@@ -47,6 +71,14 @@ impl DiskCache {
                 if st.touch(id).is_some() || st.inflight.contains(id) {
                     continue;
                 }
+                if st
+                    .per_blob
+                    .get(&id.blob)
+                    .is_some_and(|r| r.shift != id.shift)
+                {
+                    st.shift_conflicts += 1;
+                    continue;
+                }
                 if st.pending + c > self.capacity {
                     continue;
                 }
@@ -54,7 +86,12 @@ impl DiskCache {
                 victims.extend(st.doom_lru(over));
                 st.inflight.insert(*id);
                 st.pending += c;
-                *st.per_blob.entry(id.blob).or_insert(0) += 1;
+                (st.per_blob.entry(id.blob))
+                    .or_insert(BlobRefs {
+                        chunks: 0,
+                        shift: id.shift,
+                    })
+                    .chunks += 1;
                 let guard = PendingGuard {
                     cache: self,
                     id: *id,
@@ -117,7 +154,7 @@ impl DiskCache {
         }
         // The pages are clean now; do not let them crowd out level 1 and hot files.
         for (id, len) in &written {
-            if let (Some(f), Some(at)) = (files.get(&id.blob), chunk_offset(id.index)) {
+            if let (Some(f), Some(at)) = (files.get(&id.blob), chunk_offset(id.index, id.shift)) {
                 let _ = rustix::fs::fadvise(
                     &**f,
                     at,
@@ -144,7 +181,7 @@ impl DiskCache {
         let indexed = self.write_index(
             |b| {
                 for (((id, _), entry), s) in written.iter().zip(&entries).zip(&sums) {
-                    b.put(chunk_key(id), encode_entry(*entry));
+                    b.put(chunk_key(id), encode_entry(*entry, id.shift));
                     b.put(sums_key(id), s);
                 }
             },

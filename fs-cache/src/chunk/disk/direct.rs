@@ -22,22 +22,30 @@ use crate::store::Digest;
 const DIRECT_ALIGN: usize = 4096;
 
 impl DiskCache {
-    /// Read the cached chunks among `chunks` (ascending indexes) of `blob`, one `O_DIRECT`
-    /// read per run of adjacent ones, each checked against its crc32c: the verified chunks,
-    /// whole, in order. Absent chunks are skipped; a chunk that fails its check is dropped
-    /// (counted in `dropped_corrupt`) and left out. The chunks are marked used.
+    /// Read the cached chunks among `chunks` (ascending indexes) of `blob` cut into chunks of
+    /// `1 << shift` bytes, one `O_DIRECT` read per run of adjacent ones (a run goes on past a
+    /// chunk only if that chunk is whole, `1 << shift` bytes), each checked against its crc32c:
+    /// the verified chunks, whole, in order. Absent chunks (and chunks cached under another
+    /// shift) are skipped; a chunk that fails its check is dropped (counted in
+    /// `dropped_corrupt`) and left out. The chunks are marked used.
     pub fn read_chunks_direct(
         &self,
         blob: &Digest,
+        shift: u8,
         chunks: impl IntoIterator<Item = u64>,
     ) -> Result<Vec<(u64, Bytes)>> {
+        let full = 1u64.checked_shl(u32::from(shift)).unwrap_or(0);
         // Pin what is cached now (no eviction until read), grouped into runs.
         let mut pins = Vec::new();
         let mut runs: Vec<Vec<(u64, u64, u64)>> = Vec::new(); // (index, size, seq)
         {
             let mut st = self.lock();
             for index in chunks {
-                let id = ChunkId { blob: *blob, index };
+                let id = ChunkId {
+                    blob: *blob,
+                    shift,
+                    index,
+                };
                 let Some(entry) = st.touch(&id) else {
                     continue;
                 };
@@ -48,7 +56,7 @@ impl DiskCache {
                     Some(run)
                         if run
                             .last()
-                            .is_some_and(|&(i, s, _)| i + 1 == index && s == super::CHUNK_SIZE) =>
+                            .is_some_and(|&(i, s, _)| i + 1 == index && s == full) =>
                     {
                         run.push((index, size, entry.seq))
                     }
@@ -73,13 +81,17 @@ impl DiskCache {
         let mut out = Vec::new();
         for run in runs {
             let (first, ..) = run[0];
-            let at = chunk_offset(first).unwrap_or(u64::MAX);
+            let at = chunk_offset(first, shift).unwrap_or(u64::MAX);
             let len: u64 = run.iter().map(|&(_, s, _)| s).sum();
             let buf = read_direct(&file, at, len as usize)
                 .map_err(|e| Error::io("read chunks (O_DIRECT)", &path, e))?;
             let mut from = 0usize;
             for (index, size, seq) in run {
-                let id = ChunkId { blob: *blob, index };
+                let id = ChunkId {
+                    blob: *blob,
+                    shift,
+                    index,
+                };
                 let to = from + size as usize;
                 let ok = match (buf.get(from..to), self.sums_of_opt(&id, size)?) {
                     (Some(data), Some(sums)) => blocks_match(data, &sums),

@@ -8,7 +8,6 @@ use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::str::FromStr;
 
-use super::CHUNK_SIZE;
 use crate::error::{Error, Result};
 use crate::store::Digest;
 
@@ -18,9 +17,10 @@ pub(super) fn parse_blob_name(shard: &str, name: &str) -> Option<Digest> {
     (name.starts_with(shard) && blob.to_hex() == name).then_some(blob)
 }
 
-/// Punch out every data range of the blob file at `path` outside the chunks `indexed`;
-/// returns how many chunk ranges were punched.
-pub(super) fn punch_unindexed(path: &Path, indexed: &HashSet<u64>) -> Result<u64> {
+/// Punch out every data range of the blob file at `path` outside the chunks `indexed` of
+/// `1 << shift` bytes (the blob's shift, 12 ..= 18); returns how many chunk slots were
+/// punched.
+pub(super) fn punch_unindexed(path: &Path, shift: u8, indexed: &HashSet<u64>) -> Result<u64> {
     use rustix::fs::SeekFrom;
     let file = (OpenOptions::new().read(true).write(true))
         .open(path)
@@ -40,10 +40,11 @@ pub(super) fn punch_unindexed(path: &Path, indexed: &HashSet<u64>) -> Result<u64
             Ok(h) => h,
             Err(e) => return Err(Error::io("seek blob file", path, e.into())),
         };
-        let mut index = data / CHUNK_SIZE;
-        while index * CHUNK_SIZE < hole {
+        // Offsets below the file's length (an `i64`): no shift overflows.
+        let mut index = data >> shift;
+        while index << shift < hole {
             if !indexed.contains(&index) {
-                punch_range(&file, index * CHUNK_SIZE, CHUNK_SIZE)
+                punch_range(&file, index << shift, 1 << shift)
                     .map_err(|e| Error::io("punch blob file", path, e))?;
                 punched += 1;
             }

@@ -227,7 +227,7 @@ pub(super) fn sort_holds(found: Vec<Recorded>, delete: &mut Vec<Box<[u8]>>) -> V
 pub(super) fn pin_held(
     st: &mut super::State,
     live: Vec<Recorded>,
-    indexed: &HashMap<Digest, HashSet<u64>>,
+    indexed: &HashMap<Digest, (u8, HashSet<u64>)>,
 ) -> HashMap<Vec<u8>, Held> {
     let mut held = HashMap::new();
     for r in live {
@@ -235,8 +235,7 @@ pub(super) fn pin_held(
         let mut chunks: Vec<ChunkId> = indexed
             .get(&blob)
             .into_iter()
-            .flatten()
-            .map(|&index| ChunkId { blob, index })
+            .flat_map(|(shift, set)| set.iter().map(|&index| ChunkId::new(blob, *shift, index)))
             .collect();
         chunks.sort_unstable_by_key(|c| c.index);
         for id in &chunks {

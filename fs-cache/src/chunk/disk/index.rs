@@ -5,16 +5,24 @@ use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-use super::{chunk_offset, CHUNK_SIZE};
-use crate::chunk::ChunkId;
+use super::{chunk_offset, MAX_CHUNK};
+use crate::chunk::{ChunkId, MAX_DISK_CHUNK_SHIFT, MIN_CHUNK_SHIFT};
 use crate::error::Error;
 use crate::store::Digest;
 
 pub(super) const CHUNK_KEY_TAG: u8 = b'c';
 pub(super) const SUMS_KEY_TAG: u8 = b's';
 pub(super) const CHUNK_KEY_LEN: usize = 1 + 32 + 8;
-pub(super) const ENTRY_VERSION: u8 = 2;
-pub(super) const ENTRY_LEN: usize = 1 + 4 + 8;
+/// A chunk entry of a 256 KiB chunk (shift 18, the only one there was before v3): `[2][size:
+/// u32 LE][seq: u64 LE]`. Still written for shift 18, so that a binary that knows only v2 keeps
+/// these entries after a rollback.
+pub(super) const ENTRY_V2: u8 = 2;
+pub(super) const ENTRY_V2_LEN: usize = 1 + 4 + 8;
+/// A chunk entry of any other shift (12 ..= 17): `[3][size: u32 LE][seq: u64 LE][shift: u8]`.
+/// A binary that knows only v2 drops these as undecodable (and punches their bytes), which is
+/// safe: they are a cache.
+pub(super) const ENTRY_V3: u8 = 3;
+pub(super) const ENTRY_V3_LEN: usize = 1 + 4 + 8 + 1;
 pub(super) const COUNTERS_VERSION: u8 = 1;
 pub(super) const COUNTERS_LEN: usize = 1 + 4 * 8;
 pub(super) const HOLD_KEY_TAG: u8 = b'h';
@@ -25,7 +33,8 @@ pub(super) const HOLD_VALUE_LEN: usize = 1 + 16 + 8 + 8;
 pub(super) const MAX_HOLD_TOKEN: usize = 4096;
 
 const _: () = assert!(CHUNK_KEY_LEN == 41);
-const _: () = assert!(ENTRY_LEN == 13);
+const _: () = assert!(ENTRY_V2_LEN == 13);
+const _: () = assert!(ENTRY_V3_LEN == 14);
 const _: () = assert!(COUNTERS_LEN == 33);
 const _: () = assert!(HOLD_VALUE_LEN == 33);
 
@@ -52,16 +61,16 @@ pub(super) fn sums_key(id: &ChunkId) -> [u8; CHUNK_KEY_LEN] {
     key_with(SUMS_KEY_TAG, id)
 }
 
-/// A chunk or crc32c key: its tag and chunk.
-pub(super) fn decode_key(key: &[u8]) -> Option<(u8, ChunkId)> {
+/// A chunk or crc32c key: its tag, blob and chunk index (the key has no shift: every indexed
+/// chunk of a blob has the same one, kept in its entry). Any index whose chunk ends within
+/// `u64` at the largest shift qualifies, hence at every shift.
+pub(super) fn decode_key(key: &[u8]) -> Option<(u8, Digest, u64)> {
     let key: &[u8; CHUNK_KEY_LEN] = key.try_into().ok()?;
     matches!(key[0], CHUNK_KEY_TAG | SUMS_KEY_TAG).then_some(())?;
-    let id = ChunkId {
-        blob: Digest(key[1..33].try_into().ok()?),
-        index: u64::from_be_bytes(key[33..].try_into().ok()?),
-    };
-    chunk_offset(id.index)?.checked_add(CHUNK_SIZE)?;
-    Some((key[0], id))
+    let blob = Digest(key[1..33].try_into().ok()?);
+    let index = u64::from_be_bytes(key[33..].try_into().ok()?);
+    chunk_offset(index, MAX_DISK_CHUNK_SHIFT)?.checked_add(MAX_CHUNK)?;
+    Some((key[0], blob, index))
 }
 
 /// A hold's key: tag, blob digest, the pin's nonce (u64 BE: two pins of one blob by one
@@ -117,22 +126,44 @@ pub(super) fn decode_hold_value(v: &[u8]) -> Option<TokenId> {
     })
 }
 
-pub(super) fn encode_entry(entry: Entry) -> [u8; ENTRY_LEN] {
-    let mut v = [0u8; ENTRY_LEN];
-    v[0] = ENTRY_VERSION;
-    v[1..5].copy_from_slice(&entry.size.to_le_bytes());
-    v[5..].copy_from_slice(&entry.seq.to_le_bytes());
+/// Whether level 2 keeps chunks of `1 << shift` bytes.
+pub(super) fn valid_shift(shift: u8) -> bool {
+    (MIN_CHUNK_SHIFT..=MAX_DISK_CHUNK_SHIFT).contains(&shift)
+}
+
+/// The value of a chunk entry of a chunk of `1 << shift` bytes: v2 for shift 18, v3 otherwise
+/// (see [`ENTRY_V2`], [`ENTRY_V3`]).
+pub(super) fn encode_entry(entry: Entry, shift: u8) -> Vec<u8> {
+    let mut v = Vec::with_capacity(ENTRY_V3_LEN);
+    v.push(if shift == MAX_DISK_CHUNK_SHIFT {
+        ENTRY_V2
+    } else {
+        ENTRY_V3
+    });
+    v.extend_from_slice(&entry.size.to_le_bytes());
+    v.extend_from_slice(&entry.seq.to_le_bytes());
+    if shift != MAX_DISK_CHUNK_SHIFT {
+        v.push(shift);
+    }
     v
 }
 
-pub(super) fn decode_entry(v: &[u8]) -> Option<Entry> {
-    let v: &[u8; ENTRY_LEN] = v.try_into().ok()?;
-    let size = u32::from_le_bytes(v[1..5].try_into().ok()?);
-    (v[0] == ENTRY_VERSION && u64::from(size) <= CHUNK_SIZE).then_some(())?;
-    Some(Entry {
-        size,
-        seq: u64::from_le_bytes(v[5..].try_into().ok()?),
-    })
+/// A chunk entry and its chunk's shift: a v2 value is shift 18; a v3 value must name a shift
+/// of 12 ..= 17 (shift 18 is always written as v2, so a v3 value of it is not one this code
+/// wrote); the size is at most `1 << shift`.
+pub(super) fn decode_entry(v: &[u8]) -> Option<(Entry, u8)> {
+    let (&version, rest) = v.split_first()?;
+    let shift = match (version, rest.len()) {
+        (ENTRY_V2, 12) => MAX_DISK_CHUNK_SHIFT,
+        (ENTRY_V3, 13) => rest[12],
+        _ => return None,
+    };
+    (valid_shift(shift) && (shift == MAX_DISK_CHUNK_SHIFT) == (version == ENTRY_V2))
+        .then_some(())?;
+    let size = u32::from_le_bytes(rest[..4].try_into().ok()?);
+    (u64::from(size) <= 1 << shift).then_some(())?;
+    let seq = u64::from_le_bytes(rest[4..12].try_into().ok()?);
+    Some((Entry { size, seq }, shift))
 }
 
 pub(super) fn encode_counters(c: &[u64; 4]) -> [u8; COUNTERS_LEN] {
@@ -169,11 +200,32 @@ pub(super) fn rocks_error(index_dir: &Path, what: &str, e: rocksdb::Error) -> Er
 /// reject any malformed input without panicking.
 #[doc(hidden)]
 pub fn fuzz_decode_index(key: &[u8], value: &[u8]) {
-    if let Some((tag, id)) = decode_key(key) {
-        assert_eq!(key_with(tag, &id)[..], key[..]);
+    if let Some((tag, blob, index)) = decode_key(key) {
+        for shift in MIN_CHUNK_SHIFT..=MAX_DISK_CHUNK_SHIFT {
+            let id = ChunkId { blob, shift, index };
+            assert!(chunk_offset(index, shift).is_some());
+            assert_eq!(key_with(tag, &id)[..], key[..]);
+        }
     }
-    if let Some(entry) = decode_entry(value) {
-        assert_eq!(encode_entry(entry)[..], value[..]);
+    if let Some((entry, shift)) = decode_entry(value) {
+        assert!(valid_shift(shift) && u64::from(entry.size) <= 1 << shift);
+        assert_eq!(encode_entry(entry, shift)[..], value[..]);
+    }
+    // An entry built from the input: every size and shift the cache can write decodes back
+    // to itself, as v2 exactly for shift 18.
+    if let Some((&shift, rest)) = value.split_first() {
+        let mut b = [0u8; 12];
+        let n = rest.len().min(12);
+        b[..n].copy_from_slice(&rest[..n]);
+        let shift = MIN_CHUNK_SHIFT + shift % (MAX_DISK_CHUNK_SHIFT - MIN_CHUNK_SHIFT + 1);
+        let size = u32::from_le_bytes([b[0], b[1], b[2], b[3]]) % ((1 << shift) + 1);
+        let entry = Entry {
+            size,
+            seq: u64::from_le_bytes(b[4..].try_into().unwrap_or_default()),
+        };
+        let v = encode_entry(entry, shift);
+        assert_eq!(v[0] == ENTRY_V2, shift == MAX_DISK_CHUNK_SHIFT);
+        assert_eq!(decode_entry(&v), Some((entry, shift)));
     }
     if let Some(c) = decode_counters(value) {
         assert_eq!(encode_counters(&c)[..], value[..]);

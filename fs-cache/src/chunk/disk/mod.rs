@@ -10,11 +10,15 @@
 //!
 //! # On-disk layout
 //! ```text
-//! <dir>/blobs/<hh>/<blob hex>    one sparse file per blob: chunk i at offset i × CHUNK_SIZE
+//! <dir>/blobs/<hh>/<blob hex>    one sparse file per blob: chunk i at offset i << shift
 //! <dir>/index/                   RocksDB (its own files only)
 //! ```
 //! `<hh>` is the first two hex digits of the blob digest (256 shard directories, created at
-//! open). A blob file has the blob's own offsets: where every chunk of a blob is cached, the
+//! open). `shift` is log2 of the blob's chunk size (its chunk table's, 12 ..= 18: 4 KiB ..=
+//! 256 KiB; [`ChunkId::shift`]). All indexed chunks of one blob have the same shift (kept per
+//! blob in memory; a put of another shift first drops the blob's chunks of the old one, and
+//! an open that finds one blob's entries in mixed shifts drops them all). A blob file has the
+//! blob's own offsets whatever the shift: where every chunk of a blob is cached, the
 //! file *is* the blob, and a reader that may skip the per-block checks (FUSE passthrough) can
 //! be handed it ([`DiskCache::pin_blob`]). Ranges of chunks that are not indexed are holes: a
 //! chunk's bytes are written in place, and an evicted chunk's range is punched out
@@ -23,14 +27,19 @@
 //! # Index encoding (RocksDB keys and values)
 //! | key | value |
 //! | --- | --- |
-//! | `b'c'` + blob digest (32 bytes) + chunk index (u64 BE): 41 bytes | `[2][size: u32 LE][seq: u64 LE]`: 13 bytes |
+//! | `b'c'` + blob digest (32 bytes) + chunk index (u64 BE): 41 bytes | shift 18: `[2][size: u32 LE][seq: u64 LE]`, 13 bytes (v2); shifts 12 ..= 17: `[3][size: u32 LE][seq: u64 LE][shift: u8]`, 14 bytes (v3) |
 //! | `b's'` + blob digest + chunk index: 41 bytes | crc32c (u32 LE) of each 4 KiB block of the chunk, the last one possibly short: `4 × ceil(size / 4096)` bytes |
 //! | `b"m/format"` | `b"strata-chunk-index v3"` (v3: one sparse file per blob); v2 (a file per chunk) is wiped and started afresh, any other value refuses to open |
 //! | `b'h'` + blob digest + nonce (u64 BE) + token (an absolute path, ≤ 4096 bytes) | `[1]` + boot id digest (16 bytes) + token device + inode (u64 LE each): 33 bytes; a hold, see `hold.rs` |
 //! | `b"m/counters"` | `[1]` + evictions, dropped_corrupt, enospc, recovered_orphans (u64 LE each): 33 bytes |
 //!
-//! `size` is the chunk's length (at most [`CHUNK_SIZE`]); `seq` its recency: a counter taken on
-//! every put and hit, so that sorting by `seq` gives the LRU order. The `c` and `s` keys of a
+//! `size` is the chunk's length (at most `1 << shift`); `seq` its recency: a counter taken on
+//! every put and hit, so that sorting by `seq` gives the LRU order. The chunk entry is v2
+//! (which has no shift and means 256 KiB) for shift 18, so that a binary older than v3 still
+//! reads those after a rollback; it drops v3 entries as undecodable and punches their bytes,
+//! which a cache can afford. A v3 value of shift 18 is not one this code writes, and is
+//! dropped likewise. The shift is stored with every entry rather than once per blob: it is one
+//! byte, written in the same batch as the chunk, with no ordering of its own to get right. The `c` and `s` keys of a
 //! chunk are written and deleted in one batch. A key or value that does not decode is treated
 //! as absent and deleted at open, never a panic.
 //!
@@ -61,7 +70,9 @@
 //! # Recovery on open
 //! RocksDB's lock makes a directory single-owner. Every entry is decoded and its blob file
 //! `stat`ed; entries that do not decode, lack their crc32c value, or whose file is missing
-//! (`recovered_orphans`) or too short (`dropped_corrupt`) are deleted. The rest are loaded into the in-memory LRU in
+//! (`recovered_orphans`) or too short (`dropped_corrupt`) are deleted, and so are all the
+//! entries of a blob whose entries name more than one shift (`recovered_orphans`: which of
+//! them its file's bytes belong to is unknown). The rest are loaded into the in-memory LRU in
 //! `seq` order. In every blob file, data outside indexed chunks (left by a crash) is punched
 //! out (walking `SEEK_DATA`/`SEEK_HOLE`), and blob files without an indexed chunk and any
 //! other file are deleted (`recovered_orphans`). If the capacity shrank, LRU chunks are
@@ -76,7 +87,7 @@
 //! ([`OPEN_FILES`] of them), a crc32c per 4 KiB block, and `fadvise(DONTNEED)` of what was
 //! read (the reader keeps the bytes: level 1, or the kernel's page cache above a FUSE file, so
 //! that a byte read through a lazy mount sits in the page cache once); the crc32c values come from a memory
-//! LRU ([`SUMS_CACHED`] chunks) in front of the index. A sequential stream's readahead reads
+//! LRU ([`SUMS_CACHED`] bytes of values) in front of the index. A sequential stream's readahead reads
 //! runs of adjacent chunks instead, one `O_DIRECT` `pread` per run and no page cache
 //! ([`DiskCache::read_chunks_direct`], `direct.rs`). Recency is written to the index in
 //! batches of [`RECENCY_BATCH`] hits (and on flush); losing it in a crash only makes the LRU
@@ -108,7 +119,6 @@ use std::fs::{self, File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
 
 use bytes::Bytes;
@@ -116,7 +126,7 @@ use lru::LruCache;
 use rocksdb::{IteratorMode, WriteBatch, DB};
 use serde::{Deserialize, Serialize};
 
-use super::{ChunkId, CHUNK_SIZE};
+use super::{ChunkId, MAX_DISK_CHUNK_SHIFT};
 use crate::error::{Error, Result};
 use crate::store::Digest;
 
@@ -126,6 +136,8 @@ mod files;
 mod fuzz;
 mod hold;
 mod index;
+mod pin;
+mod sums;
 
 use files::*;
 #[doc(hidden)]
@@ -133,13 +145,14 @@ pub use fuzz::fuzz_recover;
 #[doc(hidden)]
 pub use index::fuzz_decode_index;
 use index::*;
+pub use pin::{BlobPin, VERIFY_RUN};
+use sums::{block_sums, blocks_match, sums_len, SumsCache};
+pub use sums::{CHECK_BLOCK, SUMS_CACHED};
 
 /// Hits whose recency is written to the index in one batch.
 pub const RECENCY_BATCH: usize = 1024;
 /// Blob files kept open for reads and writes.
 pub const OPEN_FILES: usize = 256;
-/// Chunks whose crc32c values are kept in memory (at most 256 bytes each).
-pub const SUMS_CACHED: usize = 16384;
 
 const META_PREFIX: &[u8] = b"m/";
 const META_FORMAT: &[u8] = b"m/format";
@@ -148,40 +161,20 @@ const FORMAT: &[u8] = b"strata-chunk-index v3";
 const FORMAT_V2: &[u8] = b"strata-chunk-index v2";
 const META_COUNTERS: &[u8] = b"m/counters";
 /// Bytes evicted before the one retry of a chunk write that failed with `ENOSPC`.
-const ENOSPC_EVICT: u64 = 4 * CHUNK_SIZE;
+const ENOSPC_EVICT: u64 = 4 * MAX_CHUNK;
 const MIB: u64 = 1 << 20;
-/// The unit of the crc32c checks.
-pub const CHECK_BLOCK: u64 = 4096;
-
-/// Bytes of the crc32c values of a chunk of `size` bytes.
-fn sums_len(size: u64) -> u64 {
-    4 * size.div_ceil(CHECK_BLOCK)
-}
+/// The largest chunk kept: 256 KiB.
+const MAX_CHUNK: u64 = 1 << MAX_DISK_CHUNK_SHIFT;
 
 /// Bytes a chunk of `size` bytes is charged: its blocks.
 fn cost(size: u64) -> u64 {
     size.next_multiple_of(CHECK_BLOCK)
 }
 
-/// Whether `sums` holds exactly the crc32c values of `data`'s 4 KiB blocks.
-fn blocks_match(data: &[u8], sums: &[u8]) -> bool {
-    sums.len() as u64 == 4 * (data.len() as u64).div_ceil(CHECK_BLOCK)
-        && data
-            .chunks(CHECK_BLOCK as usize)
-            .zip(sums.chunks_exact(4))
-            .all(|(block, sum)| crc32c::crc32c(block).to_le_bytes() == sum)
-}
-
-/// The crc32c values of `data`, one per 4 KiB block.
-fn block_sums(data: &[u8]) -> Vec<u8> {
-    data.chunks(CHECK_BLOCK as usize)
-        .flat_map(|b| crc32c::crc32c(b).to_le_bytes())
-        .collect()
-}
-
-/// Where chunk `index` starts in its blob file.
-fn chunk_offset(index: u64) -> Option<u64> {
-    index.checked_mul(CHUNK_SIZE)
+/// Where chunk `index` of a blob of `1 << shift`-byte chunks starts in its blob file; `None`
+/// past `u64` (or for a shift past 63).
+fn chunk_offset(index: u64, shift: u8) -> Option<u64> {
+    index.checked_mul(1u64.checked_shl(u32::from(shift))?)
 }
 
 /// The outcome of [`DiskCache::read_range`].
@@ -197,8 +190,10 @@ pub enum RangeRead {
     WouldBlock,
 }
 
-const _: () = assert!(CHUNK_SIZE <= u32::MAX as u64);
-const _: () = assert!(CHUNK_SIZE % CHECK_BLOCK == 0);
+const _: () = assert!(MAX_CHUNK <= u32::MAX as u64);
+// Every shift kept is at least a crc32c block: a chunk that is not its blob's last is a
+// whole number of blocks.
+const _: () = assert!(1 << super::MIN_CHUNK_SHIFT >= CHECK_BLOCK);
 
 /// Where level 2 lives and how large it may grow.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -234,6 +229,10 @@ pub struct DiskStats {
     /// Holds of earlier processes in force: found at open with their token alive, not yet
     /// released (`DiskCache::release_stale_holds`); their blobs' chunks stay pinned.
     pub stale_holds: u64,
+    /// Chunks not cached because their blob has chunks of another size in level 2 that are
+    /// in use (pinned, or being put or removed), so that they could not be dropped first
+    /// (this process only: not kept in the index).
+    pub shift_conflicts: u64,
 }
 
 /// Indexes into the event counters, in their order in `m/counters`.
@@ -255,8 +254,9 @@ struct State {
     pins: HashMap<ChunkId, u32>,
     /// Removed chunks whose range is punched out when their last pin goes (still in flight).
     deferred: HashSet<ChunkId>,
-    /// Per blob: indexed chunks plus chunks in flight; its file is unlinked at zero.
-    per_blob: HashMap<Digest, u32>,
+    /// Per blob: indexed chunks plus chunks in flight (its file is unlinked at zero), and
+    /// their one shift.
+    per_blob: HashMap<Digest, BlobRefs>,
     /// Bytes charged for the chunks in `lru`.
     present: u64,
     /// Bytes reserved by puts in flight.
@@ -269,6 +269,15 @@ struct State {
     /// Shard directories with creations or unlinks not yet `fsync`ed.
     dirty_dirs: [bool; 256],
     counters: [u64; 4],
+    /// [`DiskStats::shift_conflicts`].
+    shift_conflicts: u64,
+}
+
+/// A blob's chunks in level 2 (see [`State::per_blob`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct BlobRefs {
+    chunks: u32,
+    shift: u8,
 }
 
 impl State {
@@ -323,6 +332,33 @@ impl State {
         *self.pins.entry(*id).or_insert(0) += 1;
     }
 
+    /// Make way for chunks of `blob` of `1 << shift` bytes (a blob's chunks in level 2 share
+    /// one shift): if the blob has chunks of another shift, doom them all, for the caller to
+    /// remove ([`DiskCache::discard`]) before it puts any chunk of the new shift. `None` if
+    /// that cannot be done now because one of them is pinned or in flight (the caller skips
+    /// the put). A scan of the whole LRU: a blob changes chunk size rarely, if ever.
+    fn make_way_for_shift(&mut self, blob: &Digest, shift: u8) -> Option<Vec<(ChunkId, Entry)>> {
+        let refs = match self.per_blob.get(blob) {
+            Some(r) if r.shift != shift => *r,
+            _ => return Some(Vec::new()),
+        };
+        let old: Vec<ChunkId> = (self.lru.iter())
+            .filter(|(id, _)| id.blob == *blob)
+            .map(|(id, _)| *id)
+            .collect();
+        // Fewer indexed than counted: some are in flight.
+        if old.len() != refs.chunks as usize || old.iter().any(|id| self.pins.contains_key(id)) {
+            return None;
+        }
+        let mut victims = Vec::with_capacity(old.len());
+        for id in old {
+            if let Some(entry) = self.lru.pop(&id) {
+                victims.push(self.doom(id, entry));
+            }
+        }
+        Some(victims)
+    }
+
     /// Release a pin; `true` if the chunk was removed meanwhile and its range must now be
     /// punched out (it stays in flight until [`DiskCache::finish_removal`]).
     fn unpin(&mut self, id: &ChunkId) -> bool {
@@ -355,7 +391,7 @@ pub struct DiskCache {
     /// Blob files kept open (read-write).
     open_files: Mutex<LruCache<Digest, Arc<File>>>,
     /// crc32c values of recently read chunks.
-    sums: Mutex<LruCache<ChunkId, Arc<[u8]>>>,
+    sums: Mutex<SumsCache>,
     /// Holds left by earlier processes whose token still existed at open, by index key
     /// (`hold.rs`).
     holds: Mutex<HashMap<Vec<u8>, hold::Held>>,
@@ -367,133 +403,6 @@ impl fmt::Debug for DiskCache {
             .field("dir", &self.dir)
             .field("stats", &self.stats())
             .finish_non_exhaustive()
-    }
-}
-
-/// Every chunk of one blob, pinned in level 2: see [`DiskCache::pin_blob`].
-pub struct BlobPin {
-    cache: Arc<DiskCache>,
-    blob: Digest,
-    chunks: Vec<(ChunkId, u64)>,
-    file: Arc<File>,
-    /// The index key of this pin's hold ([`BlobPin::hold`]), deleted on drop.
-    hold: Option<Vec<u8>>,
-}
-
-impl fmt::Debug for BlobPin {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("BlobPin")
-            .field("blob", &self.blob)
-            .field("chunks", &self.chunks.len())
-            .finish_non_exhaustive()
-    }
-}
-
-impl BlobPin {
-    /// The blob file: byte `i` of it is byte `i` of the blob, and stays so while `self` lives.
-    pub fn file(&self) -> &File {
-        &self.file
-    }
-
-    /// The pinned blob.
-    pub fn blob(&self) -> &Digest {
-        &self.blob
-    }
-
-    /// The blob file's path, for a reader that opens the file itself (an EROFS mount's
-    /// `device=`). It names this very file for as long as the pin lives: a blob file with a
-    /// chunk left is never unlinked or replaced.
-    pub fn path(&self) -> PathBuf {
-        self.cache.blob_path(&self.blob)
-    }
-
-    /// Leave this pin's hold ([`BlobPin::hold`]) recorded when the pin goes: the chunks stay
-    /// pinned while this process keeps the pin, and the next [`DiskCache::open`] pins them
-    /// again for as long as the hold's token exists. For a kernel mount that outlives the pin
-    /// (a daemon handing over to the next one, a mount detached lazily while in use).
-    pub fn keep_hold(&mut self) {
-        self.hold = None;
-    }
-
-    /// The blob's size in bytes.
-    pub fn len(&self) -> u64 {
-        self.chunks.last().map_or(0, |(id, size)| {
-            chunk_offset(id.index)
-                .unwrap_or(u64::MAX)
-                .saturating_add(*size)
-        })
-    }
-
-    /// Whether the blob is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Read every chunk and check each block against its crc32c; `false` (and the bad chunk
-    /// dropped, its range punched out once the pin goes) if one does not match. Reads 2 MiB
-    /// `O_DIRECT` runs, up to 4 at once ([`DiskCache::read_chunks_direct`]): the page cache is
-    /// not touched, and a fully cached blob is checked at the disk's speed. A filesystem
-    /// without `O_DIRECT` is an error (FUSE passthrough under an EROFS mounted `directio`
-    /// needs it too).
-    pub fn verify(&self) -> Result<bool> {
-        let next = AtomicUsize::new(0);
-        let bad = AtomicBool::new(false);
-        let reader = || -> Result<()> {
-            while !bad.load(Ordering::Relaxed) {
-                let first = next.fetch_add(VERIFY_RUN, Ordering::Relaxed);
-                let end = (first + VERIFY_RUN).min(self.chunks.len());
-                let Some(run) = self.chunks.get(first..end).filter(|r| !r.is_empty()) else {
-                    return Ok(());
-                };
-                let got = match self
-                    .cache
-                    .read_chunks_direct(&self.blob, run.iter().map(|(id, _)| id.index))
-                {
-                    Ok(got) => got,
-                    Err(e) => {
-                        bad.store(true, Ordering::Relaxed);
-                        return Err(e);
-                    }
-                };
-                let whole = got.len() == run.len()
-                    && got.iter().zip(run).all(|((index, bytes), (id, size))| {
-                        *index == id.index && bytes.len() as u64 == *size
-                    });
-                if !whole {
-                    bad.store(true, Ordering::Relaxed);
-                }
-            }
-            Ok(())
-        };
-        let readers = VERIFY_READERS.min(self.chunks.len().div_ceil(VERIFY_RUN));
-        let results: Vec<_> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..readers).map(|_| s.spawn(reader)).collect();
-            handles.into_iter().map(|h| h.join()).collect()
-        });
-        for r in results {
-            r.unwrap_or_else(|_| {
-                Err(Error::io(
-                    "verify",
-                    self.cache.blob_path(&self.blob),
-                    io::Error::other("a reader thread panicked"),
-                ))
-            })?;
-        }
-        Ok(!bad.load(Ordering::Relaxed))
-    }
-}
-
-/// Chunks per `O_DIRECT` read of [`BlobPin::verify`] (2 MiB).
-const VERIFY_RUN: usize = 8;
-/// Reads in flight in [`BlobPin::verify`].
-const VERIFY_READERS: usize = 4;
-
-impl Drop for BlobPin {
-    fn drop(&mut self) {
-        self.unhold();
-        for (id, _) in &self.chunks {
-            self.cache.release(id);
-        }
     }
 }
 
@@ -575,10 +484,11 @@ impl DiskCache {
                 stale: Vec::new(),
                 dirty_dirs: [false; 256],
                 counters,
+                shift_conflicts: 0,
             }),
             index_lock: Mutex::new(()),
             open_files: Mutex::new(LruCache::new(nonzero(OPEN_FILES))),
-            sums: Mutex::new(LruCache::new(nonzero(SUMS_CACHED))),
+            sums: Mutex::new(SumsCache::new(SUMS_CACHED)),
             holds: Mutex::new(HashMap::new()),
         };
         cache.recover()?;
@@ -603,8 +513,8 @@ impl DiskCache {
             Err(e) => return Err(self.rocks_error("cannot read the index", e)),
         }
         let mut entries = Vec::new();
-        // Chunk → length of its crc32c value (one `s` key per chunk).
-        let mut with_sums: HashMap<ChunkId, u64> = HashMap::new();
+        // Chunk (blob, index) → length of its crc32c value (one `s` key per chunk).
+        let mut with_sums: HashMap<(Digest, u64), u64> = HashMap::new();
         let mut bad_keys = Vec::new();
         let mut holds = Vec::new();
         let (mut orphans, mut corrupt) = (0u64, 0u64);
@@ -629,15 +539,17 @@ impl DiskCache {
                 continue;
             }
             match decode_key(&key) {
-                Some((CHUNK_KEY_TAG, id)) => match decode_entry(&value) {
-                    Some(entry) => entries.push((id, entry, key)),
+                Some((CHUNK_KEY_TAG, blob, index)) => match decode_entry(&value) {
+                    Some((entry, shift)) => {
+                        entries.push((ChunkId { blob, shift, index }, entry, key))
+                    }
                     None => {
                         bad_keys.push(key);
                         orphans += 1;
                     }
                 },
-                Some((_, id)) => {
-                    with_sums.insert(id, value.len() as u64);
+                Some((_, blob, index)) => {
+                    with_sums.insert((blob, index), value.len() as u64);
                 }
                 None => {
                     bad_keys.push(key);
@@ -645,11 +557,27 @@ impl DiskCache {
                 }
             }
         }
-        // Keep entries whose crc32c values are there and whose blob file is long enough.
+        // The shift of each blob's entries; `None` where they name more than one.
+        let mut shifts: HashMap<Digest, Option<u8>> = HashMap::new();
+        for (id, ..) in &entries {
+            let s = shifts.entry(id.blob).or_insert(Some(id.shift));
+            if *s != Some(id.shift) {
+                *s = None;
+            }
+        }
+        // Keep entries whose crc32c values are there and whose blob file is long enough, of
+        // blobs whose entries agree on their shift.
         let mut lengths: HashMap<Digest, Option<u64>> = HashMap::new();
         let mut kept = Vec::new();
         for (id, entry, key) in entries {
             let size = u64::from(entry.size);
+            let sums = with_sums.remove(&(id.blob, id.index));
+            if shifts.get(&id.blob) != Some(&Some(id.shift)) {
+                bad_keys.push(key);
+                bad_keys.push(sums_key(&id).to_vec().into_boxed_slice());
+                orphans += 1;
+                continue;
+            }
             let len = match lengths.get(&id.blob) {
                 Some(len) => *len,
                 None => {
@@ -664,9 +592,9 @@ impl DiskCache {
                     len
                 }
             };
-            let end = chunk_offset(id.index).and_then(|o| o.checked_add(size));
+            let end = chunk_offset(id.index, id.shift).and_then(|o| o.checked_add(size));
             let whole = matches!((len, end), (Some(len), Some(end)) if end <= len);
-            let sums_ok = with_sums.remove(&id) == Some(sums_len(size));
+            let sums_ok = sums == Some(sums_len(size));
             if whole && sums_ok {
                 kept.push((id, entry));
                 continue;
@@ -680,7 +608,8 @@ impl DiskCache {
             }
         }
         // crc32c values without their entry.
-        for id in with_sums.into_keys() {
+        for (blob, index) in with_sums.into_keys() {
+            let id = ChunkId::new(blob, MAX_DISK_CHUNK_SHIFT, index);
             bad_keys.push(sums_key(&id).to_vec().into_boxed_slice());
         }
         // Holds whose token is gone.
@@ -691,7 +620,8 @@ impl DiskCache {
         }
 
         kept.sort_unstable_by_key(|(_, e)| e.seq);
-        let mut indexed: HashMap<Digest, HashSet<u64>> = HashMap::new();
+        // Per blob: its shift and indexed chunks.
+        let mut indexed: HashMap<Digest, (u8, HashSet<u64>)> = HashMap::new();
         let victims = {
             let mut st = self.lock();
             for (id, entry) in kept {
@@ -700,8 +630,16 @@ impl DiskCache {
                 // recency order then only goes stale, as after a lost batch of updates.
                 st.next_seq = st.next_seq.max(entry.seq.saturating_add(1));
                 st.lru.push(id, entry);
-                *st.per_blob.entry(id.blob).or_insert(0) += 1;
-                indexed.entry(id.blob).or_default().insert(id.index);
+                (st.per_blob.entry(id.blob))
+                    .or_insert(BlobRefs {
+                        chunks: 0,
+                        shift: id.shift,
+                    })
+                    .chunks += 1;
+                (indexed.entry(id.blob))
+                    .or_insert_with(|| (id.shift, HashSet::new()))
+                    .1
+                    .insert(id.index);
             }
             st.count(RECOVERED_ORPHANS, orphans);
             st.count(DROPPED_CORRUPT, corrupt);
@@ -712,7 +650,7 @@ impl DiskCache {
             st.doom_lru(over)
         };
         for (id, _) in &victims {
-            if let Some(set) = indexed.get_mut(&id.blob) {
+            if let Some((_, set)) = indexed.get_mut(&id.blob) {
                 set.remove(&id.index);
             }
         }
@@ -729,10 +667,12 @@ impl DiskCache {
                 let path = dirent.path();
                 let blob = (dirent.file_name().to_str())
                     .and_then(|name| parse_blob_name(&shard_hex, name));
-                let chunks = blob.and_then(|b| indexed.get(&b)).filter(|c| !c.is_empty());
+                let chunks = blob
+                    .and_then(|b| indexed.get(&b))
+                    .filter(|(_, c)| !c.is_empty());
                 match chunks {
-                    Some(chunks) if dirent.file_type().is_ok_and(|t| t.is_file()) => {
-                        removed += punch_unindexed(&path, chunks)?;
+                    Some((shift, chunks)) if dirent.file_type().is_ok_and(|t| t.is_file()) => {
+                        removed += punch_unindexed(&path, *shift, chunks)?;
                     }
                     _ if dirent.file_type().is_ok_and(|t| t.is_dir()) => {
                         tracing::warn!(path = %path.display(), "unexpected directory in the chunk cache; left alone");
@@ -847,7 +787,7 @@ impl DiskCache {
         let last = range.end.div_ceil(CHECK_BLOCK);
         let data_at = first * CHECK_BLOCK;
         let data_len = (last * CHECK_BLOCK).min(size) - data_at;
-        let base = chunk_offset(id.index).unwrap_or(u64::MAX);
+        let base = chunk_offset(id.index, id.shift).unwrap_or(u64::MAX);
         let mut data = Vec::with_capacity(data_len as usize);
         match read_uninit(&file, &mut data, data_len as usize, base + data_at, flags) {
             Ok(ReadOutcome::Full) => {
@@ -874,67 +814,10 @@ impl DiskCache {
         )))
     }
 
-    /// Pin every chunk of `blob` (`chunks` chunks of [`CHUNK_SIZE`], the last `last_size`
-    /// bytes) if all of them are cached: the returned pin keeps them (no eviction) and hands
-    /// out the blob file, whose bytes are then exactly the blob's. `None` if any is missing.
-    /// Reads of that file bypass the per-block checks; [`BlobPin::verify`] checks all of it.
-    pub fn pin_blob(
-        self: &Arc<Self>,
-        blob: &Digest,
-        chunks: u64,
-        last_size: u64,
-    ) -> Result<Option<BlobPin>> {
-        let mut pinned = Vec::new();
-        {
-            let mut st = self.lock();
-            for index in 0..chunks {
-                let id = ChunkId { blob: *blob, index };
-                let want = if index + 1 == chunks {
-                    last_size
-                } else {
-                    CHUNK_SIZE
-                };
-                match st.touch(&id) {
-                    Some(e) if u64::from(e.size) == want => pinned.push((id, want)),
-                    _ => {
-                        for (id, _) in &pinned {
-                            st.unpin(id);
-                        }
-                        return Ok(None);
-                    }
-                }
-                st.pin(&id);
-            }
-        }
-        let pin_ids: Vec<ChunkId> = pinned.iter().map(|(id, _)| *id).collect();
-        // A file description of its own: the cache's shared one is advised `RANDOM` (no
-        // kernel readahead), which would also hold for whoever reads through the pin (FUSE
-        // passthrough reads through this very description).
-        let path = self.blob_path(blob);
-        match File::open(&path) {
-            Ok(file) => Ok(Some(BlobPin {
-                cache: self.clone(),
-                blob: *blob,
-                chunks: pinned,
-                file: Arc::new(file),
-                hold: None,
-            })),
-            Err(e) => {
-                for id in &pin_ids {
-                    self.release(id);
-                }
-                match e.kind() {
-                    io::ErrorKind::NotFound => Ok(None),
-                    _ => Err(Error::io("open", &path, e)),
-                }
-            }
-        }
-    }
-
     /// Cache a chunk: durable on disk before it is indexed; LRU chunks are evicted first so that
     /// usage stays within the capacity. A chunk already cached (or being put) is only marked
     /// used; one that cannot fit (more than the capacity left by puts in flight) is not cached.
-    /// Chunks larger than [`CHUNK_SIZE`] are refused.
+    /// Chunks larger than their chunk size, or of a shift outside 12 ..= 18, are refused.
     pub fn put(&self, id: &ChunkId, data: &[u8]) -> Result<()> {
         self.put_many(&[(*id, data)])
     }
@@ -972,6 +855,7 @@ impl DiskCache {
             enospc: st.counters[ENOSPC],
             recovered_orphans: st.counters[RECOVERED_ORPHANS],
             stale_holds: (self.holds.lock().unwrap_or_else(PoisonError::into_inner)).len() as u64,
+            shift_conflicts: st.shift_conflicts,
         }
     }
 
@@ -1012,9 +896,7 @@ impl DiskCache {
     }
 
     fn sums_of_opt(&self, id: &ChunkId, size: u64) -> Result<Option<Arc<[u8]>>> {
-        let cached = (self.sums.lock().unwrap_or_else(PoisonError::into_inner))
-            .get(id)
-            .cloned();
+        let cached = (self.sums.lock().unwrap_or_else(PoisonError::into_inner)).get(id);
         if let Some(s) = cached.filter(|s| s.len() as u64 == sums_len(size)) {
             return Ok(Some(s));
         }
@@ -1143,10 +1025,11 @@ impl DiskCache {
         Ok(())
     }
 
-    /// Punch out a removed chunk's range (it is in flight, so nothing else touches it), then
-    /// let it go; unlink its blob file if no chunk of the blob is left.
+    /// Punch out a removed chunk's slot, `[index << shift, +1 << shift)` (it is in flight, so
+    /// nothing else touches it), then let it go; unlink its blob file if no chunk of the blob
+    /// is left.
     fn finish_removal(&self, id: ChunkId) {
-        if let Err(e) = self.punch(&id, CHUNK_SIZE) {
+        if let Err(e) = self.punch(&id, id.chunk_size()) {
             tracing::warn!(error = %e, "chunk cache: evicted chunk bytes left for the next open");
         }
         let mut st = self.lock();
@@ -1157,11 +1040,11 @@ impl DiskCache {
     /// One chunk of `blob` fewer (indexed or in flight); at zero, its file goes. Runs under
     /// the state lock so that no put opens the file meanwhile (module docs).
     fn drop_blob_ref(&self, st: &mut State, blob: &Digest) {
-        let Some(n) = st.per_blob.get_mut(blob) else {
+        let Some(refs) = st.per_blob.get_mut(blob) else {
             return;
         };
-        *n -= 1;
-        if *n > 0 {
+        refs.chunks -= 1;
+        if refs.chunks > 0 {
             return;
         }
         st.per_blob.remove(blob);
@@ -1181,7 +1064,7 @@ impl DiskCache {
         let Some(file) = self.open_blob(&id.blob, false)? else {
             return Ok(());
         };
-        let at = chunk_offset(id.index).unwrap_or(u64::MAX);
+        let at = chunk_offset(id.index, id.shift).unwrap_or(u64::MAX);
         punch_range(&file, at, len)
             .map_err(|e| Error::io("punch chunk", self.blob_path(&id.blob), e))
     }
@@ -1245,7 +1128,7 @@ impl DiskCache {
             Err(Error::Io { source, .. }) => return Err(source),
             Err(e) => return Err(io::Error::other(e)),
         };
-        let at = chunk_offset(id.index).unwrap_or(u64::MAX);
+        let at = chunk_offset(id.index, id.shift).unwrap_or(u64::MAX);
         // Made durable by the caller, with the rest of its batch (`batch.rs`).
         file.write_all_at(data, at)
     }
@@ -1274,7 +1157,7 @@ impl DiskCache {
         }
         let put_all = |b: &mut WriteBatch| {
             for (id, entry) in &updates {
-                b.put(chunk_key(id), encode_entry(*entry));
+                b.put(chunk_key(id), encode_entry(*entry, id.shift));
             }
         };
         (self.write_index_locked(&index, put_all, "cannot write recency to the index"))
@@ -1304,7 +1187,14 @@ impl DiskCache {
             let mut st = self.lock();
             let stale = std::mem::take(&mut st.stale);
             for id in stale {
-                if !st.lru.contains(&id) && !st.inflight.contains(&id) {
+                // The key has no shift: it is also the key of the chunk at the same index
+                // under the blob's shift now, if that one is cached or being put.
+                let now = (st.per_blob.get(&id.blob)).map_or(id, |r| ChunkId {
+                    shift: r.shift,
+                    ..id
+                });
+                let live = |c: &ChunkId| st.lru.contains(c) || st.inflight.contains(c);
+                if !live(&id) && !live(&now) {
                     batch.delete(chunk_key(&id));
                     batch.delete(sums_key(&id));
                 }
