@@ -43,8 +43,11 @@ echo "== strata layer build $SRC --name $REF (into the embedded store)"
 BUILT="$("$BIN" --json layer build "$SRC" --name "$REF")"
 META=$(echo "$BUILT" | num meta_bytes)
 BLOB=$(echo "$BUILT" | num blob_bytes)
+TAILS=$(echo "$BUILT" | num tails_bytes)
+TAILS=${TAILS:-0}
 FILES=$(echo "$BUILT" | num files)
-echo "   $FILES files: meta image $META bytes + data blob $BLOB bytes"
+echo "   $FILES files: meta image $META bytes + data blob $BLOB bytes (whole 256 KiB chunks)" \
+  "+ tails blob $TAILS bytes (small files and file tails, 64 KiB chunks)"
 
 echo "== strata mount $REF $MNT (starts the daemon; fetches the meta image only)"
 "$BIN" mount "$REF" "$MNT"
@@ -57,7 +60,7 @@ echo "== reading the first tenth of the $ALL files (directory by directory)"
 READ=$(head -n $((ALL / 10 + 1)) "$WORK/files" | tr '\n' '\0' | xargs -0 cat | wc -c)
 STATUS="$("$BIN" --json status)"
 FETCHED=$(echo "$STATUS" | num bytes_fetched)
-TOTAL=$((META + BLOB))
+TOTAL=$((META + BLOB + TAILS))
 echo "   read $READ bytes"
 echo
 echo "bytes fetched: $FETCHED of a $TOTAL-byte image ($(awk -v f="$FETCHED" -v t="$TOTAL" 'BEGIN { printf "%.1f", 100 * f / t }')%), for $READ bytes read ($(awk -v f="$FETCHED" -v r="$READ" 'BEGIN { printf "%.2f", (r ? f / r : 0) }')x); meta image $META bytes fetched whole at mount"

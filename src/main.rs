@@ -486,6 +486,7 @@ fn layer_stats_json(meta: &Path, blob: &Path, s: &erofs_builder::LayerStats) -> 
     });
     serde_json::json!({
         "tails": tails,
+        "tails_bytes": s.tails.as_ref().map_or(0, |t| t.bytes),
         "meta": meta.display().to_string(),
         "meta_bytes": s.meta.image_bytes,
         "blob": blob.display().to_string(),
