@@ -434,8 +434,8 @@ impl Node {
         let passthrough_now = inner.active.get(&id).copied();
         let refusal = match (inner.blobfs.as_deref(), local) {
             (_, false) => Some(
-                "not every chunk is in level 2 (it is too small for them, or they are not \
-                 256 KiB chunks)",
+                "not every chunk is in level 2 (it is too small for them, or a blob's chunks \
+                 are larger than 256 KiB)",
             ),
             (None, true) => Some("the daemon is stopping"),
             (Some(fs), true) => {
