@@ -145,8 +145,9 @@ fn mount_umount_status_crash_and_sigterm() {
     if pt {
         assert!(said.contains("next mount reads it from local disk directly"));
         let status = json(run(&["--json", "status"]));
-        assert_eq!(status["layers"][0]["passthrough_blobs"], 1, "{status}");
-        assert!(ok(run(&["status"])).contains("passthrough 1/1"));
+        // Both of its blobs: the main blob and the tails blob.
+        assert_eq!(status["layers"][0]["passthrough_blobs"], 2, "{status}");
+        assert!(ok(run(&["status"])).contains("passthrough 2/2"));
     }
 
     // kill -9: nothing is unmounted. The fd holder keeps the FUSE connection, so reads wait
@@ -196,8 +197,8 @@ fn mount_umount_status_crash_and_sigterm() {
     drop(open_before);
     if pt {
         let status = json(run(&["--json", "status"]));
-        assert_eq!(status["cache"]["disk"]["stale_holds"], 1, "{status}");
-        assert_eq!(status["layers"][0]["passthrough_blobs"], 1, "{status}");
+        assert_eq!(status["cache"]["disk"]["stale_holds"], 2, "{status}");
+        assert_eq!(status["layers"][0]["passthrough_blobs"], 2, "{status}");
     }
     let mounted = ours_mounted(&run_dir, &mp);
     assert_eq!(mounted.len(), 3, "blobs, layer, user mount: {mounted:?}");
@@ -642,8 +643,12 @@ fn a_deduped_layer_reads_exactly_after_its_sources_and_unrelated_layers_are_gone
         .iter()
         .map(|b| b["digest"].as_str().unwrap())
         .collect();
-    assert_eq!(blobs.len(), 2, "{m2}");
-    assert_eq!(blobs[1], b1["blob_digest"].as_str().unwrap());
+    // Its own main and tails blobs (nine 100-byte tails in one 64 KiB chunk, which v1's ten
+    // do not share), then v1's main blob.
+    assert_eq!(blobs.len(), 3, "{m2}");
+    assert_eq!(blobs[0], b2["blob_digest"].as_str().unwrap());
+    assert_eq!(blobs[1], b2["tails"]["digest"].as_str().unwrap(), "{m2}");
+    assert_eq!(blobs[2], b1["blob_digest"].as_str().unwrap());
     // Without dedup: one blob holding everything.
     let b3 = build(&v2, "toolkit/t:3", &["--no-dedup"]);
     assert_eq!(b3["dedup_chunks"], 0, "{b3}");
@@ -857,7 +862,17 @@ fn a_layers_access_trace_is_recorded_by_one_node_and_replayed_by_the_next() {
         sb["bytes_fetched"].as_u64().unwrap(),
         sb["trace_chunks"].as_u64().unwrap(),
     );
-    let blob_chunks = m["blobs"][0]["size"].as_u64().unwrap().div_ceil(256 << 10);
+    // The layer's chunks: its main blob's (256 KiB) and its tails blob's (64 KiB).
+    let blob_chunks: u64 = m["blobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| {
+            let size = b["size"].as_u64().unwrap();
+            size.div_ceil(b["chunk_size"].as_u64().unwrap_or(256 << 10))
+        })
+        .sum();
+    assert_eq!(m["blobs"].as_array().unwrap().len(), 2, "{m}");
     assert!(
         fetched <= traced << 18 && traced + 4 <= blob_chunks,
         "{traced} of {blob_chunks} chunks: {sb}"
