@@ -234,7 +234,7 @@ enum LayerCmd {
         /// of two, 4096..=131072), so a node fetches, verifies and dedups them in smaller
         /// units than the main blob's 256 KiB. `0`: no tails blob (one data blob, as layers
         /// built before it).
-        #[arg(long, value_name = "BYTES", default_value_t = erofs_builder::layer::DEFAULT_TAIL_CHUNK_SIZE)]
+        #[arg(long, value_name = "BYTES", env = "STRATA_TAIL_CHUNK_SIZE", default_value_t = erofs_builder::layer::DEFAULT_TAIL_CHUNK_SIZE)]
         tail_chunk_size: u32,
     },
     /// Export a stack of layers (REFs lowest first, each with its parents) as an OCI image

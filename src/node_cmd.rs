@@ -179,7 +179,7 @@ fn explain_in(e: ApiError, pong: &Pong, store: &StoreArg) -> anyhow::Error {
 /// `strata daemon`: run the node in the foreground until SIGTERM/SIGINT.
 pub async fn daemon(args: DaemonArgs, url: &str, cache: &CacheOpts, home: &Path) -> Result<()> {
     let url = absolute_url(url);
-    let config = cache.config(home);
+    let config = cache.config(home, &url);
     if let Some(d) = &config.disk {
         std::fs::create_dir_all(&d.dir)
             .with_context(|| format!("create cache directory {}", d.dir.display()))?;

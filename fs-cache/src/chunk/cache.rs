@@ -77,6 +77,11 @@ pub struct CacheConfig {
     pub disk: Option<DiskCacheConfig>,
     /// The largest single backend request (adjacent misses are coalesced up to this).
     pub max_request_bytes: u64,
+    /// A demand miss in a blob whose chunks are smaller than this also fetches the rest of
+    /// its aligned window of this many bytes that neither level holds, in the same request
+    /// (`window.rs`): for stores where a request costs far more than its bytes. 0: only the
+    /// chunks asked for.
+    pub fetch_unit_bytes: u64,
     /// Readahead after a sequential read (0: none): chunks in neither level are fetched.
     pub readahead_bytes: u64,
     /// Level-2 readahead after a sequential read (0: none): chunks on local disk are read
@@ -97,6 +102,7 @@ impl Default for CacheConfig {
             memory_bytes: 256 << 20,
             disk: None,
             max_request_bytes: 4 << 20,
+            fetch_unit_bytes: 0,
             readahead_bytes: 1 << 20,
             disk_readahead_bytes: 8 << 20,
             prefetch_concurrency: 2,
@@ -990,8 +996,31 @@ impl Inner {
             missing.sort_unstable();
         }
         if !missing.is_empty() {
-            let fetched = self.fetch_chunks(table, &missing, Priority::Demand).await?;
-            for (i, b) in missing.iter().zip(fetched) {
+            let mut wanted = super::window::widen(
+                &missing,
+                table.chunk_size,
+                table.chunk_count(),
+                self.config.fetch_unit_bytes,
+                |j| {
+                    let cid = id(j);
+                    lock(&self.memory).lru.contains(&cid)
+                        || self.disk.as_ref().is_some_and(|d| d.contains(&cid))
+                },
+            );
+            // A widened request that fails (a chunk the reader did not ask for among them)
+            // is tried again for the asked-for chunks alone.
+            let fetched = match self.fetch_chunks(table, &wanted, Priority::Demand).await {
+                Ok(f) => f,
+                Err(_) if wanted.len() > missing.len() => {
+                    wanted.clone_from(&missing);
+                    self.fetch_chunks(table, &missing, Priority::Demand).await?
+                }
+                Err(e) => return Err(e),
+            };
+            for (i, b) in wanted.iter().zip(fetched) {
+                if !(range.start..range.end).contains(i) || missing.binary_search(i).is_err() {
+                    continue;
+                }
                 let p = part(*i);
                 parts[(*i - range.start) as usize] =
                     Some(b.slice(p.start as usize..p.end as usize));

@@ -15,6 +15,8 @@
 //! - [`recorder`]: access traces recorded from demand reads and replayed as prefetch
 //!   ([`crate::trace`]).
 //! - `stage`: chunks read ahead from level 2 for sequential readers.
+//! - `window`: the fetch unit, how far a demand miss in a blob of small chunks widens its
+//!   backend request ([`CacheConfig::fetch_unit_bytes`]).
 
 pub mod cache;
 pub mod codec;
@@ -23,6 +25,7 @@ pub mod disk;
 pub mod recorder;
 mod stage;
 pub mod table;
+mod window;
 
 pub use cache::{CacheConfig, CacheStats, ChunkCache};
 pub use codec::Compression;
