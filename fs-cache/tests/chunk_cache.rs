@@ -992,3 +992,97 @@ async fn a_blob_of_64_kib_chunks_reads_exactly_fills_level_2_and_is_pinned_and_w
     pin.file().read_exact_at(&mut whole, 0).unwrap();
     assert!(whole == bytes);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_fetch_unit_widens_a_miss_in_a_blob_of_small_chunks_to_its_aligned_window() {
+    let mem = Arc::new(MemoryBackend::new());
+    let chunk = 64 << 10;
+    // 10 whole 64 KiB chunks and a last one of 999 bytes.
+    let bytes = data(9, (10 * chunk + 999) as usize);
+    let blob = put_with_chunks(&mem, &bytes, chunk).await;
+    let open = |unit: u64| {
+        let faulty = Arc::new(FaultyBackend::new(mem.clone(), 3));
+        let config = CacheConfig {
+            fetch_unit_bytes: unit,
+            ..memory_only(64 * MIB)
+        };
+        let store = Store::new(faulty.clone());
+        async move { (ChunkCache::open(store, config).await.unwrap(), faulty) }
+    };
+    let read = |cache: &ChunkCache, at: u64, len: u64| {
+        let (cache, want) = (
+            cache.clone(),
+            bytes[at as usize..(at + len) as usize].to_vec(),
+        );
+        async move {
+            let got = cache.read(&blob, at, len).await.unwrap();
+            assert!(got[..] == want[..], "{at}+{len}");
+        }
+    };
+
+    // Without a unit, a miss fetches its own chunk only.
+    let (cache, faulty) = open(0).await;
+    cache.register(&blob).await.unwrap();
+    faulty.reset_stats();
+    read(&cache, 5 * chunk + 7, 100).await;
+    read(&cache, 6 * chunk, 100).await;
+    assert_eq!(faulty.stats().gets, 2);
+    assert_eq!(cache.stats().bytes_fetched, 2 * chunk);
+
+    // A 256 KiB unit: a miss in chunk 5 fetches chunks 4..8 in one request; the other three
+    // are then hits.
+    let (cache, faulty) = open(256 << 10).await;
+    cache.register(&blob).await.unwrap();
+    faulty.reset_stats();
+    read(&cache, 5 * chunk + 7, 100).await;
+    assert_eq!(
+        (faulty.stats().gets, cache.stats().bytes_fetched),
+        (1, 4 * chunk)
+    );
+    for c in [4, 6, 7] {
+        read(&cache, c * chunk + 1, chunk - 1).await;
+    }
+    assert_eq!(faulty.stats().gets, 1, "{:?}", cache.stats());
+    // The last window stops at the blob's end: chunks 8, 9 and the 999-byte one.
+    read(&cache, 9 * chunk, 10).await;
+    assert_eq!(faulty.stats().gets, 2);
+    assert_eq!(cache.stats().bytes_fetched, 6 * chunk + 999);
+    read(&cache, 10 * chunk, 999).await;
+    assert_eq!(faulty.stats().gets, 2);
+
+    // What a cache level holds already is not fetched again: chunk 2 prefetched on its own,
+    // a miss in chunk 1 fetches 0, 1 and 3 (two runs of adjacent chunks).
+    let (cache, faulty) = open(256 << 10).await;
+    cache
+        .prefetch(blob, vec![2 * chunk..2 * chunk + 1])
+        .await
+        .unwrap()
+        .unwrap();
+    faulty.reset_stats();
+    read(&cache, chunk + 5, 10).await;
+    let s = faulty.stats();
+    assert_eq!(
+        (s.gets, s.bytes_read),
+        (2, 3 * chunk),
+        "{:?}",
+        cache.stats()
+    );
+    for c in 0..4 {
+        read(&cache, c * chunk, chunk).await;
+    }
+    assert_eq!(faulty.stats().gets, 2);
+
+    // A unit no larger than the blob's chunks widens nothing (a 256 KiB blob, 256 KiB unit).
+    let f = fixture((2 * CHUNK_SIZE) as usize).await;
+    let cache = ChunkCache::open(
+        f.store.clone(),
+        CacheConfig {
+            fetch_unit_bytes: CHUNK_SIZE,
+            ..memory_only(64 * MIB)
+        },
+    )
+    .await
+    .unwrap();
+    cache.read(&f.blob, 10, 10).await.unwrap();
+    assert_eq!(cache.stats().bytes_fetched, CHUNK_SIZE);
+}

@@ -325,7 +325,7 @@ pub(super) const TRACE_REQUESTS_IN_FLIGHT: usize = 4;
 
 pub(super) struct Inner {
     store: Store,
-    config: CacheConfig,
+    pub(super) config: CacheConfig,
     tables: Mutex<HashMap<Digest, Arc<ChunkTable>>>,
     memory: Mutex<Memory>,
     disk: Option<Arc<DiskCache>>,

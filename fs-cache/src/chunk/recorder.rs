@@ -177,6 +177,15 @@ impl ChunkCache {
                         continue;
                     };
                     chunks.sort_unstable();
+                    // Widened to the fetch unit like a demand miss (fewer, larger requests
+                    // for a blob of small chunks); what is cached already is not fetched.
+                    let chunks = super::window::widen(
+                        &chunks,
+                        table.chunk_size,
+                        table.chunk_count(),
+                        inner.config.fetch_unit_bytes,
+                        |_| false,
+                    );
                     fetched += inner.warm_chunks(table, chunks, Priority::Trace).await?;
                 }
                 Result::Ok(fetched)
