@@ -1054,7 +1054,7 @@ async fn a_fetch_unit_widens_a_miss_in_a_blob_of_small_chunks_to_its_aligned_win
     // a miss in chunk 1 fetches 0, 1 and 3 (two runs of adjacent chunks).
     let (cache, faulty) = open(256 << 10).await;
     cache
-        .prefetch(blob, vec![2 * chunk..2 * chunk + 1])
+        .prefetch(blob, std::iter::once(2 * chunk..2 * chunk + 1).collect())
         .await
         .unwrap()
         .unwrap();
