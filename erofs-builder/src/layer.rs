@@ -49,7 +49,8 @@
 //!   at least half of T (at most [`TAIL_RUN_MIN_BLOCKS`] blocks) gets a run of whole T
 //!   chunks at a T boundary; gaps are what runs and alignment leave. A tail is one chunk
 //!   index `(device 2, block)`; it may span several T chunks. Identical tails are stored
-//!   once. The tails blob is never empty: without tails it is one zero block.
+//!   once. The tails blob is never empty: without tails it is one zero block; nor, with a
+//!   tails blob, is the main blob (one zero block when it would hold no chunk).
 //! * **dictionary devices** come after: ids 3.. in order of first use, at most
 //!   [`MAX_DICT_DEVICES_WITH_TAILS`] (32 devices in all); [`LayerStats::devices`] lists them
 //!   in that order, so device id = 3 + position.
@@ -753,7 +754,12 @@ impl BlobWriter {
     /// slot, the tails blob's, then the dictionary blobs pointed into; `meta_blocks` is the
     /// meta image's size (the blob's place in the flat address space, the others' after it).
     pub(crate) fn finish(&mut self, meta_blocks: u32) -> Result<Vec<DeviceSlot>> {
-        self.digest = self.main.finish(0, self.fsync)?;
+        // With a tails blob, the main blob is never empty either (one zero block when every
+        // chunk is a tail or in the dictionary): a node pins, warms and serves every device
+        // alike, and a layer of small files only is still read without the daemon when warm.
+        self.digest = self
+            .main
+            .finish(u64::from(self.tails.is_some()), self.fsync)?;
         let tag = self
             .tag
             .clone()

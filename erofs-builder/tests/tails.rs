@@ -314,8 +314,8 @@ fn tails_builds_are_deterministic() {
     assert_ne!(f.t16.stats.tails, f.t64.stats.tails);
 }
 
-/// Without any partial chunk the tails blob is one zero block (a valid device), and an
-/// empty main blob (only small files) still mounts.
+/// Without any partial chunk the tails blob is one zero block (a valid device), and so is
+/// the main blob without any whole chunk (only small files); both mount.
 #[test]
 fn a_tails_blob_is_never_empty_and_an_empty_main_blob_mounts() {
     if !require_root("a_tails_blob_is_never_empty_and_an_empty_main_blob_mounts") {
@@ -341,7 +341,10 @@ fn a_tails_blob_is_never_empty_and_an_empty_main_blob_mounts() {
     assert_eq!(ts.blake3, *blake3::hash(&[0u8; 4096]).as_bytes());
     assert_eq!(w.stats.blob_bytes, 2 * CHUNK_SIZE);
     let s = build(&small, dir.path(), "small", T16K, None);
-    assert_eq!(s.stats.blob_bytes, 0);
+    assert_eq!(s.stats.blob_bytes, 4096);
+    assert_eq!(s.stats.chunks, 0);
+    assert_eq!(std::fs::read(&s.blob).unwrap(), vec![0u8; 4096]);
+    assert_eq!(s.stats.blob_blake3, *blake3::hash(&[0u8; 4096]).as_bytes());
     assert_eq!(s.stats.tails.as_ref().unwrap().chunks, 2);
     for (b, src) in [(&w, &whole), (&s, &small)] {
         let mnt = tempfile::tempdir().unwrap();
@@ -462,7 +465,7 @@ fn a_rebuild_with_5_percent_of_small_files_changed_reuses_the_previous_tails_blo
         let t2 = s2.tails.clone().unwrap();
         eprintln!("T = {t}: v1 {s1:?}\nv2 {s2:?}");
         // The big files' full chunks are all in v1's main blob.
-        assert_eq!(s2.blob_bytes, 0, "{s2:?}");
+        assert_eq!((s2.blob_bytes, s2.chunks), (4096, 0), "{s2:?}");
         // Most tails point into v1's tails blob: at most a fifth of v1's bytes stored again.
         assert!(
             t2.stored_bytes * 5 < t1.stored_bytes,

@@ -152,8 +152,12 @@ pub async fn collect(store: &Store, opts: GcOptions) -> Result<GcReport> {
         for o in objs.iter().filter(|o| o.key != blob_key) {
             backend.delete(&o.key).await?;
         }
-        backend.delete(&blob_key).await?;
-        backend.delete(&crate::store::lease_key(d)).await?;
+        // Only a blob gc saw is deleted: a candidate of old sidecars alone may have its blob
+        // being stored right now (its table is written first).
+        if objs.iter().any(|o| o.key == blob_key) {
+            backend.delete(&blob_key).await?;
+            backend.delete(&crate::store::lease_key(d)).await?;
+        }
     }
 
     for (key, when) in &leases {

@@ -137,6 +137,8 @@ pub struct CacheStats {
     /// Reads that failed with `Corrupt` after the refetch.
     pub corrupt_errors: u64,
     pub backend_errors: u64,
+    /// Chunks fetched ahead of readers: sequential readahead, and the rest of a demand
+    /// miss's fetch-unit window.
     pub readahead_chunks: u64,
     /// Level-2 chunks read ahead of a sequential reader, and how many of them were then read
     /// (the rest were pushed out unread, or read before they arrived).
@@ -531,7 +533,9 @@ impl ChunkCache {
                         }
                     }
                     if !need.is_empty() {
-                        let got = inner.fetch_chunks(table, &need, Priority::Prefetch).await?;
+                        let got = inner
+                            .fetch_chunks(table, &need, &[], Priority::Prefetch)
+                            .await?;
                         have.extend(need.into_iter().zip(got));
                     }
                     tokio::task::spawn_blocking(move || {
@@ -996,31 +1000,28 @@ impl Inner {
             missing.sort_unstable();
         }
         if !missing.is_empty() {
-            let mut wanted = super::window::widen(
+            // The rest of each miss's fetch-unit window rides along in the same requests;
+            // the reader waits for (and fails only with) its own chunks.
+            let extra: Vec<u64> = super::window::widen(
                 &missing,
                 table.chunk_size,
                 table.chunk_count(),
-                self.config.fetch_unit_bytes,
+                self.config
+                    .fetch_unit_bytes
+                    .min(self.config.max_request_bytes),
                 |j| {
                     let cid = id(j);
                     lock(&self.memory).lru.contains(&cid)
                         || self.disk.as_ref().is_some_and(|d| d.contains(&cid))
                 },
-            );
-            // A widened request that fails (a chunk the reader did not ask for among them)
-            // is tried again for the asked-for chunks alone.
-            let fetched = match self.fetch_chunks(table, &wanted, Priority::Demand).await {
-                Ok(f) => f,
-                Err(_) if wanted.len() > missing.len() => {
-                    wanted.clone_from(&missing);
-                    self.fetch_chunks(table, &missing, Priority::Demand).await?
-                }
-                Err(e) => return Err(e),
-            };
-            for (i, b) in wanted.iter().zip(fetched) {
-                if !(range.start..range.end).contains(i) || missing.binary_search(i).is_err() {
-                    continue;
-                }
+            )
+            .into_iter()
+            .filter(|j| missing.binary_search(j).is_err())
+            .collect();
+            let fetched = self
+                .fetch_chunks(table, &missing, &extra, Priority::Demand)
+                .await?;
+            for (i, b) in missing.iter().zip(fetched) {
                 let p = part(*i);
                 parts[(*i - range.start) as usize] =
                     Some(b.slice(p.start as usize..p.end as usize));
@@ -1062,17 +1063,20 @@ impl Inner {
             })
             .collect();
         if !missing.is_empty() {
-            self.fetch_chunks(table, &missing, priority).await?;
+            self.fetch_chunks(table, &missing, &[], priority).await?;
         }
         Ok(missing.len() as u64)
     }
 
     /// Chunks `missing` (sorted) of `table`'s blob from the backend, joining fetches already in
-    /// flight; in order.
+    /// flight; in order. `extra` (sorted, none in `missing`): chunks fetched in the same
+    /// requests when not in flight already (a fetch unit's window), counted as readahead and
+    /// not waited for: their failure is not the caller's.
     async fn fetch_chunks(
         self: &Arc<Self>,
         table: &Arc<ChunkTable>,
         missing: &[u64],
+        extra: &[u64],
         priority: Priority,
     ) -> Result<Vec<Bytes>> {
         let shift = shift_of(table);
@@ -1089,16 +1093,21 @@ impl Inner {
         if priority == Priority::Demand {
             boost.set.store(true, Ordering::Release);
         }
+        let mut extras = 0u64;
         {
             let mut inflight = lock(&self.inflight);
-            for &i in missing {
+            let mut all: Vec<(u64, bool)> = missing.iter().map(|&i| (i, true)).collect();
+            all.extend(extra.iter().map(|&i| (i, false)));
+            all.sort_unstable();
+            for (i, wanted) in all {
                 match inflight.get(&id(i)) {
-                    Some(f) => {
+                    Some(f) if wanted => {
                         if priority == Priority::Demand {
                             f.boost.raise();
                         }
                         waits.push((i, f.result.clone()));
                     }
+                    Some(_) => {}
                     None => {
                         let (tx, rx) = watch::channel(None);
                         inflight.insert(
@@ -1108,7 +1117,11 @@ impl Inner {
                                 boost: boost.clone(),
                             },
                         );
-                        waits.push((i, rx));
+                        if wanted {
+                            waits.push((i, rx));
+                        } else {
+                            extras += 1;
+                        }
                         claimed.push((i, tx));
                     }
                 }
@@ -1120,7 +1133,8 @@ impl Inner {
             Priority::Prefetch => &self.counters.prefetch_chunks,
             Priority::Trace => &self.counters.trace_chunks,
         };
-        add(counter, claimed.len() as u64);
+        add(counter, claimed.len() as u64 - extras);
+        add(&self.counters.readahead_chunks, extras);
 
         // Claimed chunks: runs of adjacent indices, each at most max_request_bytes.
         let per_request = (self.config.max_request_bytes / table.chunk_size).max(1) as usize;

@@ -183,7 +183,10 @@ impl ChunkCache {
                         &chunks,
                         table.chunk_size,
                         table.chunk_count(),
-                        inner.config.fetch_unit_bytes,
+                        inner
+                            .config
+                            .fetch_unit_bytes
+                            .min(inner.config.max_request_bytes),
                         |_| false,
                     );
                     fetched += inner.warm_chunks(table, chunks, Priority::Trace).await?;

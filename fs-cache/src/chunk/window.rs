@@ -12,6 +12,10 @@
 
 use std::ops::Range;
 
+/// The most chunks one window spans (4 MiB of 4 KiB chunks; callers also bound the unit by
+/// the largest request).
+pub(super) const MAX_WINDOW_CHUNKS: u64 = 1024;
+
 /// `missing` (sorted chunk indexes) with, for each, the other chunks of its `unit`-aligned
 /// window among `0..count` for which `cached` is false; sorted, each index once.
 pub(super) fn widen(
@@ -24,12 +28,13 @@ pub(super) fn widen(
     if unit <= chunk_size || chunk_size == 0 || missing.is_empty() {
         return missing.to_vec();
     }
-    let per = unit / chunk_size;
-    let mut out: Vec<u64> = Vec::with_capacity(missing.len() * per as usize);
+    // At most the blob's chunks, and MAX_WINDOW_CHUNKS, per window whatever the unit.
+    let per = (unit / chunk_size).clamp(1, count.clamp(1, MAX_WINDOW_CHUNKS));
+    let mut out: Vec<u64> = Vec::new();
     let mut done: Option<Range<u64>> = None;
     for &i in missing {
         let start = i - i % per;
-        let window = start..(start + per).min(count);
+        let window = start..start.saturating_add(per).min(count);
         if done.as_ref().is_some_and(|d| d.start == window.start) {
             continue;
         }
@@ -73,6 +78,18 @@ mod tests {
         );
         // A missing chunk is kept even if `cached` (a race) says otherwise.
         assert_eq!(widen(&[1], 16 * K, 4, 256 * K, |_| true), vec![1]);
+    }
+
+    #[test]
+    fn a_huge_unit_is_bounded_by_the_blob() {
+        assert_eq!(
+            widen(&[2], 64 * K, 4, u64::MAX, |_| false),
+            vec![0, 1, 2, 3]
+        );
+        assert_eq!(
+            widen(&[u64::MAX - 1], 4 * K, u64::MAX, u64::MAX, |_| true).len(),
+            1
+        );
     }
 
     #[test]
