@@ -29,7 +29,9 @@ pub struct FileInfo {
     /// Path inside the layer.
     pub rel: PathBuf,
     pub size: u64,
-    /// Chunks of the layer's blob its data lies in.
+    /// Chunks of the layer's main blob (device 1) its data lies in; data in the layer's
+    /// tails blob (small files, last partial chunks) is not counted: plans damage the main
+    /// blob only.
     pub chunks: BTreeSet<u64>,
 }
 
@@ -347,7 +349,9 @@ fn file_chunks(meta: &Path) -> Result<Vec<FileInfo>, String> {
                 FileType::Regular => {
                     let mut chunks = BTreeSet::new();
                     for x in img.data_map(&ino).map_err(|e| e.to_string())? {
-                        if let Location::Device { offset, .. } = x.location {
+                        // Device 1, the layer's main blob (the one the plans damage); the
+                        // tails blob (device 2) is not faulted.
+                        if let Location::Device { device: 1, offset } = x.location {
                             if x.len > 0 {
                                 chunks.extend(offset / CHUNK..=(offset + x.len - 1) / CHUNK);
                             }
