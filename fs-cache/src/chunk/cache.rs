@@ -288,13 +288,9 @@ pub const DISK_BATCH_BYTES: u64 = 16 << 20;
 
 /// The log2 of a table's chunk size: part of its chunks' identity ([`ChunkId::shift`]). A
 /// decoded table's chunk size is a power of two (`table.rs`).
-fn shift_of(table: &ChunkTable) -> u8 {
-    table.chunk_size.trailing_zeros() as u8
-}
-
 /// The shift of a table whose chunks level 2 keeps (4 KiB ..= 256 KiB, a power of two).
 fn disk_shift(table: &ChunkTable) -> Option<u8> {
-    let shift = shift_of(table);
+    let shift = table.chunk_shift();
     (table.chunk_size.is_power_of_two()
         && (super::MIN_CHUNK_SHIFT..=super::MAX_DISK_CHUNK_SHIFT).contains(&shift))
     .then_some(shift)
@@ -927,7 +923,7 @@ impl Inner {
     ) -> Result<Vec<Bytes>> {
         let n = (range.end - range.start) as usize;
         let mut parts: Vec<Option<Bytes>> = vec![None; n];
-        let shift = shift_of(table);
+        let shift = table.chunk_shift();
         let id = |i: u64| ChunkId {
             blob: table.blob,
             shift,
@@ -1049,7 +1045,7 @@ impl Inner {
         chunks: impl IntoIterator<Item = u64>,
         priority: Priority,
     ) -> Result<u64> {
-        let shift = shift_of(table);
+        let shift = table.chunk_shift();
         let missing: Vec<u64> = chunks
             .into_iter()
             .filter(|&i| {
@@ -1079,7 +1075,7 @@ impl Inner {
         extra: &[u64],
         priority: Priority,
     ) -> Result<Vec<Bytes>> {
-        let shift = shift_of(table);
+        let shift = table.chunk_shift();
         let id = |i: u64| ChunkId {
             blob: table.blob,
             shift,
@@ -1286,7 +1282,7 @@ impl Inner {
             for (i, _) in &run {
                 inflight.remove(&ChunkId {
                     blob: table.blob,
-                    shift: shift_of(&table),
+                    shift: table.chunk_shift(),
                     index: *i,
                 });
             }
@@ -1353,7 +1349,7 @@ impl Inner {
         };
         let id = ChunkId {
             blob: table.blob,
-            shift: shift_of(table),
+            shift: table.chunk_shift(),
             index,
         };
         // Own the bytes: a slice would pin the whole coalesced request in memory (a decoded
