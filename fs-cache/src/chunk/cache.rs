@@ -15,9 +15,8 @@
 //!    adjacent in its stored object), up to `max_request_bytes` of plain chunks. A chunk already being fetched by another reader
 //!    is not requested again: the reader waits for that request and shares its result or error.
 //! 4. Every fetched chunk is verified before it enters either level (level 2 in the
-//!    background: queued, and written by at most `DISK_WRITERS` threads in batches of up to
-//!    [`DISK_BATCH_BYTES`] with one `fdatasync` per blob file, [`DiskCache::put_many`]; a
-//!    reader never waits for it; a blob whose table has chunks larger than 256 KiB
+//!    background: queued, and written in batches, [`super::writer`]; a reader never waits
+//!    for it; a blob whose table has chunks larger than 256 KiB
 //!    ([`MAX_DISK_CHUNK_SHIFT`](super::MAX_DISK_CHUNK_SHIFT)) stays in level 1): a
 //!    compressed chunk is decoded
 //!    first, into a buffer of exactly its plain length ([`super::codec`]), and a frame that
@@ -63,6 +62,7 @@ use super::counters::{BlobStats, Extra};
 use super::disk::{BlobPin, DiskCache, DiskCacheConfig, DiskStats, RangeRead};
 use super::stage::Staging;
 use super::table::ChunkTable;
+use super::writer::DiskWriter;
 use super::ChunkId;
 use crate::backend::RetryPolicy;
 use crate::error::{Error, Result};
@@ -270,22 +270,6 @@ const STAGED_WINDOWS: u64 = 4;
 /// as several such runs at once. 8 chunks of 256 KiB.
 pub const DISK_RUN_BYTES: u64 = 2 << 20;
 
-/// Bytes of fetched chunks waiting to be written to level 2 in the background; past this, new
-/// chunks are served but not kept on disk (and counted). 64 MiB, most of it shared with
-/// level 1: with 16 MiB, a cold read of every file of a plain 780 MB layer at 500-700 MB/s
-/// left 156-311 chunks of 256 KiB out of level 2 (`cargo bench -p bench --bench peers`), so
-/// the layer was not wholly local at its next mount.
-pub const MAX_PENDING_DISK_BYTES: u64 = 64 << 20;
-/// The unit of the pending-write permits: a chunk takes one per 4 KiB (at least one).
-const PENDING_UNIT: u64 = 4096;
-/// All the pending-write permits.
-const PENDING_PERMITS: u32 = (MAX_PENDING_DISK_BYTES / PENDING_UNIT) as u32;
-const _: () = assert!(MAX_PENDING_DISK_BYTES / PENDING_UNIT <= Semaphore::MAX_PERMITS as u64);
-/// Level-2 writers at once: while one syncs its batch, the other writes the next.
-const DISK_WRITERS: usize = 2;
-/// Bytes per level-2 write batch (one chunk at least): 64 chunks of 256 KiB.
-pub const DISK_BATCH_BYTES: u64 = 16 << 20;
-
 /// The log2 of a table's chunk size: part of its chunks' identity ([`ChunkId::shift`]). A
 /// decoded table's chunk size is a power of two (`table.rs`).
 /// The shift of a table whose chunks level 2 keeps (4 KiB ..= 256 KiB, a power of two).
@@ -296,12 +280,6 @@ fn disk_shift(table: &ChunkTable) -> Option<u8> {
     .then_some(shift)
 }
 
-/// The pending-write permits of a chunk of `len` bytes.
-fn pending_permits(len: usize) -> u32 {
-    (len as u64)
-        .div_ceil(PENDING_UNIT)
-        .clamp(1, u64::from(PENDING_PERMITS)) as u32
-}
 /// Bytes per run of [`ChunkCache::warm_local`] (one backend request).
 pub const WARM_RUN_BYTES: u64 = 4 << 20;
 /// Runs of [`ChunkCache::warm_local`] in flight.
@@ -330,10 +308,8 @@ pub(super) struct Inner {
     inflight: Mutex<HashMap<ChunkId, InFlight>>,
     sequential: Mutex<HashMap<Digest, Sequential>>,
     staging: Arc<Staging>,
-    disk_writes: Arc<Semaphore>,
-    /// Fetched chunks waiting for a level-2 writer, each with its `disk_writes` permit.
-    disk_queue: Mutex<Vec<(ChunkId, Bytes, tokio::sync::OwnedSemaphorePermit)>>,
-    disk_writers: AtomicUsize,
+    /// Level 2's background writes ([`super::writer`]).
+    writer: Arc<DiskWriter>,
     counters: Counters,
     extra: Extra,
     demand_active: AtomicUsize,
@@ -407,9 +383,7 @@ impl ChunkCache {
                 inflight: Mutex::new(HashMap::new()),
                 sequential: Mutex::new(HashMap::new()),
                 staging,
-                disk_writes: Arc::new(Semaphore::new(PENDING_PERMITS as usize)),
-                disk_queue: Mutex::new(Vec::new()),
-                disk_writers: AtomicUsize::new(0),
+                writer: DiskWriter::new(),
                 counters: Counters::default(),
                 extra: Extra::default(),
                 demand_active: AtomicUsize::new(0),
@@ -548,7 +522,7 @@ impl ChunkCache {
             .await?;
         // A fetched chunk may also have been handed to a background level-2 write, which
         // the put above then left alone (already being put): wait for those.
-        drop(self.inner.disk_writes.acquire_many(PENDING_PERMITS).await);
+        self.inner.writer.drain().await;
         Ok((0..chunks).all(|i| disk.contains(&id(i))))
     }
 
@@ -797,13 +771,7 @@ impl ChunkCache {
     /// counters (the stats file is replaced atomically, [`crate::fsutil::write_atomic`]).
     pub async fn flush(&self) -> Result<()> {
         // Wait for the background writes to level 2 to finish.
-        let all = self
-            .inner
-            .disk_writes
-            .acquire_many(PENDING_PERMITS)
-            .await
-            .ok();
-        drop(all);
+        self.inner.writer.drain().await;
         if let Some(d) = self.inner.disk.clone() {
             tokio::task::spawn_blocking(move || d.flush())
                 .await
@@ -942,6 +910,10 @@ impl Inner {
             } else {
                 missing.push(i);
             }
+        }
+        if !missing.is_empty() {
+            // Level 2's background writes wait while readers need the disk or the backend.
+            self.writer.note_demand();
         }
         if let (false, Some(disk)) = (missing.is_empty(), self.disk.clone()) {
             // Only the blocks asked for: reading whole chunks into level 1 instead (so that the
@@ -1084,7 +1056,7 @@ impl Inner {
         // Join fetches in flight (raising their priority if this is a demand read); claim the
         // rest.
         let mut waits: Vec<(u64, watch::Receiver<Shared>)> = Vec::new();
-        let mut claimed: Vec<(u64, watch::Sender<Shared>)> = Vec::new();
+        let mut claimed: Vec<(u64, watch::Sender<Shared>, bool)> = Vec::new();
         let boost = Arc::new(Boost::default());
         if priority == Priority::Demand {
             boost.set.store(true, Ordering::Release);
@@ -1118,7 +1090,7 @@ impl Inner {
                         } else {
                             extras += 1;
                         }
-                        claimed.push((i, tx));
+                        claimed.push((i, tx, wanted));
                     }
                 }
             }
@@ -1134,15 +1106,15 @@ impl Inner {
 
         // Claimed chunks: runs of adjacent indices, each at most max_request_bytes.
         let per_request = (self.config.max_request_bytes / table.chunk_size).max(1) as usize;
-        let mut runs: Vec<Vec<(u64, watch::Sender<Shared>)>> = Vec::new();
-        for (i, tx) in claimed {
+        let mut runs: Vec<Vec<(u64, watch::Sender<Shared>, bool)>> = Vec::new();
+        for (i, tx, wanted) in claimed {
             match runs.last_mut() {
                 Some(run)
-                    if run.len() < per_request && run.last().map(|(j, _)| j + 1) == Some(i) =>
+                    if run.len() < per_request && run.last().map(|(j, ..)| j + 1) == Some(i) =>
                 {
-                    run.push((i, tx))
+                    run.push((i, tx, wanted))
                 }
-                _ => runs.push(vec![(i, tx)]),
+                _ => runs.push(vec![(i, tx, wanted)]),
             }
         }
         for run in runs {
@@ -1181,11 +1153,14 @@ impl Inner {
         Ok(found)
     }
 
-    /// Fetch one run of adjacent chunks with one backend request, verify, keep, publish.
+    /// Fetch one run of adjacent chunks with one backend request, verify, keep, publish. The
+    /// run's chunks that a reader waited for when they were claimed (`true`) are decoded,
+    /// kept and published first; the rest (a fetch unit's ride-alongs) after them, so that a
+    /// reader's reply does not wait for chunks it did not ask for.
     async fn fetch_run(
         self: Arc<Self>,
         table: Arc<ChunkTable>,
-        run: Vec<(u64, watch::Sender<Shared>)>,
+        run: Vec<(u64, watch::Sender<Shared>, bool)>,
         priority: Priority,
         boost: Arc<Boost>,
     ) {
@@ -1234,52 +1209,83 @@ impl Inner {
         // Adjacent chunks are adjacent in the stored object too (compressed or not, see
         // `table`), so a run is one ranged request of the stored bytes.
         let span = table.stored_range(first).start..table.stored_range(last).end;
-        let results = match self.request(&table, span.clone(), run.len() as u64).await {
-            Ok(body) => {
-                let pieces: Vec<(u64, Bytes)> = run
-                    .iter()
-                    .map(|(i, _)| {
-                        let r = table.stored_range(*i);
-                        let piece = (r.start - span.start) as usize..(r.end - span.start) as usize;
-                        (*i, body.slice(piece))
-                    })
-                    .collect();
-                // Decode and verify off the async workers, the chunks of one request in
-                // parallel.
-                let opened = {
-                    let t = table.clone();
-                    tokio::task::spawn_blocking(move || {
-                        use rayon::prelude::*;
-                        let open = |(i, d): &(u64, Bytes)| (*i, Self::open(&t, *i, d));
-                        // One chunk (a small file's miss): no hand-off to the pool and back.
-                        if pieces.len() == 1 {
-                            return pieces.iter().map(open).collect();
-                        }
-                        pieces
-                            .par_iter()
-                            .map(open)
-                            .collect::<Vec<(u64, Option<Bytes>)>>()
-                    })
-                    .await
-                    .unwrap_or_else(|_| run.iter().map(|(i, _)| (*i, None)).collect())
-                };
-                // Refetches of chunks that failed run at once, so that a read fails within
-                // two requests' time however many of its chunks are bad.
-                let accepts = opened
-                    .into_iter()
-                    .map(|(i, plain)| self.accept(&table, i, plain));
-                futures::future::join_all(accepts).await
-            }
+        let body = match self.request(&table, span.clone(), run.len() as u64).await {
+            Ok(body) => body,
             Err(e) => {
                 add(&self.counters.backend_errors, 1);
                 self.extra.error(&e);
                 let e = Arc::new(e);
-                run.iter().map(|_| Err(e.clone())).collect()
+                self.publish(
+                    &table,
+                    run.into_iter().map(|(i, tx, _)| (i, tx, Err(e.clone()))),
+                );
+                return;
             }
         };
+        let (waited, along): (Vec<_>, Vec<_>) = run.into_iter().partition(|(_, _, w)| *w);
+        for phase in [waited, along] {
+            if phase.is_empty() {
+                continue;
+            }
+            let pieces: Vec<(u64, Bytes)> = phase
+                .iter()
+                .map(|(i, ..)| {
+                    let r = table.stored_range(*i);
+                    let piece = (r.start - span.start) as usize..(r.end - span.start) as usize;
+                    (*i, body.slice(piece))
+                })
+                .collect();
+            // Decode and verify off the async workers, the chunks of one phase in parallel.
+            let opened = {
+                let t = table.clone();
+                tokio::task::spawn_blocking(move || {
+                    use rayon::prelude::*;
+                    let open = |(i, d): &(u64, Bytes)| (*i, Self::open(&t, *i, d));
+                    // One chunk (a small file's miss): no hand-off to the pool and back.
+                    if pieces.len() == 1 {
+                        return pieces.iter().map(open).collect();
+                    }
+                    pieces
+                        .par_iter()
+                        .map(open)
+                        .collect::<Vec<(u64, Option<Bytes>)>>()
+                })
+                .await
+                .unwrap_or_else(|_| phase.iter().map(|(i, ..)| (*i, None)).collect())
+            };
+            // Refetches of chunks that failed run at once, so that a read fails within two
+            // requests' time however many of its chunks are bad.
+            let accepts = opened
+                .into_iter()
+                .map(|(i, plain)| self.accept(&table, i, plain));
+            let results = futures::future::join_all(accepts).await;
+            self.publish(
+                &table,
+                phase
+                    .into_iter()
+                    .zip(results)
+                    .map(|((i, tx, _), r)| (i, tx, r)),
+            );
+        }
+    }
+
+    /// Hand fetched chunks (or their error) to their readers: out of the in-flight map first,
+    /// so that a reader arriving after the send finds the chunk cached, not a finished fetch.
+    fn publish(
+        &self,
+        table: &ChunkTable,
+        done: impl IntoIterator<
+            Item = (
+                u64,
+                watch::Sender<Shared>,
+                std::result::Result<Bytes, Arc<Error>>,
+            ),
+        >,
+    ) {
+        let done: Vec<_> = done.into_iter().collect();
         {
             let mut inflight = lock(&self.inflight);
-            for (i, _) in &run {
+            for (i, ..) in &done {
                 inflight.remove(&ChunkId {
                     blob: table.blob,
                     shift: table.chunk_shift(),
@@ -1287,7 +1293,7 @@ impl Inner {
                 });
             }
         }
-        for ((_, tx), r) in run.into_iter().zip(results) {
+        for (_, tx, r) in done {
             let _ = tx.send(Some(r));
         }
     }
@@ -1369,105 +1375,11 @@ impl Inner {
             // Readers get the chunk now; level 2 keeps it in the background (the disk cache
             // indexes a chunk only once its bytes are durable, so this never exposes a partial
             // chunk). Past a bound on pending bytes, the chunk is not kept on disk.
-            let permits = pending_permits(data.len());
-            match self.disk_writes.clone().try_acquire_many_owned(permits) {
-                Ok(permit) => {
-                    lock(&self.disk_queue).push((id, data.clone(), permit));
-                    self.start_disk_writer(disk);
-                }
-                Err(_) => add(&self.counters.disk_writes_skipped, 1),
+            if !self.writer.queue(&disk, id, data.clone()) {
+                add(&self.counters.disk_writes_skipped, 1);
             }
         }
         Ok(data)
-    }
-
-    /// Start a level-2 writer unless [`DISK_WRITERS`] run already. A writer takes queued
-    /// chunks of up to [`DISK_BATCH_BYTES`] (one at least) at a time and puts them as one batch (one `fdatasync` per
-    /// blob file, one index write: [`DiskCache::put_many`]) until the queue is empty; each
-    /// chunk's pending-write permit goes once its batch is done.
-    fn start_disk_writer(self: &Arc<Self>, disk: Arc<DiskCache>) {
-        if !self.claim_disk_writer() {
-            return;
-        }
-        // The slot is given back however the writer ends (a panic, or a runtime that refuses
-        // the task at shutdown).
-        let mut slot = WriterSlot {
-            inner: self.clone(),
-            ended: false,
-        };
-        tokio::task::spawn_blocking(move || loop {
-            let inner = &slot.inner;
-            let batch: Vec<(ChunkId, Bytes, tokio::sync::OwnedSemaphorePermit)> = {
-                let mut q = lock(&inner.disk_queue);
-                let mut bytes = 0;
-                let n = (q.iter())
-                    .take_while(|(_, b, _)| {
-                        let fits = bytes == 0 || bytes + b.len() as u64 <= DISK_BATCH_BYTES;
-                        bytes += b.len() as u64;
-                        fits
-                    })
-                    .count();
-                q.drain(..n).collect()
-            };
-            if batch.is_empty() {
-                inner.disk_writers.fetch_sub(1, Ordering::AcqRel);
-                // A chunk queued between the drain and the line above found every writer
-                // slot taken and started none: take it on (or leave it to a writer that
-                // claimed a slot meanwhile).
-                if lock(&inner.disk_queue).is_empty() || !inner.claim_disk_writer() {
-                    slot.end();
-                    return;
-                }
-                continue;
-            }
-            let chunks: Vec<(ChunkId, &[u8])> =
-                batch.iter().map(|(id, b, _)| (*id, &b[..])).collect();
-            if let Err(e) = disk.put_many(&chunks) {
-                tracing::warn!(error = %e, chunks = chunks.len(), "could not keep chunks on local disk");
-            }
-        });
-    }
-
-    /// Take one of the [`DISK_WRITERS`] writer slots, if one is free.
-    fn claim_disk_writer(&self) -> bool {
-        let mut n = self.disk_writers.load(Ordering::Acquire);
-        loop {
-            if n >= DISK_WRITERS {
-                return false;
-            }
-            match self
-                .disk_writers
-                .compare_exchange(n, n + 1, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => return true,
-                Err(now) => n = now,
-            }
-        }
-    }
-}
-
-/// A level-2 writer's slot. A writer that ends normally gives its slot back itself (`ended`);
-/// dropped otherwise (a panic, a task the runtime refused), it gives the slot back and drops
-/// what is queued, so that no chunk's pending-write permit waits for a writer that is gone
-/// (`flush` and `warm_local` wait for all of them).
-struct WriterSlot {
-    inner: Arc<Inner>,
-    ended: bool,
-}
-
-impl WriterSlot {
-    /// The writer gave its slot back itself.
-    fn end(&mut self) {
-        self.ended = true;
-    }
-}
-
-impl Drop for WriterSlot {
-    fn drop(&mut self) {
-        if !self.ended {
-            self.inner.disk_writers.fetch_sub(1, Ordering::AcqRel);
-            lock(&self.inner.disk_queue).clear();
-        }
     }
 }
 

@@ -15,6 +15,7 @@
 //! - [`recorder`]: access traces recorded from demand reads and replayed as prefetch
 //!   ([`crate::trace`]).
 //! - `stage`: chunks read ahead from level 2 for sequential readers.
+//! - `writer`: level 2's write queue (verified chunks written in batches, in the background).
 //! - `window`: the fetch unit, how far a demand miss in a blob of small chunks widens its
 //!   backend request ([`CacheConfig::fetch_unit_bytes`]).
 
@@ -26,6 +27,7 @@ pub mod recorder;
 mod stage;
 pub mod table;
 mod window;
+mod writer;
 
 pub use cache::{CacheConfig, CacheStats, ChunkCache};
 pub use codec::Compression;
