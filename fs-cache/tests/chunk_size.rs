@@ -140,6 +140,10 @@ impl Backend for PutLog {
         self.inner.get_range(key, range).await
     }
 
+    fn get_range_now(&self, key: &str, range: Range<u64>) -> Option<Result<Bytes>> {
+        self.inner.get_range_now(key, range)
+    }
+
     async fn put_stream(&self, key: &str, body: ByteStream, mode: PutMode) -> Result<ObjectMeta> {
         self.logged(key, self.inner.put_stream(key, body, mode))
             .await

@@ -233,9 +233,47 @@ async fn every_path_over_s3() {
     every_path(backend, "s3").await;
 }
 
+/// How a test reads through the cache.
+#[derive(Clone, Copy, Debug)]
+enum Reader {
+    /// An async task ([`ChunkCache::read`]).
+    Task,
+    /// A thread that may block, as a FUSE worker ([`ChunkCache::read_blocking`]): over a
+    /// POSIX store it reads, decodes and checks its chunks on its own thread.
+    Thread,
+}
+
+async fn read_as(
+    cache: &ChunkCache,
+    how: Reader,
+    blob: Digest,
+    offset: u64,
+    len: u64,
+) -> fs_cache::Result<Bytes> {
+    match how {
+        Reader::Task => cache.read(&blob, offset, len).await,
+        Reader::Thread => {
+            let (cache, rt) = (cache.clone(), tokio::runtime::Handle::current());
+            tokio::task::spawn_blocking(move || {
+                cache
+                    .read_blocking(&rt, &blob, offset, len)
+                    .map(|parts| Bytes::from(parts.concat()))
+            })
+            .await
+            .unwrap()
+        }
+    }
+}
+
 /// Damage in the stored object over one backend: a flipped byte in one frame, and the object
 /// cut short inside the last frame. Neither chunk is ever served; every other chunk is.
 async fn damage(backend: Arc<dyn Backend>, label: &str) {
+    for how in [Reader::Task, Reader::Thread] {
+        damage_as(backend.clone(), &format!("{label}, {how:?}"), how).await;
+    }
+}
+
+async fn damage_as(backend: Arc<dyn Backend>, label: &str, how: Reader) {
     let store = Store::new(backend.clone());
     let tmp = tempfile::tempdir().unwrap();
     let data = mixed();
@@ -259,7 +297,7 @@ async fn damage(backend: Arc<dyn Backend>, label: &str) {
         .unwrap();
     for i in 0..table.chunk_count() {
         let r = table.chunk_range(i);
-        let got = cache.read(&blob, r.start, r.end - r.start).await;
+        let got = read_as(&cache, how, blob, r.start, r.end - r.start).await;
         if i == 1 || i == last {
             let e = got.expect_err("a damaged chunk was served");
             let kind = e.kind();
@@ -291,7 +329,7 @@ async fn damage(backend: Arc<dyn Backend>, label: &str) {
         "{label}: {s:?}"
     );
     // Nothing damaged reached either level: a second read fails again.
-    assert!(cache.read(&blob, CHUNK_SIZE, 10).await.is_err());
+    assert!(read_as(&cache, how, blob, CHUNK_SIZE, 10).await.is_err());
     // Whole reads refuse the blob.
     assert!(store.get_blob(&blob).await.is_err(), "{label}");
     let mut sink = Vec::new();

@@ -236,6 +236,11 @@ impl Backend for FaultyBackend {
         Ok(self.damage(body))
     }
 
+    /// Never on the caller's thread: every read goes through the faults.
+    fn get_range_now(&self, _key: &str, _range: Range<u64>) -> Option<Result<Bytes>> {
+        None
+    }
+
     async fn put_stream(&self, key: &str, body: ByteStream, mode: PutMode) -> Result<ObjectMeta> {
         self.before(Op::Put, key).await?;
         self.inner.put_stream(key, body, mode).await

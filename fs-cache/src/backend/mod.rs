@@ -78,6 +78,14 @@ pub trait Backend: Send + Sync + fmt::Debug + fmt::Display {
     /// Read `range` of object `key` (see the module docs for the range rules).
     async fn get_range(&self, key: &str, range: Range<u64>) -> Result<Bytes>;
 
+    /// [`Self::get_range`] on the caller's thread, for a backend whose reads wait on local
+    /// I/O only (a POSIX mount); `None` (the default) when it cannot. No retries: a caller
+    /// that gets an error here reads again through [`Self::get_range`] under its policy.
+    fn get_range_now(&self, key: &str, range: Range<u64>) -> Option<Result<Bytes>> {
+        let _ = (key, range);
+        None
+    }
+
     /// Store the bytes of `body` under `key`, atomically, honouring `mode`.
     async fn put_stream(&self, key: &str, body: ByteStream, mode: PutMode) -> Result<ObjectMeta>;
 

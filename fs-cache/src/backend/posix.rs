@@ -167,6 +167,55 @@ impl Inner {
     }
 
     /// Open the regular file `key` for reading.
+    /// A ranged read on this thread (module docs, "Large positional reads").
+    fn read_range(&self, key: &str, range: Range<u64>, drop_pages: bool) -> Result<Bytes> {
+        let inner = self;
+        let (file, st) = inner.open_object(key)?;
+        let size = st.st_size as u64;
+        let r = clamp_range(&inner.display(), key, range, size)?;
+        let len = usize::try_from(r.end - r.start).map_err(|_| {
+            Error::io(
+                "read",
+                inner.root.join(key),
+                std::io::Error::other("range too large"),
+            )
+        })?;
+        if len == 0 {
+            return Ok(Bytes::new());
+        }
+        // Read into uninitialised capacity: zeroing a fresh multi-megabyte buffer first
+        // costs more than the read itself when the data is in the page cache.
+        let mut buf = Vec::with_capacity(len);
+        while buf.len() < len {
+            let at = r.start + buf.len() as u64;
+            match rustix::io::pread(&file, rustix::buffer::spare_capacity(&mut buf), at) {
+                Ok(0) => {
+                    return Err(Error::io(
+                        "read",
+                        inner.root.join(key),
+                        std::io::Error::new(
+                            std::io::ErrorKind::UnexpectedEof,
+                            format!("object ended at {at}, expected {} bytes", r.end),
+                        ),
+                    ))
+                }
+                Ok(_) => {}
+                Err(Errno::INTR) => {}
+                Err(e) => return Err(Error::io("read", inner.root.join(key), e.into())),
+            }
+        }
+        buf.truncate(len);
+        if drop_pages {
+            let _ = rustix::fs::fadvise(
+                &file,
+                r.start,
+                std::num::NonZeroU64::new(len as u64),
+                rustix::fs::Advice::DontNeed,
+            );
+        }
+        Ok(Bytes::from(buf))
+    }
+
     fn open_object(&self, key: &str) -> Result<(File, rustix::fs::Stat)> {
         let fd = self
             .open_beneath(key, OFlags::RDONLY)
@@ -320,53 +369,15 @@ impl Backend for PosixBackend {
         validate_key(key)?;
         let key = key.to_owned();
         let drop_pages = self.drop_read_pages;
-        self.blocking(move |inner| {
-            let (file, st) = inner.open_object(&key)?;
-            let size = st.st_size as u64;
-            let r = clamp_range(&inner.display(), &key, range, size)?;
-            let len = usize::try_from(r.end - r.start).map_err(|_| {
-                Error::io(
-                    "read",
-                    inner.root.join(&key),
-                    std::io::Error::other("range too large"),
-                )
-            })?;
-            if len == 0 {
-                return Ok(Bytes::new());
-            }
-            // Read into uninitialised capacity: zeroing a fresh multi-megabyte buffer first
-            // costs more than the read itself when the data is in the page cache.
-            let mut buf = Vec::with_capacity(len);
-            while buf.len() < len {
-                let at = r.start + buf.len() as u64;
-                match rustix::io::pread(&file, rustix::buffer::spare_capacity(&mut buf), at) {
-                    Ok(0) => {
-                        return Err(Error::io(
-                            "read",
-                            inner.root.join(&key),
-                            std::io::Error::new(
-                                std::io::ErrorKind::UnexpectedEof,
-                                format!("object ended at {at}, expected {} bytes", r.end),
-                            ),
-                        ))
-                    }
-                    Ok(_) => {}
-                    Err(Errno::INTR) => {}
-                    Err(e) => return Err(Error::io("read", inner.root.join(&key), e.into())),
-                }
-            }
-            buf.truncate(len);
-            if drop_pages {
-                let _ = rustix::fs::fadvise(
-                    &file,
-                    r.start,
-                    std::num::NonZeroU64::new(len as u64),
-                    rustix::fs::Advice::DontNeed,
-                );
-            }
-            Ok(Bytes::from(buf))
-        })
-        .await
+        self.blocking(move |inner| inner.read_range(&key, range, drop_pages))
+            .await
+    }
+
+    fn get_range_now(&self, key: &str, range: Range<u64>) -> Option<Result<Bytes>> {
+        Some(
+            validate_key(key)
+                .and_then(|()| self.inner.read_range(key, range, self.drop_read_pages)),
+        )
     }
 
     async fn put_stream(

@@ -468,6 +468,12 @@ impl Backend for RetryingBackend {
             .await
     }
 
+    /// The inner backend's, once: a caller that gets an error reads again through
+    /// [`Self::get_range`], under the retries.
+    fn get_range_now(&self, key: &str, range: Range<u64>) -> Option<Result<Bytes>> {
+        self.inner.get_range_now(key, range)
+    }
+
     async fn get(&self, key: &str) -> Result<Bytes> {
         self.run("get", key, || self.inner.get(key)).await
     }

@@ -210,6 +210,9 @@ struct Memory {
 }
 
 type Shared = Option<std::result::Result<Bytes, Arc<Error>>>;
+/// A chunk a fetch claimed: its index, where its result goes, and whether a reader waited
+/// for it when it was claimed (else it rides along in a fetch unit's window).
+type Claim = (u64, watch::Sender<Shared>, bool);
 
 /// A chunk being fetched: its result, and a way for a demand reader that joins a low-priority
 /// fetch (readahead, prefetch) still waiting for its turn to make it start at once.
@@ -322,6 +325,8 @@ pub(super) struct Inner {
     pub(super) recording: AtomicUsize,
     base: CacheStats,
 }
+
+mod fetch;
 
 /// The two-level chunk cache over a store.
 #[derive(Clone)]
@@ -504,7 +509,7 @@ impl ChunkCache {
                     }
                     if !need.is_empty() {
                         let got = inner
-                            .fetch_chunks(table, &need, &[], Priority::Prefetch)
+                            .fetch_chunks(table, &need, &[], Priority::Prefetch, Io::Offload)
                             .await?;
                         have.extend(need.into_iter().zip(got));
                     }
@@ -987,7 +992,7 @@ impl Inner {
             .filter(|j| missing.binary_search(j).is_err())
             .collect();
             let fetched = self
-                .fetch_chunks(table, &missing, &extra, Priority::Demand)
+                .fetch_chunks(table, &missing, &extra, Priority::Demand, io)
                 .await?;
             for (i, b) in missing.iter().zip(fetched) {
                 let p = part(*i);
@@ -1031,355 +1036,10 @@ impl Inner {
             })
             .collect();
         if !missing.is_empty() {
-            self.fetch_chunks(table, &missing, &[], priority).await?;
+            self.fetch_chunks(table, &missing, &[], priority, Io::Offload)
+                .await?;
         }
         Ok(missing.len() as u64)
-    }
-
-    /// Chunks `missing` (sorted) of `table`'s blob from the backend, joining fetches already in
-    /// flight; in order. `extra` (sorted, none in `missing`): chunks fetched in the same
-    /// requests when not in flight already (a fetch unit's window), counted as readahead and
-    /// not waited for: their failure is not the caller's.
-    async fn fetch_chunks(
-        self: &Arc<Self>,
-        table: &Arc<ChunkTable>,
-        missing: &[u64],
-        extra: &[u64],
-        priority: Priority,
-    ) -> Result<Vec<Bytes>> {
-        let shift = table.chunk_shift();
-        let id = |i: u64| ChunkId {
-            blob: table.blob,
-            shift,
-            index: i,
-        };
-        // Join fetches in flight (raising their priority if this is a demand read); claim the
-        // rest.
-        let mut waits: Vec<(u64, watch::Receiver<Shared>)> = Vec::new();
-        let mut claimed: Vec<(u64, watch::Sender<Shared>, bool)> = Vec::new();
-        let boost = Arc::new(Boost::default());
-        if priority == Priority::Demand {
-            boost.set.store(true, Ordering::Release);
-        }
-        let mut extras = 0u64;
-        {
-            let mut inflight = lock(&self.inflight);
-            let mut all: Vec<(u64, bool)> = missing.iter().map(|&i| (i, true)).collect();
-            all.extend(extra.iter().map(|&i| (i, false)));
-            all.sort_unstable();
-            for (i, wanted) in all {
-                match inflight.get(&id(i)) {
-                    Some(f) if wanted => {
-                        if priority == Priority::Demand {
-                            f.boost.raise();
-                        }
-                        waits.push((i, f.result.clone()));
-                    }
-                    Some(_) => {}
-                    None => {
-                        let (tx, rx) = watch::channel(None);
-                        inflight.insert(
-                            id(i),
-                            InFlight {
-                                result: rx.clone(),
-                                boost: boost.clone(),
-                            },
-                        );
-                        if wanted {
-                            waits.push((i, rx));
-                        } else {
-                            extras += 1;
-                        }
-                        claimed.push((i, tx, wanted));
-                    }
-                }
-            }
-        }
-        let counter = match priority {
-            Priority::Demand => &self.counters.misses,
-            Priority::Readahead => &self.counters.readahead_chunks,
-            Priority::Prefetch => &self.counters.prefetch_chunks,
-            Priority::Trace => &self.counters.trace_chunks,
-        };
-        add(counter, claimed.len() as u64 - extras);
-        add(&self.counters.readahead_chunks, extras);
-
-        // Claimed chunks: runs of adjacent indices, each at most max_request_bytes.
-        let per_request = (self.config.max_request_bytes / table.chunk_size).max(1) as usize;
-        let mut runs: Vec<Vec<(u64, watch::Sender<Shared>, bool)>> = Vec::new();
-        for (i, tx, wanted) in claimed {
-            match runs.last_mut() {
-                Some(run)
-                    if run.len() < per_request && run.last().map(|(j, ..)| j + 1) == Some(i) =>
-                {
-                    run.push((i, tx, wanted))
-                }
-                _ => runs.push(vec![(i, tx, wanted)]),
-            }
-        }
-        for run in runs {
-            let inner = self.clone();
-            let table = table.clone();
-            let boost = boost.clone();
-            tokio::spawn(async move { inner.fetch_run(table, run, priority, boost).await });
-        }
-
-        let mut found = Vec::with_capacity(waits.len());
-        for (_, mut rx) in waits {
-            let r = rx
-                .wait_for(|v| v.is_some())
-                .await
-                .map_err(|_| {
-                    Error::io(
-                        "fetch",
-                        blob_key(&table.blob),
-                        std::io::Error::other("fetch task ended without a result"),
-                    )
-                })?
-                .clone();
-            match r {
-                Some(Ok(b)) => found.push(b),
-                Some(Err(e)) => return Err(Error::Shared(e)),
-                // `wait_for` returned only once the value was set.
-                None => {
-                    return Err(Error::io(
-                        "fetch",
-                        blob_key(&table.blob),
-                        std::io::Error::other("fetch finished without a result"),
-                    ))
-                }
-            }
-        }
-        Ok(found)
-    }
-
-    /// Fetch one run of adjacent chunks with one backend request, verify, keep, publish. The
-    /// run's chunks that a reader waited for when they were claimed (`true`) are decoded,
-    /// kept and published first; the rest (a fetch unit's ride-alongs) after them, so that a
-    /// reader's reply does not wait for chunks it did not ask for.
-    async fn fetch_run(
-        self: Arc<Self>,
-        table: Arc<ChunkTable>,
-        run: Vec<(u64, watch::Sender<Shared>, bool)>,
-        priority: Priority,
-        boost: Arc<Boost>,
-    ) {
-        let _demand = if priority == Priority::Demand {
-            self.demand_active.fetch_add(1, Ordering::AcqRel);
-            Some(DemandGuard(&self))
-        } else {
-            None
-        };
-        let _permit = if priority == Priority::Demand {
-            None
-        } else if priority == Priority::Trace {
-            let boosted = boost.notify.notified();
-            if boost.set.load(Ordering::Acquire) {
-                None
-            } else {
-                tokio::select! {
-                    permit = self.trace_gate.acquire() => permit.ok(),
-                    () = boosted => None,
-                }
-            }
-        } else {
-            // Lower priority: wait until no demand fetch is in flight and a prefetch slot is
-            // free — unless a demand reader joined this fetch, which then starts at once.
-            loop {
-                let idle = self.demand_idle.notified();
-                let boosted = boost.notify.notified();
-                if boost.set.load(Ordering::Acquire) {
-                    break None;
-                }
-                if self.demand_active.load(Ordering::Acquire) == 0 {
-                    tokio::select! {
-                        permit = self.prefetch_gate.acquire() => break permit.ok(),
-                        () = boosted => {}
-                    }
-                    continue;
-                }
-                tokio::select! {
-                    () = idle => {}
-                    () = boosted => {}
-                }
-            }
-        };
-        let first = run[0].0;
-        let last = run[run.len() - 1].0;
-        // Adjacent chunks are adjacent in the stored object too (compressed or not, see
-        // `table`), so a run is one ranged request of the stored bytes.
-        let span = table.stored_range(first).start..table.stored_range(last).end;
-        let body = match self.request(&table, span.clone(), run.len() as u64).await {
-            Ok(body) => body,
-            Err(e) => {
-                add(&self.counters.backend_errors, 1);
-                self.extra.error(&e);
-                let e = Arc::new(e);
-                self.publish(
-                    &table,
-                    run.into_iter().map(|(i, tx, _)| (i, tx, Err(e.clone()))),
-                );
-                return;
-            }
-        };
-        let (waited, along): (Vec<_>, Vec<_>) = run.into_iter().partition(|(_, _, w)| *w);
-        for phase in [waited, along] {
-            if phase.is_empty() {
-                continue;
-            }
-            let pieces: Vec<(u64, Bytes)> = phase
-                .iter()
-                .map(|(i, ..)| {
-                    let r = table.stored_range(*i);
-                    let piece = (r.start - span.start) as usize..(r.end - span.start) as usize;
-                    (*i, body.slice(piece))
-                })
-                .collect();
-            // Decode and verify off the async workers, the chunks of one phase in parallel.
-            let opened = {
-                let t = table.clone();
-                tokio::task::spawn_blocking(move || {
-                    use rayon::prelude::*;
-                    let open = |(i, d): &(u64, Bytes)| (*i, Self::open(&t, *i, d));
-                    // One chunk (a small file's miss): no hand-off to the pool and back.
-                    if pieces.len() == 1 {
-                        return pieces.iter().map(open).collect();
-                    }
-                    pieces
-                        .par_iter()
-                        .map(open)
-                        .collect::<Vec<(u64, Option<Bytes>)>>()
-                })
-                .await
-                .unwrap_or_else(|_| phase.iter().map(|(i, ..)| (*i, None)).collect())
-            };
-            // Refetches of chunks that failed run at once, so that a read fails within two
-            // requests' time however many of its chunks are bad.
-            let accepts = opened
-                .into_iter()
-                .map(|(i, plain)| self.accept(&table, i, plain));
-            let results = futures::future::join_all(accepts).await;
-            self.publish(
-                &table,
-                phase
-                    .into_iter()
-                    .zip(results)
-                    .map(|((i, tx, _), r)| (i, tx, r)),
-            );
-        }
-    }
-
-    /// Hand fetched chunks (or their error) to their readers: out of the in-flight map first,
-    /// so that a reader arriving after the send finds the chunk cached, not a finished fetch.
-    fn publish(
-        &self,
-        table: &ChunkTable,
-        done: impl IntoIterator<
-            Item = (
-                u64,
-                watch::Sender<Shared>,
-                std::result::Result<Bytes, Arc<Error>>,
-            ),
-        >,
-    ) {
-        let done: Vec<_> = done.into_iter().collect();
-        {
-            let mut inflight = lock(&self.inflight);
-            for (i, ..) in &done {
-                inflight.remove(&ChunkId {
-                    blob: table.blob,
-                    shift: table.chunk_shift(),
-                    index: *i,
-                });
-            }
-        }
-        for (_, tx, r) in done {
-            let _ = tx.send(Some(r));
-        }
-    }
-
-    /// One ranged backend request (retried under the cache's policy); the body must be
-    /// exactly the range.
-    async fn request(&self, table: &ChunkTable, span: Range<u64>, chunks: u64) -> Result<Bytes> {
-        add(&self.counters.backend_requests, 1);
-        add(&self.counters.coalesced_chunks, chunks);
-        let key = blob_key(&table.blob);
-        let started = Instant::now();
-        let body = self.store.retrying().get_range_exact(&key, span).await?;
-        add(&self.counters.bytes_fetched, body.len() as u64);
-        let took = started.elapsed();
-        self.extra.fetched(&table.blob, body.len() as u64, took);
-        Ok(body)
-    }
-
-    /// Keep a fetched chunk that passed verification (its plain bytes); refetch one that did
-    /// not (`None`), alone, once.
-    async fn accept(
-        self: &Arc<Self>,
-        table: &Arc<ChunkTable>,
-        index: u64,
-        plain: Option<Bytes>,
-    ) -> std::result::Result<Bytes, Arc<Error>> {
-        let data = match plain {
-            Some(data) => data,
-            None => {
-                add(&self.counters.verify_failures, 1);
-                tracing::warn!(blob = %table.blob, chunk = index, "fetched chunk does not match its digest; refetching");
-                let again = match self.request(table, table.stored_range(index), 1).await {
-                    Ok(b) => b,
-                    Err(e) => {
-                        add(&self.counters.backend_errors, 1);
-                        self.extra.error(&e);
-                        return Err(Arc::new(e));
-                    }
-                };
-                let t = table.clone();
-                let opened = tokio::task::spawn_blocking(move || Self::open(&t, index, &again))
-                    .await
-                    .ok()
-                    .flatten();
-                match opened {
-                    Some(data) => data,
-                    None => {
-                        add(&self.counters.verify_failures, 1);
-                        add(&self.counters.corrupt_errors, 1);
-                        let e = Error::Corrupt {
-                            blob: table.blob.to_hex(),
-                            chunk: index,
-                        };
-                        self.extra.error(&e);
-                        return Err(Arc::new(e));
-                    }
-                }
-            }
-        };
-        let id = ChunkId {
-            blob: table.blob,
-            shift: table.chunk_shift(),
-            index,
-        };
-        // Own the bytes: a slice would pin the whole coalesced request in memory (a decoded
-        // zstd chunk is a buffer of its own already).
-        let data = if table.is_zstd(index) {
-            data
-        } else {
-            Bytes::copy_from_slice(&data)
-        };
-        self.memory_put(id, data.clone());
-        // Level 2 takes blobs of chunks of at most 256 KiB (shift 18; its blob files place
-        // chunk `i` at `i << shift`): a blob whose table has larger chunks (the format allows
-        // up to 64 MiB) stays in level 1, and its chunks never reach a batch, which they would
-        // fail whole, other blobs' chunks with them.
-        let disk = self.disk.clone().filter(|_| disk_shift(table).is_some());
-        if let Some(disk) = disk {
-            // Readers get the chunk now; level 2 keeps it in the background (the disk cache
-            // indexes a chunk only once its bytes are durable, so this never exposes a partial
-            // chunk). Past a bound on pending bytes, the chunk is not kept on disk.
-            if !self.writer.queue(&disk, id, data.clone()) {
-                add(&self.counters.disk_writes_skipped, 1);
-            }
-        }
-        Ok(data)
     }
 }
 
