@@ -12,10 +12,11 @@
 //!    thread for what was not cached. A whole-chunk level-2 hit is promoted to level 1.
 //! 3. The rest is fetched from the backend: runs of adjacent missing chunks become one ranged
 //!    request each (of the chunks' stored bytes: adjacent chunks of a compressed blob are
-//!    adjacent in its stored object), up to `max_request_bytes` of plain chunks. A chunk already being fetched by another reader
+//!    adjacent in its stored object), up to `max_request_bytes` of plain chunks (`fetch`: a
+//!    FUSE worker over a POSIX store reads, decodes and checks on its own thread). A chunk already being fetched by another reader
 //!    is not requested again: the reader waits for that request and shares its result or error.
 //! 4. Every fetched chunk is verified before it enters either level (level 2 in the
-//!    background: queued, and written in batches, [`super::writer`]; a reader never waits
+//!    background: queued, and written in batches, `writer.rs`; a reader never waits
 //!    for it; a blob whose table has chunks larger than 256 KiB
 //!    ([`MAX_DISK_CHUNK_SHIFT`](super::MAX_DISK_CHUNK_SHIFT)) stays in level 1): a
 //!    compressed chunk is decoded
@@ -316,6 +317,8 @@ pub(super) struct Inner {
     counters: Counters,
     extra: Extra,
     demand_active: AtomicUsize,
+    /// Fetches running on their readers' own threads ([`fetch::INLINE_FETCHES`]).
+    inline_fetches: AtomicUsize,
     demand_idle: Notify,
     prefetch_gate: Semaphore,
     trace_gate: Semaphore,
@@ -392,6 +395,7 @@ impl ChunkCache {
                 counters: Counters::default(),
                 extra: Extra::default(),
                 demand_active: AtomicUsize::new(0),
+                inline_fetches: AtomicUsize::new(0),
                 demand_idle: Notify::new(),
                 base,
             }),

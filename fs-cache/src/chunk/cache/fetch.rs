@@ -24,6 +24,41 @@ use crate::chunk::ChunkId;
 use crate::error::{Error, Result};
 use crate::store::blob_key;
 
+/// Fetches on their readers' own threads at once, at most. Such a read has no timeout (it
+/// waits for the store's `pread`), so a store that stalls — a hung network mount — holds at
+/// most this many FUSE workers; the other readers fetch the usual way, under the retry
+/// policy's timeouts, and fail in time (`ublk-daemon/docs/daemon.md`, "Failed reads").
+pub(super) const INLINE_FETCHES: usize = 4;
+
+/// One of the [`INLINE_FETCHES`] slots, given back on drop.
+struct InlineSlot<'a>(&'a Inner);
+
+impl<'a> InlineSlot<'a> {
+    fn claim(inner: &'a Inner) -> Option<Self> {
+        let mut n = inner.inline_fetches.load(Ordering::Acquire);
+        loop {
+            if n >= INLINE_FETCHES {
+                return None;
+            }
+            match inner.inline_fetches.compare_exchange(
+                n,
+                n + 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Some(Self(inner)),
+                Err(now) => n = now,
+            }
+        }
+    }
+}
+
+impl Drop for InlineSlot<'_> {
+    fn drop(&mut self) {
+        self.0.inline_fetches.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 impl Inner {
     /// Chunks `missing` (sorted) of `table`'s blob from the backend, joining fetches already in
     /// flight; in order. `extra` (sorted, none in `missing`): chunks fetched in the same
@@ -243,6 +278,9 @@ impl Inner {
         run: Vec<Claim>,
     ) -> std::result::Result<(), Vec<Claim>> {
         let span = table.stored_range(run[0].0).start..table.stored_range(run[run.len() - 1].0).end;
+        let Some(_slot) = InlineSlot::claim(self) else {
+            return Err(run);
+        };
         let started = Instant::now();
         let body = match (self.store.retrying()).get_range_now(&blob_key(&table.blob), span.clone())
         {
