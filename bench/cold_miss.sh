@@ -22,6 +22,7 @@ cleanup() {
         wait "$daemon" 2>/dev/null || true
     fi
     umount -l "$work/mnt" 2>/dev/null || true
+    umount -l "$work/run/blobs" 2>/dev/null || true
     rm -rf "$work"
 }
 trap cleanup EXIT
