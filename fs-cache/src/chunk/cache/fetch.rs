@@ -281,14 +281,15 @@ impl Inner {
         let Some(_slot) = InlineSlot::claim(self) else {
             return Err(run);
         };
+        // A demand fetch from here on: prefetches wait, as for one on the runtime's threads.
+        self.demand_active.fetch_add(1, Ordering::AcqRel);
+        let _demand = DemandGuard(self);
         let started = Instant::now();
         let body = match (self.store.retrying()).get_range_now(&blob_key(&table.blob), span.clone())
         {
             Some(Ok(body)) if body.len() as u64 == span.end - span.start => body,
             _ => return Err(run),
         };
-        self.demand_active.fetch_add(1, Ordering::AcqRel);
-        let _demand = DemandGuard(self);
         self.note_request(
             table,
             run.len() as u64,
