@@ -80,7 +80,8 @@ fn model(log: &[u8], data: &[u8], device_size: u64) -> Vec<u8> {
     for r in log[LOG_HEADER_SIZE..].chunks_exact(RECORD_SIZE) {
         let (off, doff, len, kind) = (le64(r), le64(&r[8..]), le32(&r[16..]), le32(&r[20..]));
         let start = off.min(dev.len() as u64) as usize;
-        let end = (off + u64::from(len)).min(dev.len() as u64) as usize;
+        // A barrier's offset and length mean nothing (the upper keeps any): no overflow here.
+        let end = off.saturating_add(u64::from(len)).min(dev.len() as u64) as usize;
         match kind {
             1 => {
                 let from = doff as usize;
