@@ -166,17 +166,15 @@ impl Inner {
         }
     }
 
-    /// Open the regular file `key` for reading.
     /// A ranged read on this thread (module docs, "Large positional reads").
     fn read_range(&self, key: &str, range: Range<u64>, drop_pages: bool) -> Result<Bytes> {
-        let inner = self;
-        let (file, st) = inner.open_object(key)?;
+        let (file, st) = self.open_object(key)?;
         let size = st.st_size as u64;
-        let r = clamp_range(&inner.display(), key, range, size)?;
+        let r = clamp_range(&self.display(), key, range, size)?;
         let len = usize::try_from(r.end - r.start).map_err(|_| {
             Error::io(
                 "read",
-                inner.root.join(key),
+                self.root.join(key),
                 std::io::Error::other("range too large"),
             )
         })?;
@@ -192,7 +190,7 @@ impl Inner {
                 Ok(0) => {
                     return Err(Error::io(
                         "read",
-                        inner.root.join(key),
+                        self.root.join(key),
                         std::io::Error::new(
                             std::io::ErrorKind::UnexpectedEof,
                             format!("object ended at {at}, expected {} bytes", r.end),
@@ -201,7 +199,7 @@ impl Inner {
                 }
                 Ok(_) => {}
                 Err(Errno::INTR) => {}
-                Err(e) => return Err(Error::io("read", inner.root.join(key), e.into())),
+                Err(e) => return Err(Error::io("read", self.root.join(key), e.into())),
             }
         }
         buf.truncate(len);
@@ -216,6 +214,7 @@ impl Inner {
         Ok(Bytes::from(buf))
     }
 
+    /// Open the regular file `key` for reading.
     fn open_object(&self, key: &str) -> Result<(File, rustix::fs::Stat)> {
         let fd = self
             .open_beneath(key, OFlags::RDONLY)

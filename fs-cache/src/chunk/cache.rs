@@ -274,8 +274,6 @@ const STAGED_WINDOWS: u64 = 4;
 /// as several such runs at once. 8 chunks of 256 KiB.
 pub const DISK_RUN_BYTES: u64 = 2 << 20;
 
-/// The log2 of a table's chunk size: part of its chunks' identity ([`ChunkId::shift`]). A
-/// decoded table's chunk size is a power of two (`table.rs`).
 /// The shift of a table whose chunks level 2 keeps (4 KiB ..= 256 KiB, a power of two).
 fn disk_shift(table: &ChunkTable) -> Option<u8> {
     let shift = table.chunk_shift();

@@ -243,19 +243,11 @@ impl DiskWriter {
 
     /// Take one of the [`DISK_WRITERS`] writer slots, if one is free.
     fn claim(&self) -> bool {
-        let mut n = self.writers.load(Ordering::Acquire);
-        loop {
-            if n >= DISK_WRITERS {
-                return false;
-            }
-            match self
-                .writers
-                .compare_exchange(n, n + 1, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => return true,
-                Err(now) => n = now,
-            }
-        }
+        (self.writers)
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < DISK_WRITERS).then_some(n + 1)
+            })
+            .is_ok()
     }
 }
 

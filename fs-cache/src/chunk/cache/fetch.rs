@@ -35,21 +35,12 @@ struct InlineSlot<'a>(&'a Inner);
 
 impl<'a> InlineSlot<'a> {
     fn claim(inner: &'a Inner) -> Option<Self> {
-        let mut n = inner.inline_fetches.load(Ordering::Acquire);
-        loop {
-            if n >= INLINE_FETCHES {
-                return None;
-            }
-            match inner.inline_fetches.compare_exchange(
-                n,
-                n + 1,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => return Some(Self(inner)),
-                Err(now) => n = now,
-            }
-        }
+        (inner.inline_fetches)
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < INLINE_FETCHES).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Self(inner))
     }
 }
 
@@ -57,6 +48,18 @@ impl Drop for InlineSlot<'_> {
     fn drop(&mut self) {
         self.0.inline_fetches.fetch_sub(1, Ordering::AcqRel);
     }
+}
+
+/// The stored bytes of a run of adjacent chunks: adjacent chunks are adjacent in the stored
+/// object too (compressed or not, see `table`), so a run is one ranged request.
+fn run_span(table: &ChunkTable, run: &[Claim]) -> Range<u64> {
+    table.stored_range(run[0].0).start..table.stored_range(run[run.len() - 1].0).end
+}
+
+/// Chunk `i`'s stored bytes in `body`, a request's body that starts at stored offset `start`.
+fn piece(table: &ChunkTable, body: &Bytes, start: u64, i: u64) -> Bytes {
+    let r = table.stored_range(i);
+    body.slice((r.start - start) as usize..(r.end - start) as usize)
 }
 
 impl Inner {
@@ -238,11 +241,7 @@ impl Inner {
                 }
             }
         };
-        let first = run[0].0;
-        let last = run[run.len() - 1].0;
-        // Adjacent chunks are adjacent in the stored object too (compressed or not, see
-        // `table`), so a run is one ranged request of the stored bytes.
-        let span = table.stored_range(first).start..table.stored_range(last).end;
+        let span = run_span(&table, &run);
         let body = match self.request(&table, span.clone(), run.len() as u64).await {
             Ok(body) => body,
             Err(e) => {
@@ -277,7 +276,7 @@ impl Inner {
         table: &Arc<ChunkTable>,
         run: Vec<Claim>,
     ) -> std::result::Result<(), Vec<Claim>> {
-        let span = table.stored_range(run[0].0).start..table.stored_range(run[run.len() - 1].0).end;
+        let span = run_span(table, &run);
         let Some(_slot) = InlineSlot::claim(self) else {
             return Err(run);
         };
@@ -299,22 +298,18 @@ impl Inner {
         let (waited, along): (Vec<_>, Vec<_>) = run.into_iter().partition(|(_, _, w)| *w);
         let mut done = Vec::with_capacity(waited.len());
         let mut bad = Vec::new();
-        for (i, tx, _) in waited {
-            let r = table.stored_range(i);
-            let piece = body.slice((r.start - span.start) as usize..(r.end - span.start) as usize);
-            match Self::open(table, i, &piece) {
-                Some(plain) => done.push((i, tx, Ok(self.keep(table, i, plain)))),
-                None => bad.push((i, tx)),
+        for claim in waited {
+            match Self::open(table, claim.0, &piece(table, &body, span.start, claim.0)) {
+                Some(plain) => done.push((claim.0, claim.1, Ok(self.keep(table, claim.0, plain)))),
+                None => bad.push(claim),
             }
         }
         self.publish(table, done);
         if !bad.is_empty() || !along.is_empty() {
             let (inner, table) = (self.clone(), table.clone());
             tokio::spawn(async move {
-                for (i, tx) in bad {
-                    let r = inner.accept(&table, i, None).await;
-                    inner.publish(&table, [(i, tx, r)]);
-                }
+                let failed = vec![None; bad.len()];
+                inner.settle(&table, bad, failed).await;
                 inner
                     .open_and_publish(&table, &body, span.start, along)
                     .await;
@@ -337,11 +332,7 @@ impl Inner {
         }
         let pieces: Vec<(u64, Bytes)> = phase
             .iter()
-            .map(|(i, ..)| {
-                let r = table.stored_range(*i);
-                let piece = (r.start - start) as usize..(r.end - start) as usize;
-                (*i, body.slice(piece))
-            })
+            .map(|(i, ..)| (*i, piece(table, body, start, *i)))
             .collect();
         // Decode and verify off the async workers, the chunks of one phase in parallel.
         let opened = {
@@ -361,15 +352,26 @@ impl Inner {
             .await
             .unwrap_or_else(|_| phase.iter().map(|(i, ..)| (*i, None)).collect())
         };
-        // Refetches of chunks that failed run at once, so that a read fails within two
-        // requests' time however many of its chunks are bad.
-        let accepts = opened
-            .into_iter()
-            .map(|(i, plain)| self.accept(table, i, plain));
+        let opened = opened.into_iter().map(|(_, plain)| plain).collect();
+        self.settle(table, phase, opened).await;
+    }
+
+    /// Keep the chunks `claims` (`opened`: each one's plain bytes, or `None` where it failed
+    /// its check) and hand them to their readers. Refetches of chunks that failed run at
+    /// once, so that a read fails within two requests' time however many of its chunks are
+    /// bad.
+    async fn settle(
+        self: &Arc<Self>,
+        table: &Arc<ChunkTable>,
+        claims: Vec<Claim>,
+        opened: Vec<Option<Bytes>>,
+    ) {
+        let accepts =
+            (claims.iter().zip(opened)).map(|((i, ..), plain)| self.accept(table, *i, plain));
         let results = futures::future::join_all(accepts).await;
         self.publish(
             table,
-            phase
+            claims
                 .into_iter()
                 .zip(results)
                 .map(|((i, tx, _), r)| (i, tx, r)),
