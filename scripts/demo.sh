@@ -47,7 +47,7 @@ TAILS=$(echo "$BUILT" | num tails_bytes)
 TAILS=${TAILS:-0}
 FILES=$(echo "$BUILT" | num files)
 echo "   $FILES files: meta image $META bytes + data blob $BLOB bytes (whole 256 KiB chunks)" \
-  "+ tails blob $TAILS bytes (small files and file tails, 64 KiB chunks)"
+  "+ tails blob $TAILS bytes (small files and file tails, 16 KiB chunks)"
 
 echo "== strata mount $REF $MNT (starts the daemon; fetches the meta image only)"
 "$BIN" mount "$REF" "$MNT"

@@ -7,7 +7,7 @@
 //! of the other versions of the same `KIND/NAME` (its lineage, newest first), then of the
 //! other layers of the same kind (newest first). Each blob's chunk digests come from its
 //! chunk table (`blobs/xx/<digest>.chunks`), which the store wrote with it, at that table's
-//! chunk size: a layer's main blob (256 KiB) and its tails blob (64 KiB by default) are both
+//! chunk size: a layer's main blob (256 KiB) and its tails blob (16 KiB by default) are both
 //! in the dictionary, and a chunk matches only a chunk of its own size.
 //!
 //! Invariants: a layer built against a dictionary lists, after its own blobs (device 1, and

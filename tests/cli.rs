@@ -284,15 +284,15 @@ fn layer_build_pushes_a_lazy_layer_that_reads_back() {
     let meta = m["meta"]["digest"].as_str().unwrap().to_owned();
     let blob = m["blobs"][0]["digest"].as_str().unwrap().to_owned();
     assert_eq!(blob, built["blob_digest"].as_str().unwrap());
-    // By default a layer has a tails blob (device 2, 64 KiB chunks): "small" and the last
+    // By default a layer has a tails blob (device 2, 16 KiB chunks): "small" and the last
     // 700,000 - 2 × 262,144 bytes of "d/big" are there; the main blob holds two whole chunks.
     let tails = m["blobs"][1]["digest"].as_str().unwrap().to_owned();
     assert_eq!(m["blobs"].as_array().unwrap().len(), 2, "{m}");
-    assert_eq!(m["blobs"][1]["chunk_size"], 65536, "{m}");
+    assert_eq!(m["blobs"][1]["chunk_size"], 16384, "{m}");
     assert!(m["blobs"][0].get("chunk_size").is_none(), "{m}");
     assert_eq!(m["blobs"][0]["size"], 2 * 262_144, "{m}");
     assert_eq!(built["tails"]["digest"].as_str(), Some(tails.as_str()));
-    assert_eq!(built["tails"]["chunk_size"], 65536, "{built}");
+    assert_eq!(built["tails"]["chunk_size"], 16384, "{built}");
     let path = |d: &str| store.join("blobs").join(&d[..2]).join(d);
     // Stored compressed by default (zstd per chunk): the manifest says so, the stored object
     // is smaller than the blob, and its chunk table sits beside it.
@@ -337,7 +337,7 @@ fn layer_build_pushes_a_lazy_layer_that_reads_back() {
         std::fs::metadata(&blob_file).unwrap().len(),
         m["blobs"][0]["size"].as_u64().unwrap()
     );
-    // The tails blob's chunk table is at 64 KiB: a table is stored before its blob.
+    // The tails blob's chunk table is at 16 KiB: a table is stored before its blob.
     assert!(store
         .join("blobs")
         .join(&tails[..2])

@@ -320,7 +320,7 @@ fn main() {
     println!();
     println!(
         "tails blob chunk size (STRATA_TAIL_CHUNK_SIZE): {}; fetch unit (STRATA_CACHE_FETCH_UNIT): {}",
-        std::env::var("STRATA_TAIL_CHUNK_SIZE").unwrap_or_else(|_| "default (65536)".into()),
+        std::env::var("STRATA_TAIL_CHUNK_SIZE").unwrap_or_else(|_| "default (16384)".into()),
         std::env::var("STRATA_CACHE_FETCH_UNIT").unwrap_or_else(|_| "default (256KiB on S3)".into())
     );
     println!("| compress | step | mount s | first command s | read MB | fetched MB | fetched / read | plain fetched / read | chunks fetched | trace chunks |");

@@ -44,7 +44,7 @@
 //!   no gaps, no packed tails, its length a multiple of 256 KiB, each 256 KiB cache chunk one
 //!   file chunk. Dictionary lookups and in-layer dedup of full chunks are as above.
 //! * **device 2, the tails blob**, holds every partial chunk. Its cache chunk size is its own,
-//!   T ([`TailsBlob::chunk_size`], a power of two, 4 KiB..=128 KiB; 64 KiB is meant as the
+//!   T ([`TailsBlob::chunk_size`], a power of two, 4 KiB..=128 KiB; 16 KiB is the
 //!   default), and the packing rules above apply in units of T: a directory whose tails take
 //!   at least half of T (at most [`TAIL_RUN_MIN_BLOCKS`] blocks) gets a run of whole T
 //!   chunks at a T boundary; gaps are what runs and alignment leave. A tail is one chunk
@@ -93,8 +93,8 @@ pub const BLOB_DEVICE_ID: u16 = 1;
 /// The device id chunk indexes use for the tails blob, when the layer has one.
 pub const TAILS_DEVICE_ID: u16 = 2;
 
-/// The tails blob's chunk size meant as the default (64 KiB).
-pub const DEFAULT_TAIL_CHUNK_SIZE: u32 = 64 << 10;
+/// The tails blob's chunk size by default (16 KiB: `bench/README.md`, "peers").
+pub const DEFAULT_TAIL_CHUNK_SIZE: u32 = 16 << 10;
 /// The smallest tails chunk size (one block).
 pub const MIN_TAIL_CHUNK_SIZE: u32 = BLOCK_SIZE as u32;
 /// The largest tails chunk size (128 KiB: half an EROFS chunk).
