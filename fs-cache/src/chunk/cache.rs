@@ -52,7 +52,7 @@ use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use futures::{StreamExt, TryStreamExt};
@@ -531,6 +531,14 @@ impl ChunkCache {
         // the put above then left alone (already being put): wait for those.
         self.inner.writer.drain().await;
         Ok((0..chunks).all(|i| disk.contains(&id(i))))
+    }
+
+    /// How long a chunk fetched while readers keep the cache busy may wait before it is
+    /// written to level 2 ([`super::writer::DISK_LINGER`] by default): a daemon that resumed
+    /// another's mounts sets [`super::writer::RESUMED_DISK_LINGER`] for a while, so that if
+    /// it is crash-looping what it fetched survives the next crash.
+    pub fn set_disk_linger(&self, linger: Duration) {
+        self.inner.writer.set_linger(linger);
     }
 
     /// Let level 2 evict again the chunks that an earlier process's holds kept pinned, where

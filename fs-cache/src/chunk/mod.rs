@@ -28,6 +28,7 @@ mod stage;
 pub mod table;
 mod window;
 mod writer;
+pub use writer::{DISK_LINGER, RESUMED_DISK_LINGER, RESUMED_FOR};
 
 pub use cache::{CacheConfig, CacheStats, ChunkCache};
 pub use codec::Compression;

@@ -35,11 +35,12 @@ use super::disk::DiskCache;
 use super::ChunkId;
 
 /// Bytes of fetched chunks waiting to be written to level 2 in the background; past this, new
-/// chunks are served but not kept on disk (and counted). 64 MiB, most of it shared with
+/// chunks are served but not kept on disk (and counted). 128 MiB, most of it shared with
 /// level 1: with 16 MiB, a cold read of every file of a plain 780 MB layer at 500-700 MB/s
 /// left 156-311 chunks of 256 KiB out of level 2 (`cargo bench -p bench --bench peers`), so
-/// the layer was not wholly local at its next mount.
-pub const MAX_PENDING_DISK_BYTES: u64 = 64 << 20;
+/// the layer was not wholly local at its next mount; it is [`DISK_EAGER_BYTES`] plus the
+/// 96 MiB of headroom a streaming reader needs while a batch is synced.
+pub const MAX_PENDING_DISK_BYTES: u64 = 128 << 20;
 /// The unit of the pending-write permits: a chunk takes one per 4 KiB (at least one).
 const PENDING_UNIT: u64 = 4096;
 /// All the pending-write permits.
@@ -50,19 +51,29 @@ pub const DISK_WRITERS: usize = 2;
 /// Bytes per level-2 write batch (one chunk at least): 64 chunks of 256 KiB.
 pub const DISK_BATCH_BYTES: u64 = 16 << 20;
 /// Queued bytes that a writer writes at once, quiet or not: a reader streaming at disk speed
-/// fills the pending bound (and chunks go unkept) if the writers wait for whole batches.
-/// With 16 MiB (a batch), a cold read of every file of a plain 1 GB tree left 66 chunks out
-/// of level 2; 4 MiB still costs a run of small-file misses one `fdatasync` per 4 MiB.
-pub const DISK_EAGER_BYTES: u64 = 4 << 20;
+/// fills the pending bound (and chunks go unkept) if the writers wait much longer. A burst
+/// of small-file misses stays under it and is written after it ends: with 4 MiB, the cold
+/// read of every 10th file of a Debian root (~20 MB of plain chunks) wrote 4-5 batches while
+/// it ran, and took 1.15× as long as with no write during it (`bench/README.md`, "peers").
+pub const DISK_EAGER_BYTES: u64 = 32 << 20;
 /// How long the cache must have had no demand read for a writer to write less than
 /// [`DISK_EAGER_BYTES`].
 pub const DISK_QUIET: Duration = Duration::from_millis(50);
 /// How long a queued chunk waits at most for a quiet moment or [`DISK_EAGER_BYTES`]. A
 /// daemon killed meanwhile loses what waited (the next one fetches it again): with 2 s,
 /// readers that never paused kept level 2 empty across a daemon killed every ~0.6 s
-/// (`tests/restart.rs` over S3 read 864 files instead of over 1,000); at most 10 batches a
-/// second still spares a burst of small-file misses its hundreds of `fdatasync`s.
-pub const DISK_LINGER: Duration = Duration::from_millis(100);
+/// (`tests/restart.rs` over S3 read 864 files instead of over 1,000). 500 ms outlasts a
+/// sandbox's first burst of small-file misses (0.1-0.3 s for a tenth of a Debian root) and
+/// still writes twice a second under readers that never pause.
+pub const DISK_LINGER: Duration = Duration::from_millis(500);
+/// The linger of a daemon that has just resumed another's mounts (a crash, a takeover), for
+/// its first [`RESUMED_FOR`]: one that is crash-looping keeps on disk what it fetched
+/// before the next crash (`tests/restart.rs` over S3, a daemon killed every ~0.5 s under
+/// readers that never pause: 722-827 files read with 500 ms throughout, 2,765-2,877 with
+/// this after each restart).
+pub const RESUMED_DISK_LINGER: Duration = Duration::from_millis(100);
+/// How long a resumed daemon keeps [`RESUMED_DISK_LINGER`].
+pub const RESUMED_FOR: Duration = Duration::from_secs(60);
 
 /// The pending-write permits of a chunk of `len` bytes.
 fn pending_permits(len: usize) -> u32 {
@@ -98,7 +109,8 @@ pub(super) struct DiskWriter {
     last_demand_us: AtomicU64,
     base: Instant,
     quiet: Duration,
-    linger: Duration,
+    /// [`DISK_LINGER`] in microseconds; [`DiskWriter::set_linger`] changes it.
+    linger_us: AtomicU64,
 }
 
 impl DiskWriter {
@@ -116,8 +128,21 @@ impl DiskWriter {
             last_demand_us: AtomicU64::new(0),
             base: Instant::now(),
             quiet,
-            linger,
+            linger_us: AtomicU64::new(linger.as_micros() as u64),
         })
+    }
+
+    /// From now on a queued chunk waits at most `linger` for a quiet moment (writers waiting
+    /// already see it when they next wake, at most the old linger later).
+    pub(super) fn set_linger(&self, linger: Duration) {
+        self.linger_us
+            .store(linger.as_micros() as u64, Ordering::Release);
+        let _q = lock(&self.queue);
+        self.wake.notify_all();
+    }
+
+    fn linger(&self) -> Duration {
+        Duration::from_micros(self.linger_us.load(Ordering::Acquire))
     }
 
     /// A demand read (a reader waits for it) needs the disk or the backend now: writers hold
@@ -216,11 +241,12 @@ impl DiskWriter {
             if q.bytes >= DISK_EAGER_BYTES || self.draining.load(Ordering::Acquire) > 0 {
                 break;
             }
-            let (waited, since) = (first.queued.elapsed(), self.since_demand());
-            if waited >= self.linger || since >= self.quiet {
+            let (waited, since, linger) =
+                (first.queued.elapsed(), self.since_demand(), self.linger());
+            if waited >= linger || since >= self.quiet {
                 break;
             }
-            let wait = (self.linger - waited).min(self.quiet - since);
+            let wait = (linger - waited).min(self.quiet - since);
             q = match self.wake.wait_timeout(q, wait) {
                 Ok((q, _)) => q,
                 Err(p) => p.into_inner().0,
@@ -357,7 +383,26 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_quarter_batch_is_written_at_once() {
+    async fn a_shorter_linger_applies_to_what_is_queued_already() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = disk(&dir);
+        let writer = DiskWriter::with_linger(Duration::from_secs(30), Duration::from_secs(30));
+        writer.note_demand();
+        let (id, data) = chunk(3);
+        assert!(writer.queue(&disk, id, data));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!disk.contains(&id));
+        let set = Instant::now();
+        writer.set_linger(Duration::from_millis(50));
+        assert!(eventually(Duration::from_secs(5), || disk.contains(&id)).await);
+        assert!(
+            set.elapsed() < Duration::from_secs(5),
+            "waited for the old linger"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_writer_starts_once_the_eager_bytes_are_queued() {
         let dir = tempfile::tempdir().unwrap();
         let disk = disk(&dir);
         let writer = DiskWriter::with_linger(Duration::from_secs(30), Duration::from_secs(30));
@@ -374,10 +419,15 @@ mod tests {
             "less than the eager bytes were written"
         );
         assert!(writer.queue(&disk, id(n - 1), Bytes::from(vec![7u8; 256 << 10])));
+        // The oldest batch goes at once; what is left under the eager bytes waits (quiet,
+        // linger) unless drained.
+        let batch = DISK_BATCH_BYTES / (256 << 10);
         assert!(
-            eventually(Duration::from_secs(10), || (0..n)
+            eventually(Duration::from_secs(10), || (0..batch)
                 .all(|i| disk.contains(&id(i))))
             .await
         );
+        writer.drain().await;
+        assert!((0..n).all(|i| disk.contains(&id(i))));
     }
 }

@@ -329,6 +329,18 @@ impl Node {
             }
         }
         let took_over = resumed.is_some();
+        if took_over {
+            // The earlier daemon crashed (or handed over): if this one crashes soon as well,
+            // what it fetched meanwhile should be on local disk, not lost with it.
+            cache.set_disk_linger(fs_cache::chunk::RESUMED_DISK_LINGER);
+            let c = Arc::downgrade(&cache);
+            tokio::spawn(async move {
+                tokio::time::sleep(fs_cache::chunk::RESUMED_FOR).await;
+                if let Some(c) = c.upgrade() {
+                    c.set_disk_linger(fs_cache::chunk::DISK_LINGER);
+                }
+            });
+        }
         let blobfs = match resumed {
             Some(fs) => fs,
             None => {
