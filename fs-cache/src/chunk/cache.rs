@@ -1076,11 +1076,9 @@ fn disk_reads(
     wanted: Vec<(u64, Range<u64>)>,
     nowait: bool,
 ) -> Vec<(u64, Range<u64>, Result<RangeRead>)> {
-    wanted
-        .into_iter()
-        .map(|(i, p)| {
-            let r = disk.read_range(&ChunkId { index: i, ..chunk }, p.clone(), nowait);
-            (i, p, r)
-        })
+    // Adjacent chunks' parts with one read (`DiskCache::read_run`).
+    let outcomes = disk.read_run(&chunk, &wanted, nowait);
+    (wanted.into_iter().zip(outcomes))
+        .map(|((i, p), r)| (i, p, r))
         .collect()
 }

@@ -137,6 +137,7 @@ mod fuzz;
 mod hold;
 mod index;
 mod pin;
+mod run;
 mod sums;
 
 use files::*;
