@@ -107,6 +107,11 @@ fn merged(layers: &[PathBuf]) -> Vec<(PathBuf, PathBuf)> {
 /// test ends.
 struct Cleanup {
     run_dir: PathBuf,
+    /// The store URL without its query: the daemons take the run directory from the
+    /// environment, so their command lines name only the store (unique to the test: a bucket
+    /// or a temporary path; `pkill` takes a regular expression, which the query's `?` would
+    /// spoil).
+    store: String,
     mountpoint: PathBuf,
     children: Arc<Mutex<Vec<Child>>>,
 }
@@ -118,11 +123,15 @@ impl Drop for Cleanup {
             let _ = c.wait();
         }
         let _ = rustix::mount::unmount(&self.mountpoint, rustix::mount::UnmountFlags::DETACH);
-        let _ = Command::new("pkill")
-            .arg("-KILL")
-            .arg("-f")
-            .arg(self.run_dir.as_os_str())
-            .status();
+        // The fd holder (its command line names the run directory) and every daemon of the
+        // test (the restarted ones and the upgrade, which a failed assertion leaves running).
+        for pattern in [self.run_dir.as_os_str(), std::ffi::OsStr::new(&self.store)] {
+            let _ = Command::new("pkill")
+                .arg("-KILL")
+                .arg("-f")
+                .arg(pattern)
+                .status();
+        }
         std::thread::sleep(Duration::from_millis(100));
         let _ = ublk_daemon::node::sys::detach_stale(&self.run_dir);
     }
@@ -264,6 +273,7 @@ fn scenario(tmp: &Path, store: &str, label: &str) {
     let children = Arc::new(Mutex::new(Vec::new()));
     let _cleanup = Cleanup {
         run_dir: run_dir.clone(),
+        store: store.split('?').next().unwrap_or_default().to_owned(),
         mountpoint: mp.clone(),
         children: children.clone(),
     };
