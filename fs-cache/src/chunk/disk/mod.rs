@@ -74,8 +74,10 @@
 //! entries of a blob whose entries name more than one shift (`recovered_orphans`: which of
 //! them its file's bytes belong to is unknown). The rest are loaded into the in-memory LRU in
 //! `seq` order. In every blob file, data outside indexed chunks (left by a crash) is punched
-//! out (walking `SEEK_DATA`/`SEEK_HOLE`), and blob files without an indexed chunk and any
-//! other file are deleted (`recovered_orphans`). If the capacity shrank, LRU chunks are
+//! out (walking `SEEK_DATA`/`SEEK_HOLE`) — except in the files of blobs still held by an
+//! earlier process's reader (a chunk removed while pinned kept its bytes for that reader) —
+//! and blob files without an indexed chunk and any other file are deleted
+//! (`recovered_orphans`). If the capacity shrank, LRU chunks are
 //! evicted until usage fits.
 //!
 //! # Concurrency and cost
@@ -657,7 +659,14 @@ impl DiskCache {
         }
         self.discard(victims, Some(EVICTIONS))?;
 
-        // Files without an entry, and bytes outside indexed chunks: leftovers of a crash.
+        // Files without an entry, and bytes outside indexed chunks: leftovers of a crash. Not
+        // in the file of a blob an earlier process's reader still holds: it may be reading a
+        // chunk that was removed while pinned (its bytes kept until the pin went, which a
+        // restart forgets); those bytes go at an open after the hold is gone.
+        let held: HashSet<Digest> = (self.holds.lock().unwrap_or_else(PoisonError::into_inner))
+            .values()
+            .map(|h| h.blob)
+            .collect();
         let mut removed = 0;
         for shard in 0..=255u8 {
             let shard_hex = hex::encode([shard]);
@@ -673,7 +682,9 @@ impl DiskCache {
                     .filter(|(_, c)| !c.is_empty());
                 match chunks {
                     Some((shift, chunks)) if dirent.file_type().is_ok_and(|t| t.is_file()) => {
-                        removed += punch_unindexed(&path, *shift, chunks)?;
+                        if !blob.is_some_and(|b| held.contains(&b)) {
+                            removed += punch_unindexed(&path, *shift, chunks)?;
+                        }
                     }
                     _ if dirent.file_type().is_ok_and(|t| t.is_dir()) => {
                         tracing::warn!(path = %path.display(), "unexpected directory in the chunk cache; left alone");
