@@ -1069,6 +1069,45 @@ fn a_hold_outlives_its_process_while_its_token_exists() {
     assert_eq!(open(&dir, small).stats().stale_holds, 0);
 }
 
+/// A held chunk dropped as damaged keeps its bytes across a restart while its hold lives
+/// (the open does not punch them out under the earlier process's reader, though the restart
+/// forgot that their removal waits), and loses them at the first open after the hold went.
+#[test]
+fn a_chunk_removed_under_a_hold_keeps_its_bytes_across_a_restart() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cache");
+    let token = tmp.path().join("connection");
+    fs::create_dir(&token).unwrap();
+    run_holder(&dir, &token);
+    let held: Vec<ChunkId> = (0..HELD).map(|i| id("held", i)).collect();
+    let cache = open(&dir, 64 * MIB);
+    assert_eq!(cache.stats().stale_holds, 1);
+    cache.drop_corrupt(&held[1]).unwrap();
+    assert!(chunk_has_data(&dir, &held[1]));
+    let orphans = cache.stats().recovered_orphans;
+    drop(cache);
+
+    let cache = open(&dir, 64 * MIB);
+    assert_eq!(cache.stats().stale_holds, 1);
+    assert!(
+        chunk_has_data(&dir, &held[1]),
+        "punched at open under the holder's reader"
+    );
+    assert_eq!(cache.stats().recovered_orphans, orphans);
+    assert!(!cache.contains(&held[1]));
+    assert_eq!(
+        cache.get(&held[0]).unwrap().as_deref(),
+        Some(&content(&held[0], CHUNK_SIZE)[..])
+    );
+    drop(cache);
+
+    fs::remove_dir(&token).unwrap();
+    let cache = open(&dir, 64 * MIB);
+    assert_eq!(cache.stats().stale_holds, 0);
+    assert!(!chunk_has_data(&dir, &held[1]), "left after the hold went");
+    assert!(cache.contains(&held[0]) && cache.contains(&held[2]));
+}
+
 #[test]
 fn direct_run_reads_return_checked_chunks_and_drop_damaged_ones() {
     let tmp = tempfile::tempdir().unwrap();
