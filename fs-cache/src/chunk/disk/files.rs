@@ -100,7 +100,34 @@ pub(super) enum ReadOutcome {
 }
 
 /// Read `len` bytes at `at` into `buf`'s spare capacity (no zeroing first).
-pub(super) fn read_uninit(
+/// [`read_uninit`] for a reader that keeps the bytes itself (level 1, or the kernel's page
+/// cache above a FUSE file): `nowait` reads with `RWF_NOWAIT`, and what was read is dropped
+/// from this file's page cache, where a second copy would only crowd out others.
+pub(super) fn read_for_reader(
+    file: &File,
+    buf: &mut Vec<u8>,
+    len: usize,
+    at: u64,
+    nowait: bool,
+) -> io::Result<ReadOutcome> {
+    let flags = if nowait {
+        rustix::io::ReadWriteFlags::NOWAIT
+    } else {
+        rustix::io::ReadWriteFlags::empty()
+    };
+    let outcome = read_uninit(file, buf, len, at, flags)?;
+    if matches!(outcome, ReadOutcome::Full) {
+        let _ = rustix::fs::fadvise(
+            file,
+            at,
+            std::num::NonZeroU64::new(len as u64),
+            rustix::fs::Advice::DontNeed,
+        );
+    }
+    Ok(outcome)
+}
+
+fn read_uninit(
     file: &File,
     buf: &mut Vec<u8>,
     len: usize,

@@ -743,6 +743,27 @@ impl DiskCache {
         }
     }
 
+    /// Mark a cached chunk used and pin it for a read (the pin goes with the returned
+    /// guard); `None` if it is not cached. Saves recency when a batch of it is due.
+    fn pin_for_read(&self, id: &ChunkId) -> Option<(Entry, ReadPin<'_>)> {
+        let (entry, persist) = {
+            let mut st = self.lock();
+            let entry = st.touch(id)?;
+            st.pin(id);
+            (entry, st.dirty.len() >= RECENCY_BATCH)
+        };
+        let pin = ReadPin {
+            cache: self,
+            id: *id,
+        };
+        if persist {
+            if let Err(e) = self.persist_recency(false) {
+                tracing::debug!(error = %e, "chunk cache: recency not saved");
+            }
+        }
+        Some((entry, pin))
+    }
+
     /// Bytes `range` of a cached chunk, reading and checking (crc32c) only the 4 KiB blocks
     /// that cover it; marks the chunk recently used. With `nowait`, the reads do not wait for
     /// the disk (`RWF_NOWAIT`): bytes that are not in the page cache give
@@ -753,23 +774,9 @@ impl DiskCache {
         range: std::ops::Range<u64>,
         nowait: bool,
     ) -> Result<RangeRead> {
-        let (entry, persist) = {
-            let mut st = self.lock();
-            let Some(entry) = st.touch(id) else {
-                return Ok(RangeRead::Absent);
-            };
-            st.pin(id);
-            (entry, st.dirty.len() >= RECENCY_BATCH)
+        let Some((entry, _pin)) = self.pin_for_read(id) else {
+            return Ok(RangeRead::Absent);
         };
-        let _pin = ReadPin {
-            cache: self,
-            id: *id,
-        };
-        if persist {
-            if let Err(e) = self.persist_recency(false) {
-                tracing::debug!(error = %e, "chunk cache: recency not saved");
-            }
-        }
         let size = u64::from(entry.size);
         if range.start > range.end || range.end > size {
             return Err(self.error(format!(
@@ -790,28 +797,14 @@ impl DiskCache {
             self.forget(id, Some(entry.seq), Some(DROPPED_CORRUPT))?;
             return Ok(RangeRead::Absent);
         };
-        let flags = if nowait {
-            rustix::io::ReadWriteFlags::NOWAIT
-        } else {
-            rustix::io::ReadWriteFlags::empty()
-        };
         let first = range.start / CHECK_BLOCK;
         let last = range.end.div_ceil(CHECK_BLOCK);
         let data_at = first * CHECK_BLOCK;
         let data_len = (last * CHECK_BLOCK).min(size) - data_at;
         let base = chunk_offset(id.index, id.shift).unwrap_or(u64::MAX);
-        let mut data = Vec::with_capacity(data_len as usize);
-        match read_uninit(&file, &mut data, data_len as usize, base + data_at, flags) {
-            Ok(ReadOutcome::Full) => {
-                // Whoever asked keeps the bytes (level 1, or the kernel's page cache above a
-                // FUSE file); a second copy in this file's page cache only crowds out others.
-                let _ = rustix::fs::fadvise(
-                    &*file,
-                    base + data_at,
-                    std::num::NonZeroU64::new(data_len),
-                    rustix::fs::Advice::DontNeed,
-                );
-            }
+        let mut data = Vec::new();
+        match read_for_reader(&file, &mut data, data_len as usize, base + data_at, nowait) {
+            Ok(ReadOutcome::Full) => {}
             Ok(ReadOutcome::WouldBlock) => return Ok(RangeRead::WouldBlock),
             // A blob file shorter than an indexed chunk: damaged behind our back.
             Ok(ReadOutcome::Short) => return Ok(RangeRead::Corrupt),

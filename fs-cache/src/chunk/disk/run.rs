@@ -12,9 +12,9 @@ use std::ops::Range;
 
 use bytes::Bytes;
 
-use super::files::{read_uninit, ReadOutcome};
+use super::files::{read_for_reader, ReadOutcome};
 use super::sums::blocks_match;
-use super::{chunk_offset, DiskCache, RangeRead, ReadPin, CHECK_BLOCK, RECENCY_BATCH};
+use super::{chunk_offset, DiskCache, RangeRead, CHECK_BLOCK};
 use crate::chunk::ChunkId;
 use crate::error::Result;
 
@@ -72,23 +72,10 @@ impl DiskCache {
         let id = |index: u64| ChunkId { index, ..*chunk };
         let mut sizes = Vec::with_capacity(parts.len());
         let mut pins = Vec::with_capacity(parts.len());
-        let persist = {
-            let mut st = self.lock();
-            for (index, _) in parts {
-                let entry = st.touch(&id(*index))?;
-                st.pin(&id(*index));
-                pins.push(ReadPin {
-                    cache: self,
-                    id: id(*index),
-                });
-                sizes.push(u64::from(entry.size));
-            }
-            st.dirty.len() >= RECENCY_BATCH
-        };
-        if persist {
-            if let Err(e) = self.persist_recency(false) {
-                tracing::debug!(error = %e, "chunk cache: recency not saved");
-            }
+        for (index, _) in parts {
+            let (entry, pin) = self.pin_for_read(&id(*index))?;
+            sizes.push(u64::from(entry.size));
+            pins.push(pin);
         }
         // Every chunk but the last is whole (so the next one follows it in the file); every
         // part lies within its chunk. Anything else gets read_range's answer.
@@ -111,24 +98,10 @@ impl DiskCache {
         let last_blocks = parts[last].1.end.div_ceil(CHECK_BLOCK);
         let end = chunk_offset(parts[last].0, chunk.shift)?
             + (last_blocks * CHECK_BLOCK).min(sizes[last]);
-        let flags = if nowait {
-            rustix::io::ReadWriteFlags::NOWAIT
-        } else {
-            rustix::io::ReadWriteFlags::empty()
-        };
         let len = usize::try_from(end.checked_sub(start)?).ok()?;
-        let mut data = Vec::with_capacity(len);
-        match read_uninit(&file, &mut data, len, start, flags) {
-            Ok(ReadOutcome::Full) => {
-                // As read_range: the reader keeps the bytes, this file's pages would be a
-                // second copy.
-                let _ = rustix::fs::fadvise(
-                    &*file,
-                    start,
-                    std::num::NonZeroU64::new(len as u64),
-                    rustix::fs::Advice::DontNeed,
-                );
-            }
+        let mut data = Vec::new();
+        match read_for_reader(&file, &mut data, len, start, nowait) {
+            Ok(ReadOutcome::Full) => {}
             Ok(ReadOutcome::WouldBlock) => {
                 return Some(parts.iter().map(|_| Ok(RangeRead::WouldBlock)).collect())
             }
