@@ -10,34 +10,14 @@
 # binary (default: target/release/strata of $CARGO_TARGET_DIR). Everything it made goes at the
 # end, also when it fails. Figures: bench/README.md, "peers".
 set -euo pipefail
-here="$(cd "$(dirname "$0")/.." && pwd)"
-bin="${STRATA_BIN:-${CARGO_TARGET_DIR:-/var/cache/strata/target}/release/strata}"
-tree="${1:-$("$here/scripts/debian-base.sh")}"
-work="$(mktemp -d /var/tmp/strata-cold-floor.XXXXXX)"
-daemon=""
-tracer=""
-cleanup() {
-    [[ -n "$tracer" ]] && kill "$tracer" 2>/dev/null || true
-    "$bin" --store "$work/store" umount --run-dir "$work/run" "$work/mnt" >/dev/null 2>&1 || true
-    if [[ -n "$daemon" ]]; then
-        kill "$daemon" 2>/dev/null || true
-        wait "$daemon" 2>/dev/null || true
-    fi
-    umount -l "$work/mnt" 2>/dev/null || true
-    umount -l "$work/run/blobs" 2>/dev/null || true
-    rm -rf "$work"
-}
-trap cleanup EXIT
-export STRATA_HOME="$work/home"
-store=(--store "$work/store")
+# shellcheck source=bench/lib.sh
+source "$(dirname "$0")/lib.sh"
+bench_setup cold-floor "${1:-}"
 "$bin" "${store[@]}" layer build "$tree" --name base/floor:1 --quiet >/dev/null
-mkdir -p "$work/mnt"
-"$bin" "${store[@]}" daemon --run-dir "$work/run" --trace-window 0 >"$work/daemon.log" 2>&1 &
-daemon=$!
-"$bin" "${store[@]}" mount --run-dir "$work/run" base/floor:1 "$work/mnt" >/dev/null
-(cd "$tree" && find . -type f | LC_ALL=C sort | awk 'NR % 10 == 1') >"$work/list"
-sync
-echo 3 >/proc/sys/vm/drop_caches
+start_daemon
+mount_layer base/floor:1
+tenth_list
+drop_caches
 strace -q -f -e trace=openat2,pread64 -o "$work/trace" -p "$daemon" 2>/dev/null &
 tracer=$!
 sleep 1
