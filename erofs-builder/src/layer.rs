@@ -72,13 +72,14 @@ use std::path::{Path, PathBuf};
 
 use zerocopy::IntoBytes;
 
+use crate::data::DataFile;
 pub use crate::dictionary::{
     ChunkDictionary, MAX_DICT_CHUNKS, MAX_DICT_DEVICES, MAX_DICT_DEVICES_WITH_TAILS,
 };
 use crate::ondisk::{ChunkIndex, DeviceSlot, BLOCK_SIZE, CHUNK_FORMAT_INDEXES, NULL_ADDR};
 use crate::placer::Placer;
 use crate::source::ProgressGuard;
-use crate::writer::{build, tmp_path, DataFile};
+use crate::writer::{build, tmp_path};
 use crate::{io_err, BuildOptions, BuildStats, Error, Result, Source};
 
 /// log2 of the chunk size in blocks (256 KiB / 4 KiB = 2^6).

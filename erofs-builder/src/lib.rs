@@ -61,6 +61,7 @@
 
 use std::path::PathBuf;
 
+mod data;
 mod dictionary;
 pub mod layer;
 mod merge;

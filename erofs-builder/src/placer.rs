@@ -21,9 +21,9 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
+use crate::data::write_nonzero;
 use crate::layer::{CHUNK_BLKBITS, TAIL_RUN_MIN_BLOCKS};
 use crate::ondisk::BLOCK_SIZE;
-use crate::writer::write_nonzero;
 use crate::{io_err, Result};
 
 /// Blocks in a full EROFS chunk (256 KiB).

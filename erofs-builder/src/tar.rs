@@ -35,9 +35,10 @@ use std::io::{BufReader, Cursor, ErrorKind, Read};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
 
+use crate::data::write_nonzero;
 use crate::ondisk::{encode_dev, ft, NAME_LEN};
 use crate::source::{ProgressGuard, TarOptions};
-use crate::writer::{make_xattr, write_nonzero, Kind, Node, Xattr};
+use crate::writer::{make_xattr, Kind, Node, Xattr};
 use crate::{io_err, BuildOptions, Error, Result};
 
 const BLOCK: usize = 512;
