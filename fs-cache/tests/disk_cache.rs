@@ -692,10 +692,18 @@ fn disk_full_turns_into_eviction_or_a_clear_error() {
 
 #[test]
 fn ranged_reads_check_only_their_blocks_and_catch_damage() {
+    // With O_DIRECT (on a disk-backed directory) and through the page cache.
+    for direct in [true, false] {
+        ranged_reads(direct);
+    }
+}
+
+fn ranged_reads(direct: bool) {
     use fs_cache::chunk::disk::RangeRead;
-    let tmp = tempfile::tempdir().unwrap();
+    let tmp = tempfile::tempdir_in("/var/tmp").unwrap();
     let dir = tmp.path().join("cache");
     let cache = open(&dir, MIB);
+    cache.set_direct_reads(direct);
     let c = id("ranged", 0);
     let data = content(&c, CHUNK_SIZE);
     cache.put(&c, &data).unwrap();
@@ -712,6 +720,12 @@ fn ranged_reads_check_only_their_blocks_and_catch_damage() {
             other => panic!("{r:?}: {other:?}"),
         }
     }
+    assert_eq!(
+        cache.direct_reads(),
+        direct,
+        "the reads went {} the page cache",
+        if direct { "through" } else { "around" }
+    );
     assert!(cache.read_range(&c, 0..CHUNK_SIZE + 1, false).is_err());
     assert_eq!(
         cache.read_range(&id("ranged", 9), 0..1, false).unwrap(),
@@ -743,6 +757,7 @@ fn ranged_reads_check_only_their_blocks_and_catch_damage() {
         db.put(&k, &sums).unwrap();
     }
     let cache = open(&dir, MIB);
+    cache.set_direct_reads(direct);
     assert_eq!(
         cache.read_range(&c, 3 * 4096..3 * 4096 + 1, false).unwrap(),
         RangeRead::Corrupt

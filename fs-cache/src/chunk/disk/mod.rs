@@ -85,10 +85,11 @@
 //! per-blob counts) and is never held across I/O, except for the `unlink` of a blob file whose
 //! last chunk went (so that no put can reopen it meanwhile); a second one serializes index
 //! writes, so that a batch of recency updates cannot re-create an entry evicted meanwhile. A
-//! hit is a lookup and list move under the mutex, then a `pread` on a blob file kept open
-//! ([`OPEN_FILES`] of them), a crc32c per 4 KiB block, and `fadvise(DONTNEED)` of what was
-//! read (the reader keeps the bytes: level 1, or the kernel's page cache above a FUSE file, so
-//! that a byte read through a lazy mount sits in the page cache once); the crc32c values come from a memory
+//! hit is a lookup and list move under the mutex, then an `O_DIRECT` `pread` on a blob file
+//! kept open ([`OPEN_FILES`] of them; where the filesystem refuses `O_DIRECT`, a buffered one
+//! and `fadvise(DONTNEED)` of what was read), and a crc32c per 4 KiB block: the reader keeps
+//! the bytes (level 1, or the kernel's page cache above a FUSE file), so that a byte read
+//! through a lazy mount sits in the page cache once; the crc32c values come from a memory
 //! LRU ([`SUMS_CACHED`] bytes of values) in front of the index. A sequential stream's readahead reads
 //! runs of adjacent chunks instead, one `O_DIRECT` `pread` per run and no page cache
 //! ([`DiskCache::read_chunks_direct`], `direct.rs`). Recency is written to the index in
@@ -393,6 +394,12 @@ pub struct DiskCache {
     index_lock: Mutex<()>,
     /// Blob files kept open (read-write).
     open_files: Mutex<LruCache<Digest, Arc<File>>>,
+    /// Blob files kept open for reading with `O_DIRECT` (`direct.rs`), popped with
+    /// `open_files`.
+    open_direct: Mutex<LruCache<Digest, Arc<File>>>,
+    /// Whether the cache's filesystem takes `O_DIRECT` (tmpfs, say, does not); cleared at the
+    /// first refusal.
+    direct_ok: std::sync::atomic::AtomicBool,
     /// crc32c values of recently read chunks.
     sums: Mutex<SumsCache>,
     /// Holds left by earlier processes whose token still existed at open, by index key
@@ -491,6 +498,8 @@ impl DiskCache {
             }),
             index_lock: Mutex::new(()),
             open_files: Mutex::new(LruCache::new(nonzero(OPEN_FILES))),
+            open_direct: Mutex::new(LruCache::new(nonzero(OPEN_FILES))),
+            direct_ok: std::sync::atomic::AtomicBool::new(true),
             sums: Mutex::new(SumsCache::new(SUMS_CACHED)),
             holds: Mutex::new(HashMap::new()),
         };
@@ -766,8 +775,9 @@ impl DiskCache {
 
     /// Bytes `range` of a cached chunk, reading and checking (crc32c) only the 4 KiB blocks
     /// that cover it; marks the chunk recently used. With `nowait`, the reads do not wait for
-    /// the disk (`RWF_NOWAIT`): bytes that are not in the page cache give
-    /// [`RangeRead::WouldBlock`], and the caller retries on a thread that may block.
+    /// the disk: [`RangeRead::WouldBlock`] (always with `O_DIRECT`; through the page cache,
+    /// `RWF_NOWAIT`, unless the bytes are there), and the caller retries on a thread that may
+    /// block.
     pub fn read_range(
         &self,
         id: &ChunkId,
@@ -802,18 +812,22 @@ impl DiskCache {
         let data_at = first * CHECK_BLOCK;
         let data_len = (last * CHECK_BLOCK).min(size) - data_at;
         let base = chunk_offset(id.index, id.shift).unwrap_or(u64::MAX);
-        let mut data = Vec::new();
-        match read_for_reader(&file, &mut data, data_len as usize, base + data_at, nowait) {
-            Ok(ReadOutcome::Full) => {}
-            Ok(ReadOutcome::WouldBlock) => return Ok(RangeRead::WouldBlock),
+        let data = match self.read_for_reader(
+            &id.blob,
+            &file,
+            data_len as usize,
+            base + data_at,
+            nowait,
+        ) {
+            Ok((ReadOutcome::Full, data)) => data,
+            Ok((ReadOutcome::WouldBlock, _)) => return Ok(RangeRead::WouldBlock),
             // A blob file shorter than an indexed chunk: damaged behind our back.
-            Ok(ReadOutcome::Short) => return Ok(RangeRead::Corrupt),
+            Ok((ReadOutcome::Short, _)) => return Ok(RangeRead::Corrupt),
             Err(e) => return Err(Error::io("read chunk", self.blob_path(&id.blob), e)),
-        }
+        };
         if !blocks_match(&data, &sums[4 * first as usize..4 * last as usize]) {
             return Ok(RangeRead::Corrupt);
         }
-        let data = Bytes::from(data);
         Ok(RangeRead::Hit(data.slice(
             (range.start - data_at) as usize..(range.end - data_at) as usize,
         )))
@@ -1055,6 +1069,11 @@ impl DiskCache {
         st.per_blob.remove(blob);
         (self
             .open_files
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner))
+        .pop(blob);
+        (self
+            .open_direct
             .lock()
             .unwrap_or_else(PoisonError::into_inner))
         .pop(blob);

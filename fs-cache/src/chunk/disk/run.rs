@@ -12,7 +12,7 @@ use std::ops::Range;
 
 use bytes::Bytes;
 
-use super::files::{read_for_reader, ReadOutcome};
+use super::files::ReadOutcome;
 use super::sums::blocks_match;
 use super::{chunk_offset, DiskCache, RangeRead, CHECK_BLOCK};
 use crate::chunk::ChunkId;
@@ -99,17 +99,15 @@ impl DiskCache {
         let end = chunk_offset(parts[last].0, chunk.shift)?
             + (last_blocks * CHECK_BLOCK).min(sizes[last]);
         let len = usize::try_from(end.checked_sub(start)?).ok()?;
-        let mut data = Vec::new();
-        match read_for_reader(&file, &mut data, len, start, nowait) {
-            Ok(ReadOutcome::Full) => {}
-            Ok(ReadOutcome::WouldBlock) => {
+        let data = match self.read_for_reader(&chunk.blob, &file, len, start, nowait) {
+            Ok((ReadOutcome::Full, data)) => data,
+            Ok((ReadOutcome::WouldBlock, _)) => {
                 return Some(parts.iter().map(|_| Ok(RangeRead::WouldBlock)).collect())
             }
             // A short file or an error: read_range tells which chunk it concerns.
-            Ok(ReadOutcome::Short) | Err(_) => return None,
-        }
+            Ok((ReadOutcome::Short, _)) | Err(_) => return None,
+        };
         drop(pins);
-        let data = Bytes::from(data);
         let outcomes = (parts
             .iter()
             .map(|(_, p)| p)
