@@ -4,9 +4,9 @@
 //! A reader's own blocks ([`DiskCache::read_for_reader`]) are read with `O_DIRECT` where the
 //! cache's filesystem takes it: level 2 keeps no pages (the writer drops them once synced, a
 //! buffered reader right after its read), so a buffered read would insert the pages, copy
-//! them out and remove them again — on this machine's disk a 16 KiB read took 40 µs that way
-//! and 27–32 µs direct, a 64 KiB one 93 µs against 57 µs (`bench/README.md`, "peers"). A
-//! filesystem that refuses `O_DIRECT` (tmpfs) gets buffered reads, as before.
+//! them out and remove them again — on this machine's disk a random 16 KiB read took 46 µs
+//! that way and 38 µs direct, a 64 KiB one 90–99 µs against 73 µs (`bench/tools/read_modes.c`,
+//! `bench/README.md`, "peers"). A filesystem that refuses `O_DIRECT` gets buffered reads.
 //!
 //! A sequential reader of level 2 through the page cache costs, per byte, a page-cache
 //! insertion, a copy out, a removal (level 2 keeps no pages, see the module docs) and one
