@@ -1086,7 +1086,8 @@ fn a_hold_outlives_its_process_while_its_token_exists() {
 
 /// A held chunk dropped as damaged keeps its bytes across a restart while its hold lives
 /// (the open does not punch them out under the earlier process's reader, though the restart
-/// forgot that their removal waits), and loses them at the first open after the hold went.
+/// forgot that their removal waits), and loses them when the hold is released — or, if no
+/// process released it, at the first open after it went.
 #[test]
 fn a_chunk_removed_under_a_hold_keeps_its_bytes_across_a_restart() {
     let tmp = tempfile::tempdir().unwrap();
@@ -1114,8 +1115,45 @@ fn a_chunk_removed_under_a_hold_keeps_its_bytes_across_a_restart() {
         cache.get(&held[0]).unwrap().as_deref(),
         Some(&content(&held[0], CHUNK_SIZE)[..])
     );
+    // A chunk of the held blob cached again meanwhile is not an orphan any more.
+    let again = held[2];
+    cache.drop_corrupt(&again).unwrap();
+    drop(cache);
+    let cache = open(&dir, 64 * MIB);
+    cache.put(&again, &content(&again, CHUNK_SIZE)).unwrap();
+
+    // The token goes; releasing the hold punches the orphan out at once.
+    fs::remove_dir(&token).unwrap();
+    let orphans = cache.stats().recovered_orphans;
+    assert_eq!(cache.release_stale_holds().unwrap(), 1);
+    assert_eq!(cache.stats().stale_holds, 0);
+    assert!(
+        !chunk_has_data(&dir, &held[1]),
+        "left after the hold was released"
+    );
+    assert_eq!(cache.stats().recovered_orphans, orphans + 1);
+    for c in [held[0], again] {
+        assert_eq!(
+            cache.get(&c).unwrap().as_deref(),
+            Some(&content(&c, CHUNK_SIZE)[..]),
+            "chunk {} kept",
+            c.index
+        );
+    }
     drop(cache);
 
+    // A hold no process released: its orphans go at the first open after its token went.
+    let token = tmp.path().join("connection2");
+    fs::create_dir(&token).unwrap();
+    let dir = tmp.path().join("cache2");
+    run_holder(&dir, &token);
+    let held: Vec<ChunkId> = (0..HELD).map(|i| id("held", i)).collect();
+    let cache = open(&dir, 64 * MIB);
+    cache.drop_corrupt(&held[1]).unwrap();
+    drop(cache);
+    let cache = open(&dir, 64 * MIB);
+    assert!(chunk_has_data(&dir, &held[1]));
+    drop(cache);
     fs::remove_dir(&token).unwrap();
     let cache = open(&dir, 64 * MIB);
     assert_eq!(cache.stats().stale_holds, 0);

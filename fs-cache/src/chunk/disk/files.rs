@@ -21,22 +21,38 @@ pub(super) fn parse_blob_name(shard: &str, name: &str) -> Option<Digest> {
 /// `1 << shift` bytes (the blob's shift, 12 ..= 18); returns how many chunk slots were
 /// punched.
 pub(super) fn punch_unindexed(path: &Path, shift: u8, indexed: &HashSet<u64>) -> Result<u64> {
-    use rustix::fs::SeekFrom;
     let file = (OpenOptions::new().read(true).write(true))
         .open(path)
         .map_err(|e| Error::io("open blob file", path, e))?;
+    let slots = unindexed_slots(&file, path, shift, indexed)?;
+    for &index in &slots {
+        punch_range(&file, index << shift, 1 << shift)
+            .map_err(|e| Error::io("punch blob file", path, e))?;
+    }
+    Ok(slots.len() as u64)
+}
+
+/// The slots (`1 << shift` bytes each) of the blob file `file` (at `path`) that hold data but
+/// no chunk of `indexed`, in ascending order.
+pub(super) fn unindexed_slots(
+    file: &File,
+    path: &Path,
+    shift: u8,
+    indexed: &HashSet<u64>,
+) -> Result<Vec<u64>> {
+    use rustix::fs::SeekFrom;
     let len = (file.metadata())
         .map_err(|e| Error::io("stat blob file", path, e))?
         .len();
-    let mut punched = 0;
+    let mut slots = Vec::new();
     let mut at = 0u64;
     while at < len {
-        let data = match rustix::fs::seek(&file, SeekFrom::Data(at)) {
+        let data = match rustix::fs::seek(file, SeekFrom::Data(at)) {
             Ok(d) => d,
             Err(rustix::io::Errno::NXIO) => break,
             Err(e) => return Err(Error::io("seek blob file", path, e.into())),
         };
-        let hole = match rustix::fs::seek(&file, SeekFrom::Hole(data)) {
+        let hole = match rustix::fs::seek(file, SeekFrom::Hole(data)) {
             Ok(h) => h,
             Err(e) => return Err(Error::io("seek blob file", path, e.into())),
         };
@@ -44,15 +60,13 @@ pub(super) fn punch_unindexed(path: &Path, shift: u8, indexed: &HashSet<u64>) ->
         let mut index = data >> shift;
         while index << shift < hole {
             if !indexed.contains(&index) {
-                punch_range(&file, index << shift, 1 << shift)
-                    .map_err(|e| Error::io("punch blob file", path, e))?;
-                punched += 1;
+                slots.push(index);
             }
             index += 1;
         }
         at = hole.max(at + 1);
     }
-    Ok(punched)
+    Ok(slots)
 }
 
 pub(super) fn punch_range(file: &File, at: u64, len: u64) -> io::Result<()> {

@@ -24,10 +24,12 @@
 //! one blob under one token (a blob pinned again while the kernel still reads through an
 //! earlier pin) never share one, so dropping one never deletes the other's.
 //!
-//! Limits: a held chunk that is dropped as corrupt keeps its bytes until the hold goes, but
-//! loses its index entry at once, so if the process dies again before that, the next open
-//! punches those (bad) bytes out as unindexed. Binaries older than holds delete hold keys at
-//! open as undecodable (the index format string did not change).
+//! A chunk removed while held (dropped as corrupt, say) loses its index entry at once and keeps
+//! its bytes until the hold goes. If the process dies before that, the next open finds them
+//! unindexed in a held blob's file: it leaves them (the earlier reader may still read them) and
+//! notes the slots, which [`DiskCache::release_stale_holds`] punches out with the blob's last
+//! hold. Binaries older than holds delete hold keys at open as undecodable (the index format
+//! string did not change).
 
 use std::collections::{HashMap, HashSet};
 use std::os::unix::fs::MetadataExt;
@@ -35,7 +37,11 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{OnceLock, PoisonError};
 
-use super::{encode_hold_value, BlobPin, ChunkId, DiskCache, TokenId, EVICTIONS};
+use super::files::punch_range;
+use super::{
+    chunk_offset, encode_hold_value, BlobPin, ChunkId, DiskCache, TokenId, EVICTIONS,
+    RECOVERED_ORPHANS,
+};
 use crate::error::{Error, Result};
 use crate::store::Digest;
 
@@ -196,8 +202,58 @@ impl DiskCache {
             st.doom_lru(over)
         };
         self.discard(victims, Some(EVICTIONS))?;
+        // The slots a released blob's file kept for the earlier reader go with its last hold.
+        let still: HashSet<Digest> = (self.holds.lock().unwrap_or_else(PoisonError::into_inner))
+            .values()
+            .map(|h| h.blob)
+            .collect();
+        let released: HashSet<Digest> = gone.iter().map(|(_, h)| h.blob).collect();
+        for blob in released.difference(&still) {
+            self.punch_held_orphans(blob)?;
+        }
         written.map_err(|(e, _)| e)?;
         Ok(gone.len())
+    }
+
+    /// Punch out the slots of `blob`'s file noted at open as unindexed under a hold (see
+    /// `held_orphans`), each claimed in flight first so that no put writes it meanwhile; a
+    /// slot cached again since is left alone.
+    fn punch_held_orphans(&self, blob: &Digest) -> Result<()> {
+        let Some((shift, slots)) = (self.held_orphans.lock())
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(blob)
+        else {
+            return Ok(());
+        };
+        let claimed: Vec<ChunkId> = {
+            let mut st = self.lock();
+            let mut claimed = Vec::with_capacity(slots.len());
+            for index in slots {
+                let id = ChunkId::new(*blob, shift, index);
+                if !st.lru.contains(&id) && st.inflight.insert(id) {
+                    claimed.push(id);
+                }
+            }
+            claimed
+        };
+        let punched = match self.open_blob(blob, false) {
+            Ok(Some(file)) => claimed.iter().try_for_each(|id| {
+                let at = chunk_offset(id.index, shift).unwrap_or(u64::MAX);
+                punch_range(&file, at, id.chunk_size())
+                    .map_err(|e| Error::io("punch blob file", self.blob_path(blob), e))
+            }),
+            // The blob's last chunk went meanwhile, and its file with it.
+            Ok(None) => Ok(()),
+            Err(e) => Err(e),
+        };
+        let mut st = self.lock();
+        for id in &claimed {
+            st.inflight.remove(id);
+        }
+        if punched.is_ok() {
+            st.count(RECOVERED_ORPHANS, claimed.len() as u64);
+        }
+        punched
     }
 
     /// Holds of earlier processes still in force (found at open, not yet released): blob and

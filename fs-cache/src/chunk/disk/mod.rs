@@ -405,6 +405,10 @@ pub struct DiskCache {
     /// Holds left by earlier processes whose token still existed at open, by index key
     /// (`hold.rs`).
     holds: Mutex<HashMap<Vec<u8>, hold::Held>>,
+    /// Slots with data but no chunk found at open in the files of held blobs (chunks removed
+    /// under an earlier process's hold, or a crash's leftovers), by blob, with the blob's
+    /// shift: punched out when its last hold goes (`hold.rs`).
+    held_orphans: Mutex<HashMap<Digest, (u8, Vec<u64>)>>,
 }
 
 impl fmt::Debug for DiskCache {
@@ -502,6 +506,7 @@ impl DiskCache {
             direct_ok: std::sync::atomic::AtomicBool::new(true),
             sums: Mutex::new(SumsCache::new(SUMS_CACHED)),
             holds: Mutex::new(HashMap::new()),
+            held_orphans: Mutex::new(HashMap::new()),
         };
         cache.recover()?;
         Ok(cache)
@@ -671,7 +676,7 @@ impl DiskCache {
         // Files without an entry, and bytes outside indexed chunks: leftovers of a crash. Not
         // in the file of a blob an earlier process's reader still holds: it may be reading a
         // chunk that was removed while pinned (its bytes kept until the pin went, which a
-        // restart forgets); those bytes go at an open after the hold is gone.
+        // restart forgets); those slots are noted and go when the blob's last hold does.
         let held: HashSet<Digest> = (self.holds.lock().unwrap_or_else(PoisonError::into_inner))
             .values()
             .map(|h| h.blob)
@@ -691,8 +696,19 @@ impl DiskCache {
                     .filter(|(_, c)| !c.is_empty());
                 match chunks {
                     Some((shift, chunks)) if dirent.file_type().is_ok_and(|t| t.is_file()) => {
-                        if !blob.is_some_and(|b| held.contains(&b)) {
-                            removed += punch_unindexed(&path, *shift, chunks)?;
+                        match blob.filter(|b| held.contains(b)) {
+                            Some(b) => {
+                                let file = (OpenOptions::new().read(true))
+                                    .open(&path)
+                                    .map_err(|e| Error::io("open blob file", &path, e))?;
+                                let slots = unindexed_slots(&file, &path, *shift, chunks)?;
+                                if !slots.is_empty() {
+                                    (self.held_orphans.lock())
+                                        .unwrap_or_else(PoisonError::into_inner)
+                                        .insert(b, (*shift, slots));
+                                }
+                            }
+                            None => removed += punch_unindexed(&path, *shift, chunks)?,
                         }
                     }
                     _ if dirent.file_type().is_ok_and(|t| t.is_dir()) => {
