@@ -7,9 +7,10 @@
 //!    level 2 ([`super::disk::DiskCache`]), which reads only the 4 KiB blocks the read needs and
 //!    checks each against the crc32c written when the (blake3-verified) chunk entered the
 //!    cache; a chunk that fails is dropped and refetched. Level-2 reads run on the caller's
-//!    thread when it may block ([`ChunkCache::read_blocking`], FUSE workers); else first
-//!    inline with `RWF_NOWAIT` (page-cache hits need no thread hand-off), then on a blocking
-//!    thread for what was not cached. A whole-chunk level-2 hit is promoted to level 1.
+//!    thread when it may block ([`ChunkCache::read_blocking`], FUSE workers); else on a
+//!    blocking thread (where level 2 reads through the page cache rather than with
+//!    `O_DIRECT`, first inline with `RWF_NOWAIT`: page-cache hits need no thread hand-off).
+//!    A whole-chunk level-2 hit is promoted to level 1.
 //! 3. The rest is fetched from the backend: runs of adjacent missing chunks become one ranged
 //!    request each (of the chunks' stored bytes: adjacent chunks of a compressed blob are
 //!    adjacent in its stored object), up to `max_request_bytes` of plain chunks (`fetch`: a
@@ -936,10 +937,17 @@ impl Inner {
             // a 10% read of small files (`peers`, about two files per chunk) and reads up to
             // 64 times the bytes for scattered 4 KiB reads.
             let wanted: Vec<(u64, Range<u64>)> = missing.iter().map(|&i| (i, part(i))).collect();
-            // A caller on a thread that may block (a FUSE worker) reads at once; others try
-            // first without waiting for the disk (page-cache hits cost no thread hand-off),
-            // then, for what was not in the page cache, on a thread that may block.
-            let mut outcomes = disk_reads(&disk, id(0), wanted.clone(), !io.may_block());
+            // A caller on a thread that may block (a FUSE worker) reads at once; others read
+            // on a thread that may block — after a try that does not wait for the disk when
+            // level 2 reads through the page cache (its hits cost no thread hand-off; with
+            // O_DIRECT there are none).
+            let mut outcomes = if io.may_block() || !disk.direct_reads() {
+                disk_reads(&disk, id(0), wanted.clone(), !io.may_block())
+            } else {
+                (wanted.iter())
+                    .map(|(i, p)| (*i, p.clone(), Ok(RangeRead::WouldBlock)))
+                    .collect()
+            };
             let blocked: Vec<(u64, Range<u64>)> = outcomes
                 .iter()
                 .filter(|(_, _, r)| matches!(r, Ok(RangeRead::WouldBlock)))

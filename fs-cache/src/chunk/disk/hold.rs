@@ -209,7 +209,9 @@ impl DiskCache {
             .collect();
         let released: HashSet<Digest> = gone.iter().map(|(_, h)| h.blob).collect();
         for blob in released.difference(&still) {
-            self.punch_held_orphans(blob)?;
+            if let Err(e) = self.punch_held_orphans(blob) {
+                tracing::warn!(%blob, error = %e, "chunk cache: bytes of chunks removed under a hold left for the next open");
+            }
         }
         written.map_err(|(e, _)| e)?;
         Ok(gone.len())
@@ -217,7 +219,9 @@ impl DiskCache {
 
     /// Punch out the slots of `blob`'s file noted at open as unindexed under a hold (see
     /// `held_orphans`), each claimed in flight first so that no put writes it meanwhile; a
-    /// slot cached again since is left alone.
+    /// slot cached again since is left alone. The punch holds a reference to the blob (as a
+    /// chunk in flight does), so its file is neither removed nor given another shift under
+    /// it; a blob with no chunk left has no file to punch.
     fn punch_held_orphans(&self, blob: &Digest) -> Result<()> {
         let Some((shift, slots)) = (self.held_orphans.lock())
             .unwrap_or_else(PoisonError::into_inner)
@@ -227,6 +231,10 @@ impl DiskCache {
         };
         let claimed: Vec<ChunkId> = {
             let mut st = self.lock();
+            match st.per_blob.get_mut(blob) {
+                Some(refs) if refs.shift == shift => refs.chunks += 1,
+                _ => return Ok(()),
+            }
             let mut claimed = Vec::with_capacity(slots.len());
             for index in slots {
                 let id = ChunkId::new(*blob, shift, index);
@@ -253,6 +261,7 @@ impl DiskCache {
         if punched.is_ok() {
             st.count(RECOVERED_ORPHANS, claimed.len() as u64);
         }
+        self.drop_blob_ref(&mut st, blob);
         punched
     }
 

@@ -75,8 +75,9 @@
 //! them its file's bytes belong to is unknown). The rest are loaded into the in-memory LRU in
 //! `seq` order. In every blob file, data outside indexed chunks (left by a crash) is punched
 //! out (walking `SEEK_DATA`/`SEEK_HOLE`) — except in the files of blobs still held by an
-//! earlier process's reader (a chunk removed while pinned kept its bytes for that reader) —
-//! and blob files without an indexed chunk and any other file are deleted
+//! earlier process's reader (a chunk removed while pinned kept its bytes for that reader):
+//! those slots are noted and punched out when the blob's last hold is released — and blob
+//! files without an indexed chunk and any other file are deleted
 //! (`recovered_orphans`). If the capacity shrank, LRU chunks are
 //! evicted until usage fits.
 //!
@@ -190,7 +191,7 @@ pub enum RangeRead {
     Absent,
     /// A block does not match its crc32c: the caller must drop the chunk and refetch it.
     Corrupt,
-    /// Asked not to block, and the bytes are not all in the page cache.
+    /// Asked not to block, and the read would wait for the disk (always, with `O_DIRECT`).
     WouldBlock,
 }
 
@@ -843,6 +844,13 @@ impl DiskCache {
         };
         if !blocks_match(&data, &sums[4 * first as usize..4 * last as usize]) {
             return Ok(RangeRead::Corrupt);
+        }
+        // A whole chunk may be kept in level 1 by the caller: a buffer of its own then, not a
+        // slice of a larger (aligned, padded) read buffer that level 1 would not count.
+        if range.start == 0 && range.end == size {
+            return Ok(RangeRead::Hit(Bytes::copy_from_slice(
+                &data[..size as usize],
+            )));
         }
         Ok(RangeRead::Hit(data.slice(
             (range.start - data_at) as usize..(range.end - data_at) as usize,
