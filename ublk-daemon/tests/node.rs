@@ -1336,3 +1336,27 @@ async fn a_damaged_compressed_chunk_is_never_served_over_s3() {
     };
     damaged_compressed_layer(Store::new(backend), "s3").await;
 }
+
+/// A daemon raises its soft limit of open files to the hard one (level 2 alone may keep 512
+/// blob files open).
+#[test]
+fn preparing_the_machine_raises_the_open_files_limit() {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    if !require_root("preparing_the_machine_raises_the_open_files_limit") {
+        return;
+    }
+    let hard = getrlimit(Resource::Nofile).maximum;
+    let low = hard.map_or(1024, |h| h.min(1024));
+    setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(low),
+            maximum: hard,
+        },
+    )
+    .unwrap();
+    assert_eq!(getrlimit(Resource::Nofile).current, Some(low));
+    let notes = ublk_daemon::node::prepare_machine();
+    assert!(!notes.iter().any(|n| n.contains("open files")), "{notes:?}");
+    assert_eq!(getrlimit(Resource::Nofile).current, hard);
+}

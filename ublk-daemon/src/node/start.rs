@@ -79,9 +79,26 @@ pub fn check_environment() -> Result<()> {
 /// Make the machine ready for the node as an init system would at boot, and say what is
 /// missing and what it costs, one line each: mounts fusectl at `/sys/fs/fuse/connections`
 /// when it is not mounted (FUSE passthrough holds its level-2 pins by a connection
-/// directory), and checks for overlayfs.
+/// directory), raises this process's soft limit of open files to its hard limit (level 2
+/// keeps up to twice `OPEN_FILES` blob files open, buffered and `O_DIRECT`, beside FUSE
+/// devices and every exec's pipes: a 1,024 default is close), and checks for overlayfs.
 pub fn prepare_machine() -> Vec<String> {
     let mut notes = Vec::new();
+    let files = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+    if let (Some(soft), Some(hard)) = (files.current, files.maximum) {
+        if soft < hard {
+            let raised = rustix::process::Rlimit {
+                current: Some(hard),
+                maximum: Some(hard),
+            };
+            match rustix::process::setrlimit(rustix::process::Resource::Nofile, raised) {
+                Ok(()) => tracing::info!("open files limit raised from {soft} to {hard}"),
+                Err(e) => notes.push(format!(
+                    "could not raise the open files limit from {soft} to {hard}: {e}"
+                )),
+            }
+        }
+    }
     let conns = Path::new("/sys/fs/fuse/connections");
     let mounted = sys::mounts()
         .map(|m| m.iter().any(|e| e.fstype == "fusectl"))
