@@ -94,8 +94,19 @@ fn faults_through_s3_proxy_fuse_and_erofs() {
     let i0 = c.proxy.injected();
     c.proxy.set_plan(transient.clone());
     let tally = run_phase(&c, files(0).chain(files(1)).collect(), 30, 1);
+    // Background fetches (readahead) may still be in flight when the readers are done, one of
+    // them stalled, its retry not begun yet: count once nothing new was injected for longer
+    // than an attempt's timeout (then every injected fault's retry has begun).
+    let mut i1 = c.proxy.injected();
+    for _ in 0..10 {
+        std::thread::sleep(ATTEMPT_TIMEOUT + Duration::from_secs(1));
+        let now = c.proxy.injected();
+        if now == i1 {
+            break;
+        }
+        i1 = now;
+    }
     let m1 = c.scrape().expect("scrape");
-    let i1 = c.proxy.injected();
     let inj = |k: &str| (i1[k] - i0[k]) as f64;
     eprintln!(
         "phase 1: {} reads ok, {} failed {:?}, {} wrong, longest {} ms; injected {:?}",
