@@ -208,13 +208,10 @@ impl DiskCache {
     }
 
     fn refuse_direct(&self) {
-        if self.direct_ok.swap(false, Ordering::Relaxed) {
+        if self.direct_reads() {
             tracing::info!(dir = %self.blobs.display(), "level 2: the filesystem refuses O_DIRECT; reads go through the page cache");
         }
-        self.open_direct
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clear();
+        self.set_direct_reads(false);
     }
 }
 

@@ -37,10 +37,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{OnceLock, PoisonError};
 
-use super::files::punch_range;
 use super::{
-    chunk_offset, encode_hold_value, BlobPin, ChunkId, DiskCache, TokenId, EVICTIONS,
-    RECOVERED_ORPHANS,
+    encode_hold_value, BlobPin, ChunkId, DiskCache, TokenId, EVICTIONS, RECOVERED_ORPHANS,
 };
 use crate::error::{Error, Result};
 use crate::store::Digest;
@@ -244,16 +242,9 @@ impl DiskCache {
             }
             claimed
         };
-        let punched = match self.open_blob(blob, false) {
-            Ok(Some(file)) => claimed.iter().try_for_each(|id| {
-                let at = chunk_offset(id.index, shift).unwrap_or(u64::MAX);
-                punch_range(&file, at, id.chunk_size())
-                    .map_err(|e| Error::io("punch blob file", self.blob_path(blob), e))
-            }),
-            // The blob's last chunk went meanwhile, and its file with it.
-            Ok(None) => Ok(()),
-            Err(e) => Err(e),
-        };
+        let punched = claimed
+            .iter()
+            .try_for_each(|id| self.punch(id, id.chunk_size()));
         let mut st = self.lock();
         for id in &claimed {
             st.inflight.remove(id);

@@ -398,8 +398,8 @@ pub struct DiskCache {
     /// Blob files kept open for reading with `O_DIRECT` (`direct.rs`), popped with
     /// `open_files`.
     open_direct: Mutex<LruCache<Digest, Arc<File>>>,
-    /// Whether the cache's filesystem takes `O_DIRECT` (tmpfs, say, does not); cleared at the
-    /// first refusal.
+    /// Whether a reader's blocks are read with `O_DIRECT`: cleared when the cache's
+    /// filesystem first refuses it, or by `set_direct_reads(false)`.
     direct_ok: std::sync::atomic::AtomicBool,
     /// crc32c values of recently read chunks.
     sums: Mutex<SumsCache>,
