@@ -112,8 +112,10 @@ pub fn script_passed(
     if status.success() && all_ok {
         return true;
     }
+    // The abort can end as SIGBUS: faulthandler, dumping the aborted thread, faulted itself once
+    // ("Fatal Python error: Aborted" followed by "Fatal Python error: Bus error").
     let teardown = all_ok
-        && status.signal() == Some(libc::SIGABRT)
+        && matches!(status.signal(), Some(libc::SIGABRT) | Some(libc::SIGBUS))
         && stderr.contains("Fatal Python error: Aborted")
         && !stderr.contains("File \"");
     if teardown {

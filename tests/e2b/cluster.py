@@ -19,6 +19,7 @@ import sys
 import time
 
 from e2b import AsyncSandbox, SandboxQuery, SandboxState
+from finish import all_ok
 
 TEMPLATE = os.environ["STRATA_TEMPLATE"]
 FRONTS = os.environ["STRATA_FRONTS"].split(",")
@@ -138,7 +139,7 @@ def main():
         asyncio.run(listing(sys.argv[2]))
     else:
         raise SystemExit(f"unknown command {cmd}")
-    print("ALL OK")
+    all_ok()
 
 
 main()
