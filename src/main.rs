@@ -236,6 +236,15 @@ enum LayerCmd {
         /// built before it).
         #[arg(long, value_name = "BYTES", env = "STRATA_TAIL_CHUNK_SIZE", default_value_t = erofs_builder::layer::DEFAULT_TAIL_CHUNK_SIZE)]
         tail_chunk_size: u32,
+        /// Files of at most this many bytes (under 4096) are stored in the meta image itself,
+        /// after their inode, instead of in a blob: a node reads them with the inode from its
+        /// local copy of the meta image, with no fetch. They are not deduplicated across
+        /// layers, and every node fetches them with the meta image at the first mount. `0`:
+        /// every file's data in the blobs (as layers built before this option). Default: 4095
+        /// for base and toolkit layers (what every sandbox reads first), 0 for workspace and
+        /// snapshot layers (many of them share most of their files, which dedup keeps once).
+        #[arg(long, value_name = "BYTES", env = "STRATA_INLINE_MAX")]
+        inline_max: Option<u64>,
     },
     /// Export a stack of layers (REFs lowest first, each with its parents) as an OCI image
     /// layout (--oci DIR or FILE.tar; one gzip/zstd layer tar per layer, whiteouts as OCI
@@ -496,6 +505,7 @@ fn layer_stats_json(meta: &Path, blob: &Path, s: &erofs_builder::LayerStats) -> 
         "unique_chunks": s.unique_chunks,
         "hole_chunks": s.hole_chunks,
         "files": s.meta.files,
+        "inline_files": s.meta.inline_files,
         "data_bytes": s.meta.data_bytes,
     })
 }
@@ -745,8 +755,11 @@ async fn run(cli: Cli) -> Result<()> {
             dedup_from,
             order_from,
             tail_chunk_size,
+            inline_max,
         }) => {
             let layer: LayerRef = name.parse()?;
+            let inline_max =
+                inline_max.unwrap_or_else(|| build_cmd::default_inline_max(layer.kind));
             let first = match &order_from {
                 Some(r) => order::trace_order(&store, &r.parse()?).await?,
                 None => Vec::new(),
@@ -785,6 +798,7 @@ async fn run(cli: Cli) -> Result<()> {
                 dedup.as_ref().map(|d| d.dict.clone()),
                 first,
                 tails,
+                inline_max,
             )
             .await?;
             let built = started.elapsed().as_secs_f64();
@@ -914,6 +928,7 @@ async fn run(cli: Cli) -> Result<()> {
                 None,
                 Vec::new(),
                 None,
+                0,
             )
             .await?;
             if cli.json {

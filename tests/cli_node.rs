@@ -1,7 +1,8 @@
 //! The `strata` binary's node commands end to end (root: mount(2), FUSE; a loud SKIPPED line
 //! otherwise, a failure under CI): mount, umount, status, the daemon's crash and SIGTERM, one
 //! daemon for concurrent first mounts and one store per daemon, `blob cat` through it, a
-//! deduped layer after gc, and access traces across nodes.
+//! deduped layer after gc, small files inline in a layer's meta image, and access traces
+//! across nodes.
 
 mod common;
 
@@ -701,6 +702,96 @@ fn a_deduped_layer_reads_exactly_after_its_sources_and_unrelated_layers_are_gone
     let img = erofs_builder::Image::open(&out).unwrap();
     let f3 = img.lookup("/lib/f3").unwrap();
     assert!(img.read_data(&f3).unwrap() == std::fs::read(v2.join("lib/f3")).unwrap());
+}
+
+/// Small files inline in the meta image (`layer build --inline-max`): on by default for base
+/// layers, off for workspaces; a node reads them exactly and without fetching anything, and
+/// fetches only for the files that are not inline.
+#[test]
+fn small_files_of_a_base_layer_are_inline_and_read_without_a_fetch() {
+    if !common::require_root("small_files_of_a_base_layer_are_inline_and_read_without_a_fetch") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let home = tmp.path().join("home");
+    let run_dir = tmp.path().join("run");
+    let mnt = tmp.path().join("mnt");
+    std::fs::create_dir_all(&mnt).unwrap();
+    let _guard = DaemonGuard {
+        run_dir: run_dir.clone(),
+        child: None,
+        mountpoints: vec![mnt.clone()],
+    };
+    let cmd = || {
+        let mut c = strata_cmd(&home, &store);
+        c.env("STRATA_RUN_DIR", &run_dir)
+            .env_remove("STRATA_INLINE_MAX");
+        c
+    };
+    // 40 small files of 1..=3,901 bytes, one empty, and two that are not small.
+    let src = tmp.path().join("src");
+    std::fs::create_dir_all(src.join("small")).unwrap();
+    std::fs::create_dir_all(src.join("big")).unwrap();
+    let body = |seed: usize, len: usize| -> Vec<u8> {
+        (0..len)
+            .map(|i| ((i * 31 + seed * 7) % 251) as u8)
+            .collect()
+    };
+    let sizes: Vec<usize> = (0..40).map(|i| 1 + i * 100).collect();
+    for (i, &n) in sizes.iter().enumerate() {
+        std::fs::write(src.join(format!("small/f{i:02}")), body(i, n)).unwrap();
+    }
+    std::fs::write(src.join("small/empty"), b"").unwrap();
+    std::fs::write(src.join("big/page"), body(98, 4096)).unwrap();
+    std::fs::write(src.join("big/large"), body(99, 300_000)).unwrap();
+    let build = |name: &str, extra: &[&str]| {
+        json(
+            cmd()
+                .args(["--json", "layer", "build"])
+                .arg(&src)
+                .args(["--name", name])
+                .args(extra)
+                .output()
+                .unwrap(),
+        )
+    };
+    let base = build("base/small:1", &[]);
+    assert_eq!(base["inline_files"], 40, "{base}");
+    let ws = build("workspace/small:1", &[]);
+    assert_eq!(ws["inline_files"], 0, "{ws}");
+    let off = build("base/small:2", &["--inline-max", "0"]);
+    assert_eq!(off["inline_files"], 0, "{off}");
+    let some = build("base/small:3", &["--inline-max", "1000"]);
+    assert_eq!(some["inline_files"], 10, "{some}");
+    assert!(
+        base["meta_bytes"].as_u64().unwrap() > off["meta_bytes"].as_u64().unwrap(),
+        "{base} {off}"
+    );
+
+    // The small files first: read exactly, and nothing fetched for them.
+    ok(cmd()
+        .args(["mount", "base/small:1"])
+        .arg(&mnt)
+        .output()
+        .unwrap());
+    assert_eq!(same_files(&src.join("small"), &mnt.join("small")), 41);
+    let cache = json(cmd().args(["--json", "status"]).output().unwrap())["cache"].clone();
+    assert_eq!(cache["bytes_fetched"], 0, "{cache}");
+    assert_eq!(cache["misses"], 0, "{cache}");
+    // The others come from the blobs.
+    assert_eq!(same_files(&src, &mnt), 43);
+    let cache = json(cmd().args(["--json", "status"]).output().unwrap())["cache"].clone();
+    assert!(cache["bytes_fetched"].as_u64().unwrap() > 0, "{cache}");
+    ok(cmd().arg("umount").arg(&mnt).output().unwrap());
+    // The workspace (no inline files) reads the same.
+    ok(cmd()
+        .args(["mount", "workspace/small:1"])
+        .arg(&mnt)
+        .output()
+        .unwrap());
+    assert_eq!(same_files(&src, &mnt), 43);
+    ok(cmd().arg("umount").arg(&mnt).output().unwrap());
 }
 
 /// A layer's access trace: recorded by the first node that mounts it, stored beside its meta

@@ -96,6 +96,10 @@ pub const TAILS_DEVICE_ID: u16 = 2;
 
 /// The tails blob's chunk size by default (16 KiB: `bench/README.md`, "peers").
 pub const DEFAULT_TAIL_CHUNK_SIZE: u32 = 16 << 10;
+
+/// The largest [`LayerOptions::inline_max`] that matters: a file inline in the meta image is
+/// under one block (4096 bytes) with its inode.
+pub const INLINE_MAX: u64 = BLOCK_SIZE - 1;
 /// The smallest tails chunk size (one block).
 pub const MIN_TAIL_CHUNK_SIZE: u32 = BLOCK_SIZE as u32;
 /// The largest tails chunk size (128 KiB: half an EROFS chunk).
@@ -175,6 +179,12 @@ pub struct LayerOptions {
     /// A second blob for the partial chunks (device 2, see the module docs). `None`: one
     /// blob, laid out exactly as without this option.
     pub tails: Option<TailsBlob>,
+    /// Regular files of at most this many bytes (and under 4096) are stored in the meta image
+    /// itself, flat-inline after their inode, when inode, xattrs and data fit one block: a
+    /// node reads them with the inode, from its local copy of the meta image, with no blob
+    /// fetch or FUSE round trip. They are not in any blob, so not deduplicated across layers.
+    /// 0 (the default here): every regular file with data is chunk-based.
+    pub inline_max: u64,
 }
 
 /// What [`build_layer`] wrote.
@@ -465,6 +475,8 @@ pub(crate) struct BlobWriter {
     remap: Option<Remap>,
     /// [`LayerOptions::first`].
     pub(crate) first: Vec<PathBuf>,
+    /// [`LayerOptions::inline_max`].
+    pub(crate) inline_max: u64,
 }
 
 impl BlobWriter {
@@ -500,6 +512,7 @@ impl BlobWriter {
             dict_chunks: 0,
             remap: None,
             first: opts.first.clone(),
+            inline_max: opts.inline_max,
         })
     }
 

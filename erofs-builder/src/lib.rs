@@ -29,7 +29,7 @@
 //! ## Invariants
 //!
 //! * **Kernel-mountable, fsck-clean**: block size 4096, uncompressed (`FLAT_PLAIN` /
-//!   `FLAT_INLINE`; layers: `CHUNK_BASED` regular files), inline xattrs only, no incompat
+//!   `FLAT_INLINE`; layers: `CHUNK_BASED` regular files, small ones optionally `FLAT_INLINE`), inline xattrs only, no incompat
 //!   feature bits except `CHUNKED_FILE | DEVICE_TABLE` in layers; an inline tail never
 //!   crosses a block boundary; directory entries are sorted by name bytes, `.`/`..` included.
 //! * **Deterministic**: the image is a pure function of the source and [`BuildOptions`]

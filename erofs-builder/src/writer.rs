@@ -90,6 +90,9 @@ pub struct BuildStats {
     pub extended_inodes: u64,
     /// Bytes in the image file.
     pub image_bytes: u64,
+    /// Layers: regular files whose data is inline in the meta image (flat-inline, see
+    /// [`crate::LayerOptions::inline_max`]) rather than in a blob. 0 for full images.
+    pub inline_files: u64,
 }
 
 /// One xattr as (EROFS name index, name suffix, value).
@@ -272,7 +275,8 @@ pub(crate) fn build(
     };
     let (epoch, epoch_nsec) = opts.epoch.unwrap_or((nodes[0].mtime, nodes[0].mtime_nsec));
     let device_slots = blob.as_ref().map_or(0, |b| b.device_slots());
-    let total_blocks = layout(&mut nodes, epoch, epoch_nsec, device_slots)?;
+    let inline_max = blob.as_ref().map_or(0, |b| b.inline_max);
+    let total_blocks = layout(&mut nodes, epoch, epoch_nsec, device_slots, inline_max)?;
     let regular = nodes.iter().filter(|n| matches!(n.kind, Kind::Reg));
     let (files, bytes) = regular.fold((0, 0), |(f, b), n| (f + 1, b + n.size));
     progress.totals(files, bytes);
@@ -705,7 +709,16 @@ impl MetaAllocator {
 }
 
 /// Assigns inode forms, inline tails, positions and block addresses; returns total blocks.
-fn layout(nodes: &mut [Node], epoch: i64, epoch_nsec: u32, device_slots: usize) -> Result<u32> {
+/// Layers (`device_slots > 0`): a regular file of at most `inline_max` bytes whose inode,
+/// xattrs and data fit one block is flat-inline in the meta image; every other regular file
+/// with data is chunk-based.
+fn layout(
+    nodes: &mut [Node],
+    epoch: i64,
+    epoch_nsec: u32,
+    device_slots: usize,
+    inline_max: u64,
+) -> Result<u32> {
     for i in 0..nodes.len() {
         if matches!(nodes[i].kind, Kind::Dir { .. }) {
             nodes[i].size = dir_size(nodes, i);
@@ -730,7 +743,11 @@ fn layout(nodes: &mut [Node], epoch: i64, epoch_nsec: u32, device_slots: usize) 
             });
         }
         let head = n.inode_size() + xsize;
-        n.chunked = device_slots > 0 && matches!(n.kind, Kind::Reg) && n.size > 0;
+        // A layer's small file inline: its data then comes with the inode's block, from the
+        // local meta image, with no blob read (`size < BLOCK_SIZE`, so no data blocks).
+        let inline_file =
+            n.size <= inline_max && n.size < BLOCK_SIZE && head + n.size <= BLOCK_SIZE;
+        n.chunked = device_slots > 0 && matches!(n.kind, Kind::Reg) && n.size > 0 && !inline_file;
         if n.chunked {
             // Chunk indexes follow the inode and xattrs, 8-byte aligned.
             let chunks = n.size.div_ceil(crate::layer::CHUNK_SIZE);
@@ -1064,6 +1081,9 @@ fn write_nodes(
             Kind::Reg => {
                 stats.files += 1;
                 stats.data_bytes += n.size;
+                if blob.is_some() && n.size > 0 {
+                    stats.inline_files += 1;
+                }
                 if prefetched(n) {
                     let data = prefetch.take(i)?;
                     let split = in_blocks as usize;
