@@ -44,6 +44,10 @@ pub struct ImportArgs {
     /// `strata layer build --compress`).
     #[arg(long, default_value = "zstd")]
     pub compress: fs_cache::Compression,
+    /// Files of at most this many bytes inline in each layer's meta image (as `strata layer
+    /// build --inline-max`; default by the name's kind: 4095 for base and toolkit, else 0).
+    #[arg(long, value_name = "BYTES", env = "STRATA_INLINE_MAX")]
+    pub inline_max: Option<u64>,
 }
 
 /// Arguments of `strata layer export`.
@@ -85,10 +89,14 @@ pub async fn run(cmd: ImageCmd, store: &Store, home: &Path, json: bool) -> Resul
         .platform(args.platform.clone())
         .temp_dir(Some(dir.clone()));
     let flatten = args.flatten;
+    let inline_max =
+        (args.inline_max).unwrap_or_else(|| crate::build_cmd::default_inline_max(name.kind));
     let (source, platform, built) = tokio::task::spawn_blocking(move || {
         let plan = oci_image::open_image(&path, &opts)?;
-        let built =
-            oci_image::import::build_layers(&plan, &ImportOptions::new(&dir).flatten(flatten))?;
+        let opts = ImportOptions::new(&dir)
+            .flatten(flatten)
+            .inline_max(inline_max);
+        let built = oci_image::import::build_layers(&plan, &opts)?;
         Ok::<_, oci_image::Error>((plan.source.clone(), plan.platform.clone(), built))
     })
     .await

@@ -26,6 +26,9 @@ pub struct ImportOptions {
     /// The chunk size of each built layer's tails blob (its device 2, holding small files
     /// and the partial last chunks of larger ones); `None`: no tails blob.
     pub tail_chunk_size: Option<u32>,
+    /// Files of at most this many bytes inline in each layer's meta image
+    /// (`erofs_builder::LayerOptions::inline_max`); 0 (the default): none.
+    pub inline_max: u64,
 }
 
 impl ImportOptions {
@@ -35,7 +38,14 @@ impl ImportOptions {
             flatten: false,
             work_dir: work_dir.to_path_buf(),
             tail_chunk_size: Some(erofs_builder::layer::DEFAULT_TAIL_CHUNK_SIZE),
+            inline_max: 0,
         }
+    }
+
+    /// With files of at most `bytes` inline in the meta images.
+    pub fn inline_max(mut self, bytes: u64) -> Self {
+        self.inline_max = bytes;
+        self
     }
 
     /// With tails blobs of `chunk_size` (`None`: one data blob per layer).
@@ -260,6 +270,7 @@ fn layer_options(opts: &ImportOptions, tails: &Path) -> LayerOptions {
     o.tails = opts
         .tail_chunk_size
         .map(|cs| erofs_builder::TailsBlob::new(tails, cs));
+    o.inline_max = opts.inline_max;
     o
 }
 
