@@ -30,8 +30,10 @@
 //!
 //! Per step: the mount's wall time, the read's wall time, bytes read by the command (file
 //! sizes), bytes the node fetched from the store (its cache's `bytes_fetched`, compressed
-//! bytes for zstd), their ratio, the plain-equivalent ratio (plain bytes of the chunks
-//! fetched / bytes read) and the chunks fetched. `STRATA_TAIL_CHUNK_SIZE` (the layers' tails
+//! bytes for zstd), their ratio, the layer's meta image as stored (fetched whole by the
+//! mount: with small files inline in it, `--inline-max`, part of what a read gets) and
+//! (fetched + meta) / read, the plain-equivalent ratio (plain bytes of the chunks fetched /
+//! bytes read) and the chunks fetched. `STRATA_TAIL_CHUNK_SIZE` (the layers' tails
 //! blob chunk size) and `STRATA_CACHE_FETCH_UNIT` (the nodes' fetch unit) are passed on to
 //! `strata`. Figures: `bench/README.md`, "locality".
 
