@@ -249,25 +249,31 @@ fn tar_layer_mounts_with_its_blob_device() {
     make_src(&src);
     let pax = gnu_tar(&src, &dir.path().join("pax.tar"), "posix", true);
     let gz = compress(&pax, "gzip");
-    let out = dir.path().join("out");
-    let spool_dir = dir.path().join("spool");
-    fs::create_dir_all(&out).unwrap();
-    fs::create_dir_all(&spool_dir).unwrap();
-    let (meta, blob) = (out.join("meta.erofs"), out.join("blob"));
-    let mut opts = LayerOptions::default();
-    opts.build.tar.temp_dir = Some(spool_dir.clone());
-    let stats = build_layer_from(Source::tar_file(&gz).unwrap(), &meta, &blob, &opts).unwrap();
-    assert_eq!(only_files(&out), ["blob", "meta.erofs"]);
-    assert!(only_files(&spool_dir).is_empty());
-    // Holes stay holes in the blob: about 1 MiB of data, not 64 MiB.
-    assert!(stats.blob_bytes < 4 << 20, "{stats:?}");
-    fsck(Path::new("fsck.erofs"), &meta, &[&blob], &[]);
     let reference = dir.path().join("extracted");
     extract(&pax, &reference);
-    let mnt = dir.path().join("mnt");
-    fs::create_dir(&mnt).unwrap();
-    let _m = mount_erofs(&meta, &[&blob], &mnt);
-    assert!(compare_trees(&reference, &mnt, EXACT) > 30);
+    // Every file in the blob, then small files inline in the meta image (their data copied
+    // from the spool into their inode's block).
+    for inline_max in [0, erofs_builder::layer::INLINE_MAX] {
+        let out = dir.path().join(format!("out{inline_max}"));
+        let spool_dir = dir.path().join(format!("spool{inline_max}"));
+        fs::create_dir_all(&out).unwrap();
+        fs::create_dir_all(&spool_dir).unwrap();
+        let (meta, blob) = (out.join("meta.erofs"), out.join("blob"));
+        let mut opts = LayerOptions::default();
+        opts.build.tar.temp_dir = Some(spool_dir.clone());
+        opts.inline_max = inline_max;
+        let stats = build_layer_from(Source::tar_file(&gz).unwrap(), &meta, &blob, &opts).unwrap();
+        assert_eq!(only_files(&out), ["blob", "meta.erofs"]);
+        assert!(only_files(&spool_dir).is_empty());
+        assert_eq!(stats.meta.inline_files > 0, inline_max > 0, "{stats:?}");
+        // Holes stay holes in the blob: about 1 MiB of data, not 64 MiB.
+        assert!(stats.blob_bytes < 4 << 20, "{stats:?}");
+        fsck(Path::new("fsck.erofs"), &meta, &[&blob], &[]);
+        let mnt = dir.path().join(format!("mnt{inline_max}"));
+        fs::create_dir(&mnt).unwrap();
+        let _m = mount_erofs(&meta, &[&blob], &mnt);
+        assert!(compare_trees(&reference, &mnt, EXACT) > 30);
+    }
 }
 
 fn tool_present(tool: &str) -> bool {
