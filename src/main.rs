@@ -243,6 +243,7 @@ enum LayerCmd {
         /// every file's data in the blobs (as layers built before this option). Default: 4095
         /// for base and toolkit layers (what every sandbox reads first), 0 for workspace and
         /// snapshot layers (many of them share most of their files, which dedup keeps once).
+        /// The smallest files go first, up to 1/16 of the layer's bytes (at most 8 MiB).
         #[arg(long, value_name = "BYTES", env = "STRATA_INLINE_MAX")]
         inline_max: Option<u64>,
     },
@@ -506,6 +507,7 @@ fn layer_stats_json(meta: &Path, blob: &Path, s: &erofs_builder::LayerStats) -> 
         "hole_chunks": s.hole_chunks,
         "files": s.meta.files,
         "inline_files": s.meta.inline_files,
+        "inline_bytes": s.meta.inline_bytes,
         "data_bytes": s.meta.data_bytes,
     })
 }

@@ -744,7 +744,8 @@ fn small_files_of_a_base_layer_are_inline_and_read_without_a_fetch() {
     }
     std::fs::write(src.join("small/empty"), b"").unwrap();
     std::fs::write(src.join("big/page"), body(98, 4096)).unwrap();
-    std::fs::write(src.join("big/large"), body(99, 300_000)).unwrap();
+    // 3 MB, so that the small files' 78 KB are within the default budget (1/16 of the bytes).
+    std::fs::write(src.join("big/large"), body(99, 3_000_000)).unwrap();
     let build = |name: &str, extra: &[&str]| {
         json(
             cmd()

@@ -93,6 +93,8 @@ pub struct BuildStats {
     /// Layers: regular files whose data is inline in the meta image (flat-inline, see
     /// [`crate::LayerOptions::inline_max`]) rather than in a blob. 0 for full images.
     pub inline_files: u64,
+    /// Their bytes.
+    pub inline_bytes: u64,
 }
 
 /// One xattr as (EROFS name index, name suffix, value).
@@ -275,8 +277,10 @@ pub(crate) fn build(
     };
     let (epoch, epoch_nsec) = opts.epoch.unwrap_or((nodes[0].mtime, nodes[0].mtime_nsec));
     let device_slots = blob.as_ref().map_or(0, |b| b.device_slots());
-    let inline_max = blob.as_ref().map_or(0, |b| b.inline_max);
-    let total_blocks = layout(&mut nodes, epoch, epoch_nsec, device_slots, inline_max)?;
+    let inline = blob
+        .as_ref()
+        .map_or((0, None), |b| (b.inline_max, b.inline_budget));
+    let total_blocks = layout(&mut nodes, epoch, epoch_nsec, device_slots, inline)?;
     let regular = nodes.iter().filter(|n| matches!(n.kind, Kind::Reg));
     let (files, bytes) = regular.fold((0, 0), |(f, b), n| (f + 1, b + n.size));
     progress.totals(files, bytes);
@@ -709,25 +713,22 @@ impl MetaAllocator {
 }
 
 /// Assigns inode forms, inline tails, positions and block addresses; returns total blocks.
-/// Layers (`device_slots > 0`): a regular file of at most `inline_max` bytes whose inode,
-/// xattrs and data fit one block is flat-inline in the meta image; every other regular file
-/// with data is chunk-based.
+/// Layers (`device_slots > 0`): the regular files [`inline_files`] picks with `inline`
+/// (`inline_max`, the budget: [`crate::LayerOptions`]) are flat-inline in the meta image;
+/// every other regular file with data is chunk-based.
 fn layout(
     nodes: &mut [Node],
     epoch: i64,
     epoch_nsec: u32,
     device_slots: usize,
-    inline_max: u64,
+    inline: (u64, Option<u64>),
 ) -> Result<u32> {
     for i in 0..nodes.len() {
         if matches!(nodes[i].kind, Kind::Dir { .. }) {
             nodes[i].size = dir_size(nodes, i);
         }
     }
-    // Layer images keep their device table right after the superblock (one slot, or one
-    // more per blob a chunk dictionary may make it point into).
-    let meta_start = SUPER_OFFSET + 128 + device_slots as u64 * DEVT_SLOT_SIZE;
-    let mut slots = MetaAllocator::new(meta_start);
+    // Inode forms first: which files fit inline depends on their record's head.
     for n in nodes.iter_mut() {
         n.extended = n.uid > 0xffff
             || n.gid > 0xffff
@@ -735,18 +736,23 @@ fn layout(
             || n.nlink > 0xffff
             || n.mtime != epoch
             || n.mtime_nsec != epoch_nsec;
-        let xsize = n.xattr_size();
-        if xsize > ondisk::xattr_ibody_size(u16::MAX) {
+        if n.xattr_size() > ondisk::xattr_ibody_size(u16::MAX) {
             return Err(Error::UnsupportedInput {
                 path: n.path.clone(),
                 reason: "xattrs too large for one inode".into(),
             });
         }
-        let head = n.inode_size() + xsize;
-        // A layer's small file inline: its data then comes with the inode's block, from the
-        // local meta image, with no blob read (`size < BLOCK_SIZE`, so no data blocks).
-        let inline_file =
-            n.size <= inline_max && n.size < BLOCK_SIZE && head + n.size <= BLOCK_SIZE;
+    }
+    let inline_file = match device_slots {
+        0 => vec![false; nodes.len()],
+        _ => inline_files(nodes, inline.0, inline.1),
+    };
+    // Layer images keep their device table right after the superblock (one slot, or one
+    // more per blob a chunk dictionary may make it point into).
+    let meta_start = SUPER_OFFSET + 128 + device_slots as u64 * DEVT_SLOT_SIZE;
+    let mut slots = MetaAllocator::new(meta_start);
+    for (n, inline_file) in nodes.iter_mut().zip(inline_file) {
+        let head = n.inode_size() + n.xattr_size();
         n.chunked = device_slots > 0 && matches!(n.kind, Kind::Reg) && n.size > 0 && !inline_file;
         if n.chunked {
             // Chunk indexes follow the inode and xattrs, 8-byte aligned.
@@ -781,6 +787,40 @@ fn layout(
         }
     }
     u32::try_from(next_block).map_err(|_| Error::TooLarge("more than 2^32 blocks".into()))
+}
+
+/// A layer's regular files to store inline in the meta image: those of 1..=`max` bytes whose
+/// inode, xattrs and data fit one block (`size < BLOCK_SIZE`, so no data blocks), smallest
+/// first (then in node order: deterministic), while their bytes add up to at most `budget`
+/// (`None`: [`crate::layer::default_inline_budget`] of the files' bytes). Their data then
+/// comes with the inode's block, from the node's local meta image, with no blob read.
+fn inline_files(nodes: &[Node], max: u64, budget: Option<u64>) -> Vec<bool> {
+    let mut out = vec![false; nodes.len()];
+    if max == 0 {
+        return out;
+    }
+    let regular = nodes.iter().filter(|n| matches!(n.kind, Kind::Reg));
+    let budget = budget
+        .unwrap_or_else(|| crate::layer::default_inline_budget(regular.map(|n| n.size).sum()));
+    let mut candidates: Vec<(u64, usize)> = (nodes.iter().enumerate())
+        .filter(|(_, n)| {
+            matches!(n.kind, Kind::Reg)
+                && (1..=max).contains(&n.size)
+                && n.size < BLOCK_SIZE
+                && n.inode_size() + n.xattr_size() + n.size <= BLOCK_SIZE
+        })
+        .map(|(i, n)| (n.size, i))
+        .collect();
+    candidates.sort_unstable();
+    let mut used = 0u64;
+    for (size, i) in candidates {
+        used += size;
+        if used > budget {
+            break;
+        }
+        out[i] = true;
+    }
+    out
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1083,6 +1123,7 @@ fn write_nodes(
                 stats.data_bytes += n.size;
                 if blob.is_some() && n.size > 0 {
                     stats.inline_files += 1;
+                    stats.inline_bytes += n.size;
                 }
                 if prefetched(n) {
                     let data = prefetch.take(i)?;

@@ -40,7 +40,7 @@ impl Built {
 struct Fixture {
     _dir: tempfile::TempDir,
     src: PathBuf,
-    /// inline_max 0 (none), 4095 (every file that fits), 1024.
+    /// inline_max 0 (none), 4095 (every file that fits), 1024; no budget.
     none: Built,
     all: Built,
     k1: Built,
@@ -70,7 +70,7 @@ fn add_inline_files(d: &Path) {
     }
 }
 
-fn build(src: &Path, out: &Path, name: &str, inline_max: u64) -> Built {
+fn build(src: &Path, out: &Path, name: &str, inline_max: u64, budget: Option<u64>) -> Built {
     let meta = out.join(format!("{name}.meta"));
     let blob = out.join(format!("{name}.blob"));
     let tails = out.join(format!("{name}.tails"));
@@ -78,6 +78,7 @@ fn build(src: &Path, out: &Path, name: &str, inline_max: u64) -> Built {
     opts.build.fsync = false;
     opts.tails = Some(TailsBlob::new(&tails, T16K));
     opts.inline_max = inline_max;
+    opts.inline_budget = budget;
     let stats = build_layer(src, &meta, &blob, &opts).unwrap();
     Built {
         meta,
@@ -96,9 +97,9 @@ fn fixture() -> &'static Fixture {
         make_tree(&src, true, MANY);
         add_inline_files(&src.join("limits"));
         common::set_mtime(&src, 1_700_000_000, 0);
-        let none = build(&src, dir.path(), "none", 0);
-        let all = build(&src, dir.path(), "all", 4095);
-        let k1 = build(&src, dir.path(), "k1", 1024);
+        let none = build(&src, dir.path(), "none", 0, None);
+        let all = build(&src, dir.path(), "all", 4095, Some(u64::MAX));
+        let k1 = build(&src, dir.path(), "k1", 1024, Some(u64::MAX));
         Fixture {
             _dir: dir,
             src,
@@ -261,7 +262,7 @@ fn a_layer_with_inline_files_builds_the_same_bytes_twice() {
     }
     let f = fixture();
     let dir = tempfile::tempdir().unwrap();
-    let again = build(&f.src, dir.path(), "again", 4095);
+    let again = build(&f.src, dir.path(), "again", 4095, Some(u64::MAX));
     for (a, b) in [
         (&f.all.meta, &again.meta),
         (&f.all.blob, &again.blob),
@@ -272,5 +273,55 @@ fn a_layer_with_inline_files_builds_the_same_bytes_twice() {
             "{} differs",
             a.display()
         );
+    }
+}
+
+/// A budget: the smallest files that fit are inline, up to the budget's bytes; by default
+/// 1/16 of the files' bytes (at most 8 MiB).
+#[test]
+fn a_budget_inlines_the_smallest_files_first() {
+    if !require_root("a_budget_inlines_the_smallest_files_first") {
+        return;
+    }
+    let f = fixture();
+    let dir = tempfile::tempdir().unwrap();
+    let limited = build(&f.src, dir.path(), "limited", 4095, Some(100_000));
+    let default = build(&f.src, dir.path(), "default", 4095, None);
+    let total = f.none.stats.meta.data_bytes;
+    let want = erofs_builder::layer::default_inline_budget(total);
+    for (b, budget) in [(&limited, 100_000), (&default, want)] {
+        let s = &b.stats.meta;
+        assert!(
+            s.inline_bytes <= budget,
+            "{} inline bytes over {budget}",
+            s.inline_bytes
+        );
+        assert!(
+            s.inline_files > 0 && s.inline_files < f.all.stats.meta.inline_files,
+            "{s:?}"
+        );
+        // Every inline file is at most as large as every file left out that would have fit.
+        let img = Image::open_with_devices(&b.meta, &b.devices()).unwrap();
+        let all = Image::open_with_devices(&f.all.meta, &f.all.devices()).unwrap();
+        let inline_in = |img: &Image| -> std::collections::BTreeMap<String, u64> {
+            (files(img).into_iter())
+                .filter(|(_, i)| i.datalayout == DATALAYOUT_FLAT_INLINE)
+                .map(|(p, i)| (p, i.size))
+                .collect()
+        };
+        let (got, could) = (inline_in(&img), inline_in(&all));
+        let largest_in = got.values().max().copied().unwrap();
+        let smallest_out = (could.iter())
+            .filter(|(p, _)| !got.contains_key(*p))
+            .map(|(_, &s)| s)
+            .min()
+            .unwrap();
+        assert!(
+            largest_in <= smallest_out,
+            "{largest_in} inline, {smallest_out} not"
+        );
+        let mnt = tempfile::tempdir().unwrap();
+        let _guard = mount_erofs(&b.meta, &b.devices(), mnt.path());
+        assert!(compare_trees(&f.src, mnt.path(), EXACT) > MANY + 300);
     }
 }
