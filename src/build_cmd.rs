@@ -130,9 +130,9 @@ fn draw(s: &ProgressSnapshot, elapsed: Duration) {
 /// `layer build --inline-max`'s default for a layer of `kind`. Small files inline in the
 /// meta image make a cold node's first reads of them free (`bench/README.md`, "peers" and
 /// "locality": a 10% read of minbase 0.132 → 0.118 s from a local store, its `usr/share`'s
-/// first command over S3 1.61 → 0.94 s), but every layer then stores its own copy:
-/// 100 workspaces sharing one tree stored 1.7× as much (`dedup`), ten toolkit versions the
-/// same. So base and toolkit layers inline, workspaces and snapshots do not.
+/// first command over S3 1.61 → 1.05 s), but every layer then stores its own copy:
+/// 100 workspaces sharing one tree stored 1.7× as much (`dedup`), ten toolkit versions 6%
+/// more. So base and toolkit layers inline, workspaces and snapshots do not.
 pub fn default_inline_max(kind: fs_cache::layer::LayerKind) -> u64 {
     use fs_cache::layer::LayerKind;
     match kind {
