@@ -1,10 +1,11 @@
 //! Lazy layers: a **meta image** (superblock, device table, inodes, xattrs, directories,
-//! symlinks; no regular file data) plus one **data blob** holding the data of every regular
-//! file, addressed chunk by chunk, and optionally a second blob, the **tails blob**, for the
-//! partial chunks (`docs/format.md`, "Layers").
+//! symlinks; no regular file data but, with [`LayerOptions::inline_max`], small files inline)
+//! plus one **data blob** holding the data of every other regular file, addressed chunk by
+//! chunk, and optionally a second blob, the **tails blob**, for the partial chunks
+//! (`docs/format.md`, "Layers").
 //!
-//! Every non-empty regular file is a chunk-based inode (256 KiB chunks, 8-byte chunk indexes
-//! on device 1 = the blob). In the blob (placement: `placer.rs`):
+//! Every other non-empty regular file is a chunk-based inode (256 KiB chunks, 8-byte chunk
+//! indexes on device 1 = the blob). In the blob (placement: `placer.rs`):
 //!
 //! * a **full chunk** (256 KiB of file data) starts at a 256 KiB-aligned blob offset, so it is
 //!   exactly one cache chunk;
