@@ -310,6 +310,57 @@ fn the_error_paths_raise_the_sdks_exceptions() {
             "{method} {path} without a key: {s}"
         );
     }
+    // A refusal sent before the request's body was read reaches a client that is still
+    // sending that body (HTTP/1.1, chunked, written after the refusal went out): the node
+    // drains the body instead of closing the connection under the client, whose next write
+    // would fail with EPIPE and whose read would lose the refusal to the reset (seen in CI:
+    // the SDK reported "unavailable" for a wrong access token).
+    for (path, headers, want) in [
+        (
+            "/process.Process/Start",
+            "E2b-Sandbox-Id: inosuchsandbox000000\r\nX-Access-Token: wrong\r\n\
+             Content-Type: application/connect+json\r\n",
+            "HTTP/1.1 503",
+        ),
+        (
+            "/sandboxes",
+            "X-API-KEY: wrong\r\nContent-Type: application/json\r\n",
+            "HTTP/1.1 401",
+        ),
+    ] {
+        let out = Command::new(common::E2B_PYTHON)
+            .args([
+                "-c",
+                "import socket, sys, time\n\
+                 host, port = sys.argv[1].rsplit(':', 1)\n\
+                 s = socket.create_connection((host, int(port)))\n\
+                 s.sendall(('POST %s HTTP/1.1\\r\\nHost: x\\r\\n%sTransfer-Encoding: chunked\\r\\n\\r\\n' % (sys.argv[2], sys.argv[3])).encode())\n\
+                 time.sleep(0.3)\n\
+                 try:\n\
+                 \x20   for _ in range(8):\n\
+                 \x20       s.sendall(b'1000\\r\\n' + b'x' * 4096 + b'\\r\\n'); time.sleep(0.05)\n\
+                 \x20   s.sendall(b'0\\r\\n\\r\\n')\n\
+                 \x20   s.settimeout(10); data = b''\n\
+                 \x20   while b'\\r\\n' not in data:\n\
+                 \x20       c = s.recv(65536)\n\
+                 \x20       if not c: break\n\
+                 \x20       data += c\n\
+                 \x20   print(data.split(b'\\r\\n', 1)[0].decode())\n\
+                 except OSError as e:\n\
+                 \x20   print('failed:', e)",
+            ])
+            .arg(&node.addr)
+            .arg(path)
+            .arg(headers)
+            .output()
+            .unwrap();
+        let s = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            s.starts_with(want),
+            "POST {path} refused while its body is still being sent: {s}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }
 
 #[test]

@@ -84,42 +84,55 @@ async fn serve(api: &Arc<Api>, id: &str, req: hyper::Request<Incoming>, signed: 
     let (parts, body) = req.into_parts();
     let path = parts.uri.path().to_owned();
     let is_rpc = path.matches('/').count() == 2 && path.get(1..).is_some_and(|p| p.contains('.'));
+    // A refusal before the body is read: the body is drained meanwhile, so that the client
+    // gets to read the refusal (`crate::http::drain_in_background`).
+    let refuse = |body: Incoming, r: Response| {
+        crate::http::drain_in_background(body);
+        r
+    };
     let Some(meta) = api.meta(id) else {
         // What E2B's proxy answers for a sandbox it does not have: the SDK's
         // "sandbox was not found" (`SandboxNotRunningException`).
         let msg = format!("The sandbox {id} was not found");
-        return if is_rpc {
-            connect::unary_error(&RpcError::new(Code::Unavailable, msg))
-        } else {
-            error_with(502, &msg)
-        };
+        return refuse(
+            body,
+            if is_rpc {
+                connect::unary_error(&RpcError::new(Code::Unavailable, msg))
+            } else {
+                error_with(502, &msg)
+            },
+        );
     };
     if let Some(port) = header(&parts, "e2b-sandbox-port") {
         if port != ENVD_PORT {
-            return error_with(
-                502,
-                &format!(
-                    "port {port} of sandbox {id}: this node proxies only envd (port is not open)"
-                ),
+            let msg = format!(
+                "port {port} of sandbox {id}: this node proxies only envd (port is not open)"
             );
+            return refuse(body, error_with(502, &msg));
         }
     }
     let token = header(&parts, "x-access-token").unwrap_or("");
     if !signed && !crate::state::ct_eq(token.as_bytes(), meta.access_token.as_bytes()) {
         let e = Error::Unauthenticated("invalid or missing X-Access-Token".into());
-        return if is_rpc {
-            connect::unary_error(&RpcError::from(e))
-        } else {
-            error(&e)
-        };
+        return refuse(
+            body,
+            if is_rpc {
+                connect::unary_error(&RpcError::from(e))
+            } else {
+                error(&e)
+            },
+        );
     }
     if meta.paused {
         let msg = format!("sandbox {id} is paused (connect to resume it)");
-        return if is_rpc {
-            connect::unary_error(&RpcError::new(Code::Unavailable, msg))
-        } else {
-            error_with(502, &msg)
-        };
+        return refuse(
+            body,
+            if is_rpc {
+                connect::unary_error(&RpcError::new(Code::Unavailable, msg))
+            } else {
+                error_with(502, &msg)
+            },
+        );
     }
     let ctx = Ctx {
         api: api.clone(),
@@ -130,7 +143,7 @@ async fn serve(api: &Arc<Api>, id: &str, req: hyper::Request<Incoming>, signed: 
             .filter(|s| *s > 0),
     };
     if signed && path != "/files" {
-        return error_with(401, "a signature authorizes /files only");
+        return refuse(body, error_with(401, "a signature authorizes /files only"));
     }
     match (&parts.method, path.as_str()) {
         (&Method::GET, "/health") => no_content(),

@@ -120,6 +120,31 @@ pub fn error_with(status: u16, message: &str) -> Response {
     )
 }
 
+/// Read and discard a request's body in the background (at most
+/// [`crate::connect::DRAIN_BYTES`], for at most [`crate::connect::DRAIN_TIME`]), for a
+/// response sent without reading it: an early refusal (a wrong key or token, no such
+/// sandbox). hyper closes an HTTP/1.1 connection whose request body was dropped unread; a
+/// client still writing that body (a process start's stream) then fails with EPIPE before it
+/// reads the refusal, and reports "unavailable" instead of what it was told.
+pub fn drain_in_background(mut body: Incoming) {
+    if http_body::Body::is_end_stream(&body) {
+        return;
+    }
+    tokio::spawn(async move {
+        let mut left = crate::connect::DRAIN_BYTES;
+        let _ = tokio::time::timeout(crate::connect::DRAIN_TIME, async {
+            while let Some(Ok(f)) = body.frame().await {
+                let n = f.data_ref().map_or(0, |d| d.len());
+                match left.checked_sub(n) {
+                    Some(l) => left = l,
+                    None => return,
+                }
+            }
+        })
+        .await;
+    });
+}
+
 /// The whole request body, at most `max` bytes (more: an error, never a truncation).
 pub async fn read_body(body: Incoming, max: usize) -> Result<Bytes> {
     match http_body_util::Limited::new(body, max).collect().await {

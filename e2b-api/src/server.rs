@@ -77,11 +77,13 @@ async fn route(api: &Arc<Api>, req: hyper::Request<Incoming>) -> Response {
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
     if key.is_empty() {
+        crate::http::drain_in_background(req.into_body());
         return error(&Error::Unauthenticated(
             "no X-API-KEY: every request of this API needs one".into(),
         ));
     }
     if !api.key_ok(key) {
+        crate::http::drain_in_background(req.into_body());
         return error_with(401, "Invalid API key");
     }
     let front = header(crate::cluster::FRONT_HEADER).filter(|f| f.len() <= 64);
