@@ -193,8 +193,8 @@ impl Decoder {
     }
 }
 
-/// How much of a request body past its one message [`MessageReader::drain_in_background`]
-/// reads before it gives up on the connection.
+/// How much of a request body left unread [`crate::http::drain_in_background`] (and so
+/// [`MessageReader::drain_in_background`]) reads before it gives up on the connection.
 pub const DRAIN_BYTES: usize = 1 << 20;
 /// How long it waits for the body's end.
 pub const DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(60);
@@ -257,23 +257,10 @@ impl MessageReader {
     /// when a proxy forwards the body in pieces) would stay in the socket, and HTTP/1.1 closes
     /// a connection with input unread by a reset, which throws away the unsent tail of the
     /// answer: a long server stream to a slow reader arrives cut short.
-    pub fn drain_in_background(mut self) {
-        if self.done {
-            return;
+    pub fn drain_in_background(self) {
+        if !self.done {
+            crate::http::drain_in_background(self.body);
         }
-        tokio::spawn(async move {
-            let mut left = DRAIN_BYTES;
-            let _ = tokio::time::timeout(DRAIN_TIME, async {
-                while let Some(Ok(f)) = self.body.frame().await {
-                    let n = f.data_ref().map_or(0, |d| d.len());
-                    match left.checked_sub(n) {
-                        Some(l) => left = l,
-                        None => return,
-                    }
-                }
-            })
-            .await;
-        });
     }
 
     /// The next message decoded as `T`.

@@ -90,18 +90,18 @@ async fn serve(api: &Arc<Api>, id: &str, req: hyper::Request<Incoming>, signed: 
         crate::http::drain_in_background(body);
         r
     };
+    let unavailable = |msg: String| {
+        if is_rpc {
+            connect::unary_error(&RpcError::new(Code::Unavailable, msg))
+        } else {
+            error_with(502, &msg)
+        }
+    };
     let Some(meta) = api.meta(id) else {
         // What E2B's proxy answers for a sandbox it does not have: the SDK's
         // "sandbox was not found" (`SandboxNotRunningException`).
         let msg = format!("The sandbox {id} was not found");
-        return refuse(
-            body,
-            if is_rpc {
-                connect::unary_error(&RpcError::new(Code::Unavailable, msg))
-            } else {
-                error_with(502, &msg)
-            },
-        );
+        return refuse(body, unavailable(msg));
     };
     if let Some(port) = header(&parts, "e2b-sandbox-port") {
         if port != ENVD_PORT {
@@ -125,14 +125,7 @@ async fn serve(api: &Arc<Api>, id: &str, req: hyper::Request<Incoming>, signed: 
     }
     if meta.paused {
         let msg = format!("sandbox {id} is paused (connect to resume it)");
-        return refuse(
-            body,
-            if is_rpc {
-                connect::unary_error(&RpcError::new(Code::Unavailable, msg))
-            } else {
-                error_with(502, &msg)
-            },
-        );
+        return refuse(body, unavailable(msg));
     }
     let ctx = Ctx {
         api: api.clone(),

@@ -743,10 +743,8 @@ fn layout(
             });
         }
     }
-    let inline_file = match device_slots {
-        0 => vec![false; nodes.len()],
-        _ => inline_files(nodes, inline.0, inline.1),
-    };
+    // Full images (no blob) pass `inline_max` 0: nothing is picked.
+    let inline_file = inline_files(nodes, inline.0, inline.1);
     // Layer images keep their device table right after the superblock (one slot, or one
     // more per blob a chunk dictionary may make it point into).
     let meta_start = SUPER_OFFSET + 128 + device_slots as u64 * DEVT_SLOT_SIZE;

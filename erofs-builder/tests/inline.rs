@@ -15,11 +15,9 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use common::{compare_image, compare_trees, fsck, make_tree, mount_erofs, require_root, write};
-use common::{EXACT, FSCK15_EXTRACT};
+use common::{regular_files, EXACT, FSCK15_EXTRACT};
 use erofs_builder::ondisk::{DATALAYOUT_CHUNK_BASED, DATALAYOUT_FLAT_INLINE};
-use erofs_builder::{
-    build_layer, FileType, Image, Inode, LayerOptions, LayerStats, Location, TailsBlob,
-};
+use erofs_builder::{build_layer, Image, LayerOptions, LayerStats, Location, TailsBlob};
 
 const MANY: usize = 200;
 const T16K: u32 = 16 << 10;
@@ -110,32 +108,6 @@ fn fixture() -> &'static Fixture {
     })
 }
 
-/// Every regular file of the image with its path (relative, no leading `/`).
-fn files(img: &Image) -> Vec<(String, Inode)> {
-    let mut out = Vec::new();
-    let mut todo = vec![(String::new(), img.root().unwrap())];
-    while let Some((path, dir)) = todo.pop() {
-        for e in img.read_dir(&dir).unwrap() {
-            if e.name == b"." || e.name == b".." {
-                continue;
-            }
-            let name = String::from_utf8_lossy(&e.name).into_owned();
-            let p = if path.is_empty() {
-                name
-            } else {
-                format!("{path}/{name}")
-            };
-            let ino = img.inode(e.nid).unwrap();
-            match ino.file_type {
-                FileType::Directory => todo.push((p, ino)),
-                FileType::Regular => out.push((p, ino)),
-                _ => {}
-            }
-        }
-    }
-    out
-}
-
 #[test]
 fn kernel_mounts_layers_with_inline_files_and_every_file_matches() {
     if !require_root("kernel_mounts_layers_with_inline_files_and_every_file_matches") {
@@ -193,7 +165,7 @@ fn small_files_are_inline_and_the_rest_stay_in_the_blobs() {
         let img = Image::open_with_devices(&b.meta, &b.devices()).unwrap();
         let mut inline = 0u64;
         let mut inline_nids = std::collections::HashSet::new();
-        for (path, ino) in files(&img) {
+        for (path, ino) in regular_files(&img) {
             if ino.size == 0 {
                 assert!(img.data_map(&ino).unwrap().is_empty(), "{path}");
                 continue;
@@ -304,7 +276,7 @@ fn a_budget_inlines_the_smallest_files_first() {
         let img = Image::open_with_devices(&b.meta, &b.devices()).unwrap();
         let all = Image::open_with_devices(&f.all.meta, &f.all.devices()).unwrap();
         let inline_in = |img: &Image| -> std::collections::BTreeMap<String, u64> {
-            (files(img).into_iter())
+            (regular_files(img).into_iter())
                 .filter(|(_, i)| i.datalayout == DATALAYOUT_FLAT_INLINE)
                 .map(|(p, i)| (p, i.size))
                 .collect()

@@ -18,11 +18,10 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
 use common::{compare_image, compare_trees, fsck, make_tree, mount_erofs, require_root, write};
-use common::{EXACT, FSCK15_EXTRACT};
+use common::{regular_files, EXACT, FSCK15_EXTRACT};
 use erofs_builder::layer::{CHUNK_SIZE, MAX_DICT_DEVICES};
 use erofs_builder::{
-    build_layer, ChunkDictionary, Error, FileType, Image, Inode, LayerOptions, LayerStats,
-    Location, TailsBlob,
+    build_layer, ChunkDictionary, Error, Image, LayerOptions, LayerStats, Location, TailsBlob,
 };
 
 const MANY: usize = 300;
@@ -128,27 +127,6 @@ fn chunk_digests(blob: &Path, chunk_size: u64) -> Vec<[u8; 32]> {
         .chunks(chunk_size as usize)
         .map(|c| *blake3::hash(c).as_bytes())
         .collect()
-}
-
-/// Every regular file of the image with its path.
-fn files(img: &Image) -> Vec<(String, Inode)> {
-    let mut out = Vec::new();
-    let mut todo = vec![(String::new(), img.root().unwrap())];
-    while let Some((path, dir)) = todo.pop() {
-        for e in img.read_dir(&dir).unwrap() {
-            if e.name == b"." || e.name == b".." {
-                continue;
-            }
-            let p = format!("{path}/{}", String::from_utf8_lossy(&e.name));
-            let ino = img.inode(e.nid).unwrap();
-            match ino.file_type {
-                FileType::Directory => todo.push((p, ino)),
-                FileType::Regular => out.push((p, ino)),
-                _ => {}
-            }
-        }
-    }
-    out
 }
 
 #[test]
@@ -258,7 +236,7 @@ fn the_main_blob_holds_only_whole_chunks_and_the_tails_blob_the_rest() {
         );
         let mut main_chunks = BTreeSet::new();
         let (mut main_idx, mut tail_idx) = (0u64, 0u64);
-        for (path, ino) in files(&img) {
+        for (path, ino) in regular_files(&img) {
             for e in img.data_map(&ino).unwrap() {
                 match e.location {
                     Location::Device { device: 1, offset } => {
@@ -486,7 +464,7 @@ fn a_rebuild_with_5_percent_of_small_files_changed_reuses_the_previous_tails_blo
         assert_eq!(dt[1].tag, t2.blake3_hex().into_bytes());
         // Some tail longer than T points into v1's tails blob (a span of several T chunks).
         let old_tails = 3 + s2.devices.iter().position(|&i| i == 1).unwrap() as u16;
-        let spans = files(&img)
+        let spans = regular_files(&img)
             .iter()
             .flat_map(|(_, ino)| img.data_map(ino).unwrap())
             .filter(|e| {

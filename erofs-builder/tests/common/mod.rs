@@ -700,3 +700,24 @@ pub fn mount_overlay(data: &str, target: &Path) -> MountGuard {
     .unwrap_or_else(|e| panic!("mount -t overlay ({data}): {e}"));
     MountGuard(target.to_path_buf())
 }
+
+/// Every regular file of the image with its path (`/a/b`), hard links once per name.
+pub fn regular_files(img: &Image) -> Vec<(String, Inode)> {
+    let mut out = Vec::new();
+    let mut todo = vec![(String::new(), img.root().unwrap())];
+    while let Some((path, dir)) = todo.pop() {
+        for e in img.read_dir(&dir).unwrap() {
+            if e.name == b"." || e.name == b".." {
+                continue;
+            }
+            let p = format!("{path}/{}", String::from_utf8_lossy(&e.name));
+            let ino = img.inode(e.nid).unwrap();
+            match ino.file_type {
+                FileType::Directory => todo.push((p, ino)),
+                FileType::Regular => out.push((p, ino)),
+                _ => {}
+            }
+        }
+    }
+    out
+}
