@@ -54,6 +54,15 @@ pub struct DaemonArgs {
         default_value_t = ublk_daemon::node::DEFAULT_TRACE_WINDOW.as_secs_f64()
     )]
     pub trace_window: f64,
+    /// Keep at most this many MiB of mounted layers' meta images in memory (locked in the
+    /// page cache while the layer is mounted), so that a read that finds them evicted does not
+    /// wait for the disk for metadata and small inline files; 0: none.
+    #[arg(
+        long,
+        env = "STRATA_META_PIN_MB",
+        default_value_t = ublk_daemon::node::DEFAULT_META_PIN_BYTES >> 20
+    )]
+    pub meta_pin_mb: u64,
     /// Take over from the daemon running on this run directory (a planned upgrade): it
     /// stops serving without unmounting anything and exits, and this one resumes its mounts
     /// and FUSE connections (kept by the fd holder); readers wait, none fails.
@@ -190,6 +199,7 @@ pub async fn daemon(args: DaemonArgs, url: &str, cache: &CacheOpts, home: &Path)
     node_config.passthrough = !args.no_passthrough;
     node_config.trace_window = Duration::try_from_secs_f64(args.trace_window)
         .context("--trace-window: a number of seconds, 0 or more")?;
+    node_config.meta_pin_bytes = args.meta_pin_mb.saturating_mul(1 << 20);
     // The holder is this very binary, run as `strata fuse-holder`.
     let exe = std::env::current_exe().context("find the strata binary (for its fd holder)")?;
     node_config.holder_command = vec![exe.into_os_string(), "fuse-holder".into()];

@@ -1,8 +1,8 @@
 //! The `strata` binary's node commands end to end (root: mount(2), FUSE; a loud SKIPPED line
 //! otherwise, a failure under CI): mount, umount, status, the daemon's crash and SIGTERM, one
 //! daemon for concurrent first mounts and one store per daemon, `blob cat` through it, a
-//! deduped layer after gc, small files inline in a layer's meta image, and access traces
-//! across nodes.
+//! deduped layer after gc, small files inline in a layer's meta image, meta images kept in
+//! memory, and access traces across nodes.
 
 mod common;
 
@@ -1047,5 +1047,150 @@ fn a_layers_access_trace_is_recorded_by_one_node_and_replayed_by_the_next() {
     wait_for("node D's new trace", Box::new(|| decode().is_ok()));
     for n in [&a, &b, &c, &d, &e] {
         ok(cmd(n).arg("umount").arg(&n.mnt).output().unwrap());
+    }
+}
+
+/// Pages of `path` in the page cache, and its pages in all (mincore(2)).
+fn resident_pages(path: &Path) -> (usize, usize) {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open(path).unwrap();
+    let len = f.metadata().unwrap().len() as usize;
+    let mut vec = vec![0u8; len.div_ceil(4096)];
+    // SAFETY: a fresh read-only mapping of a file opened here, only handed to mincore and
+    // unmapped before returning.
+    unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            f.as_raw_fd(),
+            0,
+        );
+        assert_ne!(p, libc::MAP_FAILED);
+        assert_eq!(libc::mincore(p, len, vec.as_mut_ptr()), 0);
+        libc::munmap(p, len);
+    }
+    (vec.iter().filter(|b| **b & 1 == 1).count(), vec.len())
+}
+
+/// Ask the kernel to drop what it can of `path`'s pages (clean, unmapped, unlocked ones).
+fn evict_pages(path: &Path) {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open(path).unwrap();
+    // SAFETY: a plain syscall on a descriptor owned here.
+    let rc = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    assert_eq!(rc, 0);
+}
+
+/// A mounted layer's meta image stays in memory (mapped and locked by the daemon: a cold read
+/// finds the metadata and inline small files without the disk), is pinned again by the daemon
+/// that takes over after a kill -9, and is let go with the layer; with `--meta-pin-mb 0` it is
+/// left to the page cache.
+#[test]
+fn a_mounted_layers_meta_image_stays_in_memory() {
+    if !common::require_root("a_mounted_layers_meta_image_stays_in_memory") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let src = tmp.path().join("src");
+    for d in 0..20 {
+        std::fs::create_dir_all(src.join(format!("d{d}"))).unwrap();
+        for f in 0..20 {
+            std::fs::write(
+                src.join(format!("d{d}/f{f}")),
+                format!("{d}/{f}\n").repeat(1 + f * 40),
+            )
+            .unwrap();
+        }
+    }
+    std::fs::write(src.join("big"), vec![3u8; 2_000_000]).unwrap();
+    let build_home = tmp.path().join("build");
+    ok(strata_cmd(&build_home, &store)
+        .args(["layer", "build"])
+        .arg(&src)
+        .args(["--name", "base/pin:1"])
+        .output()
+        .unwrap());
+
+    // One node with the default budget, one with none.
+    for (name, budget) in [("pinned", None), ("unpinned", Some("0"))] {
+        let home = tmp.path().join(name).join("home");
+        let run_dir = tmp.path().join(name).join("run");
+        let (a, b) = (
+            tmp.path().join(name).join("a"),
+            tmp.path().join(name).join("b"),
+        );
+        std::fs::create_dir_all(&a).unwrap();
+        std::fs::create_dir_all(&b).unwrap();
+        let guard = DaemonGuard {
+            run_dir: run_dir.clone(),
+            child: None,
+            mountpoints: vec![a.clone(), b.clone()],
+        };
+        let cmd = || {
+            let mut c = strata_cmd(&home, &store);
+            c.env("STRATA_RUN_DIR", &run_dir);
+            match budget {
+                Some(mb) => c.env("STRATA_META_PIN_MB", mb),
+                None => c.env_remove("STRATA_META_PIN_MB"),
+            };
+            c
+        };
+        let status = || json(cmd().args(["--json", "status"]).output().unwrap());
+        ok(cmd()
+            .args(["mount", "base/pin:1"])
+            .arg(&a)
+            .output()
+            .unwrap());
+        let st = status();
+        let layer = &st["layers"][0];
+        let meta = Path::new(layer["mnt"].as_str().unwrap()).with_file_name("meta.erofs");
+        let meta_bytes = std::fs::metadata(&meta).unwrap().len();
+        assert_eq!(layer["meta_bytes"].as_u64(), Some(meta_bytes), "{st}");
+        evict_pages(&meta);
+        let (kept, pages) = resident_pages(&meta);
+        if budget.is_none() {
+            assert_eq!(layer["meta_pinned"], true, "{st}");
+            assert_eq!(st["node"]["meta_pinned_bytes"].as_u64(), Some(meta_bytes));
+            assert_eq!(st["node"]["meta_pinned_layers"], 1, "{st}");
+            assert_eq!(kept, pages, "a pinned meta image cannot be evicted");
+        } else {
+            assert_eq!(layer["meta_pinned"], false, "{st}");
+            assert_eq!(st["node"]["meta_pinned_bytes"], 0, "{st}");
+            assert!(kept < pages, "{kept} of {pages} pages stayed unpinned");
+        }
+        assert_eq!(same_files(&src, &a), 401);
+
+        // kill -9: the next daemon takes over the mounted layer and pins its meta image again.
+        let pid = guard.pid().expect("a running daemon");
+        DaemonGuard::signal(pid, rustix::process::Signal::KILL);
+        common::cli::wait_gone(pid);
+        ok(cmd()
+            .args(["mount", "base/pin:1"])
+            .arg(&b)
+            .output()
+            .unwrap());
+        let st = status();
+        assert_eq!(st["node"]["takeovers"], 1, "{st}");
+        assert_eq!(
+            st["node"]["meta_pinned_bytes"].as_u64(),
+            Some(if budget.is_none() { meta_bytes } else { 0 }),
+            "{st}"
+        );
+        evict_pages(&meta);
+        if budget.is_none() {
+            assert_eq!(resident_pages(&meta), (pages, pages));
+        }
+        assert_eq!(same_files(&src, &b), 401);
+
+        // The layer taken down lets its meta image go.
+        ok(cmd().arg("umount").arg(&a).output().unwrap());
+        ok(cmd().arg("umount").arg(&b).output().unwrap());
+        let st = status();
+        assert_eq!(st["layers"].as_array().map(Vec::len), Some(0), "{st}");
+        assert_eq!(st["node"]["meta_pinned_bytes"], 0, "{st}");
+        assert_eq!(st["node"]["meta_pinned_layers"], 0, "{st}");
     }
 }

@@ -20,6 +20,7 @@
 //! | `strata_fuse_reads_total`, `strata_fuse_read_errors_total`, `strata_fuse_read_bytes_total` | counter | | `node.fuse_reads`, `node.fuse_read_errors`, `node.fuse_read_bytes` |
 //! | `strata_daemon_rss_bytes`, `strata_daemon_uptime_seconds` | gauge | | `node.rss_bytes`, `node.uptime_seconds` |
 //! | `strata_daemon_restarts_total`, `strata_daemon_takeovers_total` | counter | | `node.restarts`, `node.takeovers` |
+//! | `strata_meta_pinned_bytes`, `strata_meta_pinned_layers` | gauge | | `node.meta_pinned_bytes`, `node.meta_pinned_layers` |
 //!
 //! Counters of the cache are cumulative across daemon runs when the cache keeps a stats file
 //! (as `strata daemon` does); per-layer bytes count since this daemon started. Bytes per user
@@ -320,6 +321,20 @@ impl Collector for Snapshot {
             Counter,
             &one(n.takeovers),
         )?;
+        series(
+            &mut enc,
+            "strata_meta_pinned_bytes",
+            "Bytes of mounted layers' meta images kept in memory",
+            Gauge,
+            &one(n.meta_pinned_bytes),
+        )?;
+        series(
+            &mut enc,
+            "strata_meta_pinned_layers",
+            "Mounted layers whose meta image is kept in memory",
+            Gauge,
+            &one(n.meta_pinned_layers),
+        )?;
         Ok(())
     }
 }
@@ -368,6 +383,7 @@ mod tests {
                 mnt: "/m".into(),
                 bytes_read: 77,
                 bytes_fetched: 66,
+                meta_pinned: true,
             }],
             mounts: Vec::new(),
             cache,
@@ -377,6 +393,8 @@ mod tests {
                 fuse_requests_in_flight: 2,
                 restarts: 3,
                 takeovers: 1,
+                meta_pinned_bytes: 8192,
+                meta_pinned_layers: 1,
                 ..NodeStats::default()
             },
         };
@@ -405,6 +423,8 @@ mod tests {
             "strata_daemon_rss_bytes 4096",
             "strata_daemon_restarts_total 3",
             "strata_daemon_takeovers_total 1",
+            "strata_meta_pinned_bytes 8192",
+            "strata_meta_pinned_layers 1",
             "# TYPE strata_backend_fetch_duration_seconds histogram",
         ] {
             assert!(

@@ -39,6 +39,7 @@
 pub mod client;
 mod layers;
 mod local;
+mod metapin;
 pub mod metrics;
 pub mod proto;
 pub mod server;
@@ -62,6 +63,7 @@ use layers::mount_info;
 use proto::{ApiError, ErrorKind, NodeStats, Pong, Request, Status};
 use state::{MountState, State};
 
+pub use metapin::DEFAULT_META_PIN_BYTES;
 pub use start::{check_environment, prepare_machine};
 pub use trace::DEFAULT_TRACE_WINDOW;
 
@@ -110,6 +112,10 @@ pub struct NodeConfig {
     /// layer's access trace when the store has none (when it has one, the trace is replayed
     /// as prefetch instead; `trace.rs`). Zero: no traces recorded or replayed.
     pub trace_window: std::time::Duration,
+    /// At most this many bytes of mounted layers' meta images are kept in memory
+    /// (`metapin.rs`: mapped and locked, so a cold read finds the metadata and inline small
+    /// files without a disk read); 0: none.
+    pub meta_pin_bytes: u64,
 }
 
 impl NodeConfig {
@@ -131,6 +137,7 @@ impl NodeConfig {
             holder_command: Vec::new(),
             lock_wait: std::time::Duration::ZERO,
             trace_window: DEFAULT_TRACE_WINDOW,
+            meta_pin_bytes: DEFAULT_META_PIN_BYTES,
         }
     }
 }
@@ -163,6 +170,8 @@ pub struct Node {
     /// Passthrough was configured, but this kernel's EROFS refuses devices on a stacked
     /// filesystem (`sys::erofs_takes_stacked_devices`): the blob mount was made without it.
     stacked_refused: bool,
+    /// Mounted layers' meta images kept in memory (`metapin.rs`).
+    meta_pins: Arc<metapin::MetaPins>,
     stopping: AtomicBool,
     /// The fd holder keeping the blob mount's connection (none: the mounts die with us).
     holder: Option<Arc<HolderClient>>,
@@ -489,6 +498,7 @@ impl Node {
             .as_ref()
             .map(|fs| fs.stats())
             .unwrap_or_default();
+        let (meta_pinned_bytes, meta_pinned_layers) = self.meta_pins.totals();
         NodeStats {
             rss_bytes: metrics::rss_bytes().unwrap_or(0),
             uptime_seconds: self.started.elapsed().as_secs_f64(),
@@ -498,6 +508,8 @@ impl Node {
             fuse_read_errors: fuse.read_errors,
             restarts: inner.state.restarts,
             takeovers: inner.state.takeovers,
+            meta_pinned_bytes,
+            meta_pinned_layers,
         }
     }
 
@@ -533,6 +545,7 @@ impl Node {
             let mnt = self.layer_dir(id).join("mnt");
             match blocking(move || sys::unmount_or_detach(&mnt, true)).await {
                 Ok(detached) => {
+                    self.meta_pins.unpin(id);
                     tokens_gone |= self.end_local_devices_locked(&mut inner, id, detached);
                 }
                 Err(e) => {

@@ -313,6 +313,9 @@ pub struct LayerInfo {
     pub bytes_read: u64,
     #[serde(default)]
     pub bytes_fetched: u64,
+    /// Whether its meta image is kept in memory (`NodeConfig::meta_pin_bytes`).
+    #[serde(default)]
+    pub meta_pinned: bool,
 }
 
 /// A user mount.
@@ -362,6 +365,12 @@ pub struct NodeStats {
     pub restarts: u64,
     /// Those of them that took over the earlier daemon's FUSE connection and mounts.
     pub takeovers: u64,
+    /// Bytes of mounted layers' meta images kept in memory, and how many images
+    /// (`NodeConfig::meta_pin_bytes`).
+    #[serde(default)]
+    pub meta_pinned_bytes: u64,
+    #[serde(default)]
+    pub meta_pinned_layers: u64,
 }
 
 #[cfg(test)]

@@ -430,6 +430,7 @@ impl Node {
             }),
             layer_locks: Default::default(),
             stacked_refused,
+            meta_pins: Arc::new(super::metapin::MetaPins::new(config.meta_pin_bytes)),
             stopping: AtomicBool::new(false),
             holder,
             gate: tokio::sync::RwLock::new(()),
@@ -482,6 +483,9 @@ impl Node {
             .into_iter()
             .map(|m| (m.mount_point, m.fstype))
             .collect();
+        // Layers found mounted: their meta images are pinned again (the previous daemon's
+        // pins went with it).
+        let mut found = Vec::new();
         {
             let mut inner = self.inner.lock().await;
             inner.state.next_seq = prev.next_seq;
@@ -490,8 +494,12 @@ impl Node {
                 let mnt = self.layer_dir(id).join("mnt");
                 if mounted.get(&mnt).map(String::as_str) == Some("erofs") {
                     inner.active.insert(id.clone(), layer.passthrough_blobs);
+                    found.push(id.clone());
                 }
             }
+        }
+        for id in &found {
+            self.pin_meta(id).await;
         }
         let mut mounts: Vec<_> = prev.mounts.into_iter().collect();
         mounts.sort_by_key(|(_, m)| m.seq);
