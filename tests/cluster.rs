@@ -508,8 +508,11 @@ fn a_burst_through_two_fronts_outlives_a_node_and_a_front() {
     println!("placement: sandboxes {counts:?}, reserved memory {mem:?}");
     for f in &c.fronts {
         let l = std::fs::read_to_string(&f.log).unwrap_or_default();
+        let sent: Vec<usize> = (0..c.nodes.len())
+            .map(|i| l.matches(&format!(" sent to node {i}\n")).count())
+            .collect();
         println!(
-            "front {}: polls kept {}, down {}, creates retried {}",
+            "front {}: polls kept {}, down {}, creates retried {}, sent by node {sent:?}",
             f.addr,
             l.matches("last status kept").count(),
             l.matches(": down:").count(),
