@@ -533,6 +533,12 @@ impl DiskCache {
         let mut entries = Vec::new();
         // Chunk (blob, index) → length of its crc32c value (one `s` key per chunk).
         let mut with_sums: HashMap<(Digest, u64), u64> = HashMap::new();
+        // The values themselves, up to what the sums cache holds: read here anyway, they are
+        // put in the cache below (for kept chunks), so that the first reads after a restart
+        // check level-2 bytes without an index read each (a point lookup per chunk, from
+        // disk once the page cache has dropped the index's files).
+        let mut values: HashMap<(Digest, u64), Arc<[u8]>> = HashMap::new();
+        let mut values_bytes = 0usize;
         let mut bad_keys = Vec::new();
         let mut holds = Vec::new();
         let (mut orphans, mut corrupt) = (0u64, 0u64);
@@ -568,6 +574,10 @@ impl DiskCache {
                 },
                 Some((_, blob, index)) => {
                     with_sums.insert((blob, index), value.len() as u64);
+                    if values_bytes + value.len() <= SUMS_CACHED {
+                        values_bytes += value.len();
+                        values.insert((blob, index), Arc::from(&value[..]));
+                    }
                 }
                 None => {
                     bad_keys.push(key);
@@ -640,9 +650,15 @@ impl DiskCache {
         kept.sort_unstable_by_key(|(_, e)| e.seq);
         // Per blob: its shift and indexed chunks.
         let mut indexed: HashMap<Digest, (u8, HashSet<u64>)> = HashMap::new();
+        let mut sums_kept = Vec::new();
         let victims = {
             let mut st = self.lock();
             for (id, entry) in kept {
+                if let Some(v) = values.remove(&(id.blob, id.index)) {
+                    if v.len() as u64 == sums_len(u64::from(entry.size)) {
+                        sums_kept.push((id, v));
+                    }
+                }
                 st.present += cost(u64::from(entry.size));
                 // Saturating: a damaged index can hold any seq (`u64::MAX` included); the
                 // recency order then only goes stale, as after a lost batch of updates.
@@ -667,6 +683,13 @@ impl DiskCache {
             let over = st.present.saturating_sub(self.capacity);
             st.doom_lru(over)
         };
+        {
+            // Oldest first, as the chunks went into the recency order.
+            let mut cache = self.sums.lock().unwrap_or_else(PoisonError::into_inner);
+            for (id, v) in sums_kept {
+                cache.put(id, v);
+            }
+        }
         for (id, _) in &victims {
             if let Some((_, set)) = indexed.get_mut(&id.blob) {
                 set.remove(&id.index);

@@ -109,4 +109,31 @@ mod tests {
         c.pop(&id(14, 1));
         assert_eq!(c.bytes(), 1024 - 16);
     }
+
+    #[test]
+    fn a_reopened_level_2_holds_its_chunks_values_in_memory() {
+        use crate::chunk::disk::{DiskCache, DiskCacheConfig};
+        let dir = tempfile::tempdir().unwrap();
+        let config = DiskCacheConfig {
+            dir: dir.path().join("cache"),
+            capacity: 1 << 30,
+        };
+        let id = |index: u64| ChunkId::new(Digest::of(b"reopened"), 14, index);
+        let data: Vec<Vec<u8>> = (0..3u64)
+            .map(|i| (0..16384u64).map(|b| (b * 3 + i * 17) as u8).collect())
+            .collect();
+        let disk = DiskCache::open(config.clone()).unwrap();
+        for (i, d) in data.iter().enumerate() {
+            disk.put(&id(i as u64), d).unwrap();
+        }
+        drop(disk);
+        // The next process finds them in memory, read with the index at open: its first reads
+        // check level-2 bytes without an index lookup each.
+        let disk = DiskCache::open(config).unwrap();
+        let mut cache = disk.sums.lock().unwrap();
+        for (i, d) in data.iter().enumerate() {
+            let got = cache.get(&id(i as u64)).expect("values loaded at open");
+            assert_eq!(&got[..], &block_sums(d)[..]);
+        }
+    }
 }
