@@ -461,6 +461,12 @@ fn strata_column(
         d("cache", "coalesced_chunks"),
         mb(d("cache", "bytes_read")),
     ));
+    // What the daemon holds in memory for it (`strata daemon --meta-pin-mb`): the mounted
+    // layer's meta image, whose pages the drop before each read cannot evict.
+    col.notes.push(format!(
+        "meta image kept in memory: {:.1} MB",
+        mb(st1["node"]["meta_pinned_bytes"].as_u64().unwrap_or(0))
+    ));
 
     s.restart(true, &[]);
     col.find = Some(timed_find(&mp));
