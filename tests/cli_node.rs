@@ -1050,28 +1050,17 @@ fn a_layers_access_trace_is_recorded_by_one_node_and_replayed_by_the_next() {
     }
 }
 
-/// Pages of `path` in the page cache, and its pages in all (mincore(2)).
+/// Pages of `path` in the page cache, and its pages in all (the suspend code's `mincore`
+/// scan).
 fn resident_pages(path: &Path) -> (usize, usize) {
-    use std::os::fd::AsRawFd;
+    use sandbox_runtime::resident::{resident_runs, Budget};
+    use std::os::fd::AsFd;
     let f = std::fs::File::open(path).unwrap();
-    let len = f.metadata().unwrap().len() as usize;
-    let mut vec = vec![0u8; len.div_ceil(4096)];
-    // SAFETY: a fresh read-only mapping of a file opened here, only handed to mincore and
-    // unmapped before returning.
-    unsafe {
-        let p = libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ,
-            libc::MAP_SHARED,
-            f.as_raw_fd(),
-            0,
-        );
-        assert_ne!(p, libc::MAP_FAILED);
-        assert_eq!(libc::mincore(p, len, vec.as_mut_ptr()), 0);
-        libc::munmap(p, len);
-    }
-    (vec.iter().filter(|b| **b & 1 == 1).count(), vec.len())
+    let len = f.metadata().unwrap().len();
+    let mut runs = Vec::new();
+    assert!(resident_runs(f.as_fd(), 0, len, len, &mut Budget::default(), &mut runs).unwrap());
+    let bytes: u64 = runs.iter().map(|[_, len]| len).sum();
+    ((bytes / 4096) as usize, len.div_ceil(4096) as usize)
 }
 
 /// Ask the kernel to drop what it can of `path`'s pages (clean, unmapped, unlocked ones).

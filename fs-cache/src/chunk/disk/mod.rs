@@ -654,10 +654,9 @@ impl DiskCache {
         let victims = {
             let mut st = self.lock();
             for (id, entry) in kept {
+                // Kept only with values of the right length (checked above).
                 if let Some(v) = values.remove(&(id.blob, id.index)) {
-                    if v.len() as u64 == sums_len(u64::from(entry.size)) {
-                        sums_kept.push((id, v));
-                    }
+                    sums_kept.push((id, v));
                 }
                 st.present += cost(u64::from(entry.size));
                 // Saturating: a damaged index can hold any seq (`u64::MAX` included); the
