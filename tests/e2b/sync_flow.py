@@ -72,11 +72,16 @@ try:
     check(len(other) == 1, f"a command started by `strata sandbox exec` is listed ({out.stdout!r})")
     check(sb.commands.kill(other[0].pid), "and killed")
 
-    # Connect to a running command.
-    h = sb.commands.run("sleep 1; echo late", background=True)
+    # Connect to a running command. A connect follows what the command writes after it
+    # (as envd's does), so the command waits for a file made after the connect: a fixed
+    # sleep lost the race on a loaded CI machine.
+    h = sb.commands.run(
+        "while [ ! -e /tmp/go-late ]; do sleep 0.02; done; echo late", background=True
+    )
     h2 = sb.commands.connect(h.pid)
+    sb.commands.run("touch /tmp/go-late")
     r = h2.wait()
-    check(r.stdout == "late\n", "connect to a running command gets its later output")
+    check(r.stdout == "late\n", f"connect to a running command gets its later output ({r.stdout!r})")
 
     # stdin: sent, then closed.
     h = sb.commands.run("cat", background=True, stdin=True)
