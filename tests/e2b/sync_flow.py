@@ -22,6 +22,17 @@ def check(cond, what):
     print("ok:", what, flush=True)
 
 
+def wait_for(probe, secs=15.0):
+    """probe()'s first truthy value, polled for up to `secs` (a loaded CI machine is slow to
+    show what a fixed sleep expected); its last value if none was."""
+    end = time.monotonic() + secs
+    while True:
+        v = probe()
+        if v or time.monotonic() > end:
+            return v
+        time.sleep(0.1)
+
+
 sb = Sandbox.create(TEMPLATE, timeout=120, metadata={"suite": "sync", "n": "1"}, envs={"GLOBAL": "g1"})
 try:
     check(sb.sandbox_id and sb.is_running(), "created and running")
@@ -67,8 +78,7 @@ try:
         check=True,
         capture_output=True,
     )
-    time.sleep(0.2)
-    other = [p for p in sb.commands.list() if p.cmd == "sleep" and p.args == ["200"]]
+    other = wait_for(lambda: [p for p in sb.commands.list() if p.cmd == "sleep" and p.args == ["200"]])
     check(len(other) == 1, f"a command started by `strata sandbox exec` is listed ({out.stdout!r})")
     check(sb.commands.kill(other[0].pid), "and killed")
 
@@ -125,15 +135,22 @@ try:
     time.sleep(0.3)
     sb.files.write("/tmp/w/sub/deep.txt", "y")
     sb.files.remove("/tmp/w/new.txt")
-    time.sleep(0.3)
-    evs = [(e.name, e.type.value) for e in w.get_new_events()]
+    evs = []
+    want = {("new.txt", "create"), ("new.txt", "remove"), ("sub/deep.txt", "create")}
+
+    def more_events():
+        evs.extend((e.name, e.type.value) for e in w.get_new_events())
+        return want <= set(evs)
+
+    wait_for(more_events)
     check(("new.txt", "create") in evs and ("new.txt", "remove") in evs, f"watch events: {evs}")
     check(("sub/deep.txt", "create") in evs, "recursive watch sees new subdirectories")
     w.stop()
     w = sb.files.watch_dir("/tmp/w", include_entry=True)
     sb.files.write("/tmp/w/with-entry.txt", "12345")
-    time.sleep(0.3)
-    with_entry = [e for e in w.get_new_events() if e.name == "with-entry.txt" and e.entry]
+    with_entry = wait_for(
+        lambda: [e for e in w.get_new_events() if e.name == "with-entry.txt" and e.entry]
+    )
     check(with_entry and with_entry[0].entry.path == "/tmp/w/with-entry.txt", "watch events with entry info")
     w.stop()
 
@@ -277,9 +294,12 @@ finally:
 short = Sandbox.create(TEMPLATE, timeout=2)
 napper = Sandbox.create(TEMPLATE, timeout=2, lifecycle={"on_timeout": "pause"})
 napper.files.write("/root/nap.txt", "zzz")
-time.sleep(4)
-check(not short.is_running(), "a sandbox is removed at its timeout")
-check(napper.get_info().state.value == "paused", "an auto-pause sandbox is paused at its timeout")
+time.sleep(2)
+check(wait_for(lambda: not short.is_running()), "a sandbox is removed at its timeout")
+check(
+    wait_for(lambda: napper.get_info().state.value == "paused"),
+    "an auto-pause sandbox is paused at its timeout",
+)
 woken = Sandbox.connect(napper.sandbox_id, timeout=30)
 check(woken.files.read("/root/nap.txt") == "zzz", "and connect resumes it, files intact")
 woken.kill()
