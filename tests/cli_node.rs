@@ -1075,7 +1075,8 @@ fn evict_pages(path: &Path) {
 /// A mounted layer's meta image stays in memory (mapped and locked by the daemon: a cold read
 /// finds the metadata and inline small files without the disk), is pinned again by the daemon
 /// that takes over after a kill -9, and is let go with the layer; with `--meta-pin-mb 0` it is
-/// left to the page cache.
+/// left to the page cache. Either way the cache learns from it where the layer's files end in
+/// its blobs (readahead stops there), again after the takeover, and forgets with the layer.
 #[test]
 fn a_mounted_layers_meta_image_stays_in_memory() {
     if !common::require_root("a_mounted_layers_meta_image_stays_in_memory") {
@@ -1128,6 +1129,17 @@ fn a_mounted_layers_meta_image_stays_in_memory() {
             c
         };
         let status = || json(cmd().args(["--json", "status"]).output().unwrap());
+        // The cache learns where the layer's files end in its blobs, in the background.
+        let bounds_learnt = || {
+            for _ in 0..100 {
+                let st = status();
+                if st["node"]["file_bounds_ends"].as_u64() > Some(0) {
+                    return st;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            status()
+        };
         ok(cmd()
             .args(["mount", "base/pin:1"])
             .arg(&a)
@@ -1151,6 +1163,9 @@ fn a_mounted_layers_meta_image_stays_in_memory() {
             assert!(kept < pages, "{kept} of {pages} pages stayed unpinned");
         }
         assert_eq!(same_files(&src, &a), 401);
+        let st = bounds_learnt();
+        assert!(st["node"]["file_bounds_blobs"].as_u64() >= Some(1), "{st}");
+        assert!(st["node"]["file_bounds_ends"].as_u64() > Some(0), "{st}");
 
         // kill -9: the next daemon takes over the mounted layer and pins its meta image again.
         let pid = guard.pid().expect("a running daemon");
@@ -1163,6 +1178,11 @@ fn a_mounted_layers_meta_image_stays_in_memory() {
             .unwrap());
         let st = status();
         assert_eq!(st["node"]["takeovers"], 1, "{st}");
+        let learnt = bounds_learnt();
+        assert!(
+            learnt["node"]["file_bounds_ends"].as_u64() > Some(0),
+            "{learnt}"
+        );
         assert_eq!(
             st["node"]["meta_pinned_bytes"].as_u64(),
             Some(if budget.is_none() { meta_bytes } else { 0 }),
@@ -1181,5 +1201,6 @@ fn a_mounted_layers_meta_image_stays_in_memory() {
         assert_eq!(st["layers"].as_array().map(Vec::len), Some(0), "{st}");
         assert_eq!(st["node"]["meta_pinned_bytes"], 0, "{st}");
         assert_eq!(st["node"]["meta_pinned_layers"], 0, "{st}");
+        assert_eq!(st["node"]["file_bounds_blobs"], 0, "{st}");
     }
 }

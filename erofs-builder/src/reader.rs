@@ -926,6 +926,71 @@ pub fn fuzz_read_all(bytes: &[u8]) {
         return;
     };
     let _ = walk_all(&img, 1 << 20, 64 << 20);
+    let _ = device_run_ends(&img, 1 << 16);
+}
+
+/// Where regular files' data runs end on the image's extra devices: for each device of the
+/// device table (index 0 = device id 1), the sorted, distinct byte offsets at which some
+/// file's contiguous run of data on that device ends. A reader of a lazily fetched device
+/// uses them to stop reading ahead at the end of the file it is reading.
+///
+/// Walks the tree from the root, each nid once, at most `max_files` regular files; on a
+/// malformed entry or past the bound the walk stops and what it found is returned, so the
+/// result may miss ends, never holds a wrong one (every end comes from a parsed chunk
+/// index), and bounds memory at `max_files` chunk runs per file.
+pub fn device_run_ends(img: &Image, max_files: usize) -> Vec<Vec<u64>> {
+    let mut ends: Vec<Vec<u64>> = vec![Vec::new(); img.device_table().len()];
+    let Ok(root) = img.root() else {
+        return ends;
+    };
+    let mut seen = HashSet::new();
+    let mut stack = vec![root];
+    let mut files = 0usize;
+    while let Some(ino) = stack.pop() {
+        if !seen.insert(ino.nid) {
+            continue;
+        }
+        match ino.file_type {
+            FileType::Directory => {
+                let Ok(entries) = img.read_dir(&ino) else {
+                    continue;
+                };
+                for e in entries {
+                    if !seen.contains(&e.nid) {
+                        if let Ok(child) = img.inode(e.nid) {
+                            stack.push(child);
+                        }
+                    }
+                }
+            }
+            FileType::Regular => {
+                if files == max_files {
+                    break;
+                }
+                files += 1;
+                let Ok(map) = img.data_map(&ino) else {
+                    continue;
+                };
+                for x in map {
+                    if let Location::Device { device, offset } = x.location {
+                        let slot = usize::from(device).checked_sub(1);
+                        if let (Some(list), Some(end)) = (
+                            slot.and_then(|i| ends.get_mut(i)),
+                            offset.checked_add(x.len),
+                        ) {
+                            list.push(end);
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    for list in &mut ends {
+        list.sort_unstable();
+        list.dedup();
+    }
+    ends
 }
 
 /// Walks the whole tree (each nid once, at most `budget` dirents and `data_budget` bytes of

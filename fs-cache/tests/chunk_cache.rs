@@ -666,6 +666,76 @@ async fn level_2_readahead_skips_short_streams_and_readers_that_skip_forward() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_file_bounds_a_reader_of_one_file_reads_ahead_from_its_first_read_to_its_end() {
+    let f = fixture((120 * CHUNK_SIZE) as usize).await;
+    let dir = tempfile::tempdir().unwrap();
+    let cache = level_2_filled(&f, dir.path()).await;
+    let staged = || async {
+        let mut last = u64::MAX;
+        loop {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let now = cache.stats().disk_readahead_chunks;
+            if now == last {
+                return now;
+            }
+            last = now;
+        }
+    };
+    let check = |at: u64, got: &[u8]| assert!(got == &f.bytes[at as usize..][..got.len()]);
+    // Reads a "file" of 3 MiB + 5000 bytes at chunk `first` (13 chunks) 256 KiB at a time;
+    // the chunks read ahead during its first read, and in all.
+    let read_file = |first: u64| {
+        let cache = &cache;
+        async move {
+            let (start, end) = (first * CHUNK_SIZE, first * CHUNK_SIZE + 3 * MIB + 5000);
+            let before = staged().await;
+            check(start, &cache.read(&f.blob, start, 64 << 10).await.unwrap());
+            let after_first = staged().await - before;
+            let mut at = start + (64 << 10);
+            while at < end {
+                let len = (256 << 10).min(end - at);
+                check(at, &cache.read(&f.blob, at, len).await.unwrap());
+                at += len;
+            }
+            (after_first, staged().await - before)
+        }
+    };
+    let file_end = 10 * CHUNK_SIZE + 3 * MIB + 5000;
+    cache.add_file_bounds(f.blob, &[10 * CHUNK_SIZE, file_end, 60 * CHUNK_SIZE]);
+    assert_eq!(cache.file_bounds(), (1, 3));
+
+    // Bounded: read ahead from the first 64 KiB on, and never past the file's last chunk
+    // (chunks 11..=22: at most 12).
+    let (first, all) = read_file(10).await;
+    assert!(
+        first > 0,
+        "no readahead on the first read: {:?}",
+        cache.stats()
+    );
+    assert!(all <= 12, "{all} chunks read ahead for a 13-chunk file");
+    // A reader that goes on into the next file (layout order) has crossed the end: its
+    // stream reads ahead as without bounds.
+    let before = staged().await;
+    let mut at = file_end;
+    while at < file_end + 2 * MIB {
+        check(at, &cache.read(&f.blob, at, 256 << 10).await.unwrap());
+        at += 256 << 10;
+    }
+    assert!(staged().await > before, "a stream across files reads ahead");
+
+    // Unbounded (past every known end): nothing on the first read, and past the file's end.
+    let (first, all) = read_file(70).await;
+    assert_eq!(first, 0, "{:?}", cache.stats());
+    assert!(all > 12, "without bounds only {all} chunks were read ahead");
+
+    // Forgotten: as without bounds again.
+    cache.forget_file_bounds(&f.blob);
+    assert_eq!(cache.file_bounds(), (0, 0));
+    let (first, _) = read_file(30).await;
+    assert_eq!(first, 0, "{:?}", cache.stats());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sequential_readers_of_level_2_are_served_ahead_and_never_get_damaged_bytes() {
     let f = fixture((40 * CHUNK_SIZE + 4321) as usize).await;
     let dir = tempfile::tempdir().unwrap();

@@ -310,6 +310,8 @@ pub(super) struct Inner {
     disk: Option<Arc<DiskCache>>,
     inflight: Mutex<HashMap<ChunkId, InFlight>>,
     sequential: Mutex<HashMap<Digest, Sequential>>,
+    /// Where files' data runs end, per blob (`bounds.rs`).
+    bounds: super::bounds::Bounds,
     staging: Arc<Staging>,
     /// Level 2's background writes ([`super::writer`]).
     writer: Arc<DiskWriter>,
@@ -389,6 +391,7 @@ impl ChunkCache {
                 disk,
                 inflight: Mutex::new(HashMap::new()),
                 sequential: Mutex::new(HashMap::new()),
+                bounds: Default::default(),
                 staging,
                 writer: DiskWriter::new(),
                 counters: Counters::default(),
@@ -623,9 +626,13 @@ impl ChunkCache {
         // fetched from the backend and `disk_readahead_bytes` read ahead from level 2, each
         // issued as a whole window whenever less than half of it is left, once the stream has
         // asked for `STREAM_MIN_BYTES` (the window then twice what it asked for, at most the
-        // configured one) and while it is dense ([`Sequential::dense`]).
+        // configured one) and while it is dense ([`Sequential::dense`]). A stream still
+        // inside the file run it began in, where the run's end is known (`bounds.rs`), reads
+        // ahead from its first read on (from level 2 at least `STREAM_MIN_BYTES`), but never
+        // past that end.
         let cfg = &self.inner.config;
         let windows = [cfg.readahead_bytes, cfg.disk_readahead_bytes];
+        let around = self.inner.bounds.around(blob, end);
         let (ahead, disk_ahead) = {
             let mut seq = lock(&self.inner.sequential);
             let state = seq.entry(*blob).or_default();
@@ -637,31 +644,6 @@ impl ChunkCache {
             if in_stream {
                 state.last_end = state.last_end.max(end);
                 state.covered = state.covered.saturating_add(end - offset);
-                let dense = state.dense();
-                let covered = state.covered;
-                let next = (last + 1) * table.chunk_size;
-                let size = table.blob_size;
-                let advance = |until: &mut u64, window: u64| {
-                    let window = window.min(covered.saturating_mul(2));
-                    let from = (*until).max(next);
-                    if !dense
-                        || covered < STREAM_MIN_BYTES
-                        || window == 0
-                        || from >= size
-                        || from.saturating_sub(end) >= window / 2
-                    {
-                        return None;
-                    }
-                    let to = from.saturating_add(window).min(size);
-                    *until = to;
-                    Some(from / table.chunk_size..to.div_ceil(table.chunk_size))
-                };
-                let ahead = advance(&mut state.ahead_until, windows[0]);
-                let disk_ahead = match self.inner.disk {
-                    Some(_) => advance(&mut state.disk_ahead_until, windows[1]),
-                    None => None,
-                };
-                (ahead, disk_ahead)
             } else {
                 *state = Sequential {
                     start: offset,
@@ -669,6 +651,41 @@ impl ChunkCache {
                     last_end: end,
                     ..Sequential::default()
                 };
+            }
+            // The end of the run this stream began in, if known and not yet crossed.
+            let cap = around
+                .filter(|&(before, _)| state.start >= before)
+                .map(|(_, run_end)| run_end);
+            if in_stream || cap.is_some() {
+                let dense = state.dense();
+                let covered = state.covered;
+                let next = (last + 1) * table.chunk_size;
+                let limit = cap.unwrap_or(u64::MAX).min(table.blob_size);
+                // A bounded stream's level-2 window starts at STREAM_MIN_BYTES (it cannot
+                // overshoot, and local reads are cheap); the backend's keeps its ramp.
+                let advance = |until: &mut u64, window: u64, floor: u64| {
+                    let window = window.min(covered.saturating_mul(2).max(floor));
+                    let from = (*until).max(next);
+                    if !dense
+                        || (covered < STREAM_MIN_BYTES && cap.is_none())
+                        || window == 0
+                        || from >= limit
+                        || from.saturating_sub(end) >= window / 2
+                    {
+                        return None;
+                    }
+                    let to = from.saturating_add(window).min(limit);
+                    *until = to;
+                    Some(from / table.chunk_size..to.div_ceil(table.chunk_size))
+                };
+                let ahead = advance(&mut state.ahead_until, windows[0], 0);
+                let disk_floor = if cap.is_some() { STREAM_MIN_BYTES } else { 0 };
+                let disk_ahead = match self.inner.disk {
+                    Some(_) => advance(&mut state.disk_ahead_until, windows[1], disk_floor),
+                    None => None,
+                };
+                (ahead, disk_ahead)
+            } else {
                 (None, None)
             }
         };
@@ -719,6 +736,23 @@ impl ChunkCache {
             }
             Ok(())
         })
+    }
+
+    /// Add where files' data runs end in `blob` (byte offsets, any order; `bounds.rs`): a
+    /// reader of one file then reads ahead only to its end, and from its first read on.
+    /// Several layers sharing a blob each add theirs. Speed only.
+    pub fn add_file_bounds(&self, blob: Digest, ends: &[u64]) {
+        self.inner.bounds.add(blob, ends);
+    }
+
+    /// Forget `blob`'s file bounds (its readers read ahead as without them).
+    pub fn forget_file_bounds(&self, blob: &Digest) {
+        self.inner.bounds.forget(blob);
+    }
+
+    /// Blobs with file bounds, and their ends in all.
+    pub fn file_bounds(&self) -> (usize, usize) {
+        self.inner.bounds.counts()
     }
 
     /// Counters so far (cumulative across runs when a stats file is configured). Sums

@@ -15,10 +15,13 @@
 //! - [`recorder`]: access traces recorded from demand reads and replayed as prefetch
 //!   ([`crate::trace`]).
 //! - `stage`: chunks read ahead from level 2 for sequential readers.
+//! - `bounds`: where files' data runs end in a blob, so that a reader of one file reads
+//!   ahead only to its end.
 //! - `writer`: level 2's write queue (verified chunks written in batches, in the background).
 //! - `window`: the fetch unit, how far a demand miss in a blob of small chunks widens its
 //!   backend request ([`CacheConfig::fetch_unit_bytes`]).
 
+mod bounds;
 pub mod cache;
 pub mod codec;
 pub mod counters;
@@ -30,6 +33,7 @@ mod window;
 mod writer;
 pub use writer::{DISK_LINGER, RESUMED_DISK_LINGER, RESUMED_FOR};
 
+pub use bounds::MAX_ENDS_PER_BLOB;
 pub use cache::{CacheConfig, CacheStats, ChunkCache};
 pub use codec::Compression;
 pub use counters::BlobStats;

@@ -499,6 +499,7 @@ impl Node {
             .map(|fs| fs.stats())
             .unwrap_or_default();
         let (meta_pinned_bytes, meta_pinned_layers) = self.meta_pins.totals();
+        let (file_bounds_blobs, file_bounds_ends) = self.cache.file_bounds();
         NodeStats {
             rss_bytes: metrics::rss_bytes().unwrap_or(0),
             uptime_seconds: self.started.elapsed().as_secs_f64(),
@@ -510,6 +511,8 @@ impl Node {
             takeovers: inner.state.takeovers,
             meta_pinned_bytes,
             meta_pinned_layers,
+            file_bounds_blobs: file_bounds_blobs as u64,
+            file_bounds_ends: file_bounds_ends as u64,
         }
     }
 

@@ -371,6 +371,12 @@ pub struct NodeStats {
     pub meta_pinned_bytes: u64,
     #[serde(default)]
     pub meta_pinned_layers: u64,
+    /// Blobs whose file bounds the cache knows (readahead stops at a file's end), and the
+    /// run ends it holds for them.
+    #[serde(default)]
+    pub file_bounds_blobs: u64,
+    #[serde(default)]
+    pub file_bounds_ends: u64,
 }
 
 #[cfg(test)]
