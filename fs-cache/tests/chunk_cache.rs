@@ -704,7 +704,14 @@ async fn with_file_bounds_a_reader_of_one_file_reads_ahead_from_its_first_read_t
     cache.add_file_bounds(f.blob, &[10 * CHUNK_SIZE, file_end, 60 * CHUNK_SIZE]);
     assert_eq!(cache.file_bounds(), (1, 3));
 
-    // Bounded: read ahead from the first 64 KiB on, and never past the file's last chunk
+    // A random read inside a bounded file (not at its start) starts no readahead.
+    let before = staged().await;
+    let at = 40 * CHUNK_SIZE + 8192;
+    check(at, &cache.read(&f.blob, at, 64 << 10).await.unwrap());
+    assert_eq!(staged().await, before, "{:?}", cache.stats());
+
+    // Bounded: read ahead from the first 64 KiB (at the file's start) on, and never past the
+    // file's last chunk
     // (chunks 11..=22: at most 12).
     let (first, all) = read_file(10).await;
     assert!(

@@ -628,8 +628,8 @@ impl ChunkCache {
         // asked for `STREAM_MIN_BYTES` (the window then twice what it asked for, at most the
         // configured one) and while it is dense ([`Sequential::dense`]). A stream still
         // inside the file run it began in, where the run's end is known (`bounds.rs`), reads
-        // ahead from its first read on (from level 2 at least `STREAM_MIN_BYTES`), but never
-        // past that end.
+        // ahead from its first read on if that read was at the file's start (from level 2 at
+        // least `STREAM_MIN_BYTES`), but never past that end.
         let cfg = &self.inner.config;
         let windows = [cfg.readahead_bytes, cfg.disk_readahead_bytes];
         let around = self.inner.bounds.around(blob, end);
@@ -656,7 +656,13 @@ impl ChunkCache {
             let cap = around
                 .filter(|&(before, _)| state.start >= before)
                 .map(|(_, run_end)| run_end);
-            if in_stream || cap.is_some() {
+            // A new stream reads ahead at once only where a file starts (its run begins in
+            // the chunk after the previous run's end at the latest): a random reader inside
+            // a file starts none.
+            let starts_file = around.is_some_and(|(before, _)| {
+                offset / table.chunk_size <= (before / table.chunk_size).saturating_add(1)
+            });
+            if in_stream || (cap.is_some() && starts_file) {
                 let dense = state.dense();
                 let covered = state.covered;
                 let next = (last + 1) * table.chunk_size;
