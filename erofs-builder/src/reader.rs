@@ -929,34 +929,42 @@ pub fn fuzz_read_all(bytes: &[u8]) {
     let _ = device_run_ends(&img, 1 << 16);
 }
 
+/// The most run ends [`device_run_ends`] returns, all devices together (8 bytes each).
+pub const MAX_RUN_ENDS: usize = 4 << 20;
+
 /// Where regular files' data runs end on the image's extra devices: for each device of the
 /// device table (index 0 = device id 1), the sorted, distinct byte offsets at which some
 /// file's contiguous run of data on that device ends. A reader of a lazily fetched device
 /// uses them to stop reading ahead at the end of the file it is reading.
 ///
-/// Walks the tree from the root, each nid once, at most `max_files` regular files; on a
-/// malformed entry or past the bound the walk stops and what it found is returned, so the
-/// result may miss ends, never holds a wrong one (every end comes from a parsed chunk
-/// index), and bounds memory at `max_files` chunk runs per file.
+/// Walks the tree from the root, each nid once. The work is bounded whatever the image: at
+/// most `max_files` regular files, `8 · max_files + 1024` directory entries and
+/// [`MAX_RUN_ENDS`] ends; past a bound, or on a malformed entry, the walk stops (or skips the
+/// entry) and returns what it found. So the result may miss ends, but holds no other: each
+/// comes from a parsed chunk index.
 pub fn device_run_ends(img: &Image, max_files: usize) -> Vec<Vec<u64>> {
     let mut ends: Vec<Vec<u64>> = vec![Vec::new(); img.device_table().len()];
     let Ok(root) = img.root() else {
         return ends;
     };
-    let mut seen = HashSet::new();
+    let mut dirents = max_files.saturating_mul(8).saturating_add(1024);
+    let (mut files, mut total) = (0usize, 0usize);
+    // A nid is marked when it is pushed: each is walked once, and the stack holds each once.
+    let mut seen = HashSet::from([root.nid]);
     let mut stack = vec![root];
-    let mut files = 0usize;
-    while let Some(ino) = stack.pop() {
-        if !seen.insert(ino.nid) {
-            continue;
-        }
+    let mut one = Vec::new();
+    'walk: while let Some(ino) = stack.pop() {
         match ino.file_type {
             FileType::Directory => {
                 let Ok(entries) = img.read_dir(&ino) else {
                     continue;
                 };
                 for e in entries {
-                    if !seen.contains(&e.nid) {
+                    if dirents == 0 {
+                        break 'walk;
+                    }
+                    dirents -= 1;
+                    if seen.insert(e.nid) {
                         if let Ok(child) = img.inode(e.nid) {
                             stack.push(child);
                         }
@@ -971,15 +979,25 @@ pub fn device_run_ends(img: &Image, max_files: usize) -> Vec<Vec<u64>> {
                 let Ok(map) = img.data_map(&ino) else {
                     continue;
                 };
-                for x in map {
-                    if let Location::Device { device, offset } = x.location {
-                        let slot = usize::from(device).checked_sub(1);
-                        if let (Some(list), Some(end)) = (
-                            slot.and_then(|i| ends.get_mut(i)),
-                            offset.checked_add(x.len),
-                        ) {
-                            list.push(end);
-                        }
+                // This file's ends, each once (a chunk repeated in a file ends several runs
+                // at the same place).
+                one.clear();
+                one.extend(map.iter().filter_map(|x| match x.location {
+                    Location::Device { device, offset } => {
+                        Some((device, offset.checked_add(x.len)?))
+                    }
+                    _ => None,
+                }));
+                one.sort_unstable();
+                one.dedup();
+                for &(device, end) in &one {
+                    if total == MAX_RUN_ENDS {
+                        break 'walk;
+                    }
+                    let slot = usize::from(device).checked_sub(1);
+                    if let Some(list) = slot.and_then(|i| ends.get_mut(i)) {
+                        list.push(end);
+                        total += 1;
                     }
                 }
             }

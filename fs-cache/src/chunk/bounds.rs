@@ -9,13 +9,16 @@
 //! The node learns each mounted layer's run ends from its meta image
 //! (`erofs_builder::reader::device_run_ends`) and hands them to the cache
 //! ([`super::ChunkCache::add_file_bounds`]). A stream that is still inside the run it began in
-//! (it is reading one file) then reads ahead at most to that run's end, and from its first
-//! read on, since it can no longer overshoot; a stream that has crossed a run end (a reader
-//! of consecutive files in layout order) reads ahead as before.
+//! (it is reading one file) then reads ahead at most to that run's end; one that began where
+//! a file starts reads ahead from its first read on, since it can no longer overshoot; a
+//! stream that has crossed a run end (a reader of consecutive files in layout order) reads
+//! ahead as before.
 //!
-//! Invariants: each blob's ends are sorted and distinct. Ends only narrow readahead: a
-//! missing end means readahead as without bounds, an extra one (several layers sharing a
-//! blob each add theirs) stops a stream's readahead early, never makes a read wrong.
+//! Invariants: each blob's ends are sorted and distinct. Ends change how far and how early
+//! readahead goes, never what a read returns: a missing end means readahead as without
+//! bounds; an extra one (several layers sharing a blob each add theirs) stops a stream's
+//! readahead there, and lets a stream that starts right after it read ahead early, at most
+//! to the next end.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -32,15 +35,29 @@ pub(super) struct Bounds {
 }
 
 impl Bounds {
-    /// Add `ends` (any order) to `blob`'s.
+    /// Add `ends` (any order) to `blob`'s. The merge runs outside the lock every read takes
+    /// (a large layer's ends take milliseconds to sort), and starts over if another add
+    /// replaced the blob's ends meanwhile.
     pub(super) fn add(&self, blob: Digest, ends: &[u64]) {
-        let mut map = super::cache::lock(&self.ends);
-        let mut all: Vec<u64> = map.get(&blob).map(|e| e.to_vec()).unwrap_or_default();
-        all.extend_from_slice(ends);
-        all.sort_unstable();
-        all.dedup();
-        all.truncate(MAX_ENDS_PER_BLOB);
-        map.insert(blob, all.into());
+        loop {
+            let old = super::cache::lock(&self.ends).get(&blob).cloned();
+            let mut all: Vec<u64> = old.as_deref().map(<[u64]>::to_vec).unwrap_or_default();
+            all.extend_from_slice(ends);
+            all.sort_unstable();
+            all.dedup();
+            all.truncate(MAX_ENDS_PER_BLOB);
+            let mut map = super::cache::lock(&self.ends);
+            let now = map.get(&blob);
+            let unchanged = match (&old, now) {
+                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                (None, None) => true,
+                _ => false,
+            };
+            if unchanged {
+                map.insert(blob, all.into());
+                return;
+            }
+        }
     }
 
     /// Forget `blob`'s ends.

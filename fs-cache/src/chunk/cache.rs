@@ -247,6 +247,9 @@ struct Sequential {
     last_end: u64,
     ahead_until: u64,
     disk_ahead_until: u64,
+    /// It began where a file starts, at a known run (`bounds.rs`): it may read ahead before
+    /// `STREAM_MIN_BYTES`, up to that run's end.
+    from_file_start: bool,
 }
 
 impl Sequential {
@@ -628,11 +631,17 @@ impl ChunkCache {
         // asked for `STREAM_MIN_BYTES` (the window then twice what it asked for, at most the
         // configured one) and while it is dense ([`Sequential::dense`]). A stream still
         // inside the file run it began in, where the run's end is known (`bounds.rs`), reads
-        // ahead from its first read on if that read was at the file's start (from level 2 at
-        // least `STREAM_MIN_BYTES`), but never past that end.
+        // ahead never past that end, and, if it began where the file starts, from its first
+        // read on (from level 2 at least eight times what it asked, up to
+        // `STREAM_MIN_BYTES`).
         let cfg = &self.inner.config;
         let windows = [cfg.readahead_bytes, cfg.disk_readahead_bytes];
         let around = self.inner.bounds.around(blob, end);
+        // A new stream here begins where a file starts if its run begins in the chunk after
+        // the previous run's end at the latest: a random reader inside a file does not.
+        let starts_file = around.is_some_and(|(before, _)| {
+            offset / table.chunk_size <= (before / table.chunk_size).saturating_add(1)
+        });
         let (ahead, disk_ahead) = {
             let mut seq = lock(&self.inner.sequential);
             let state = seq.entry(*blob).or_default();
@@ -649,6 +658,7 @@ impl ChunkCache {
                     start: offset,
                     covered: end - offset,
                     last_end: end,
+                    from_file_start: starts_file,
                     ..Sequential::default()
                 };
             }
@@ -656,24 +666,20 @@ impl ChunkCache {
             let cap = around
                 .filter(|&(before, _)| state.start >= before)
                 .map(|(_, run_end)| run_end);
-            // A new stream reads ahead at once only where a file starts (its run begins in
-            // the chunk after the previous run's end at the latest): a random reader inside
-            // a file starts none.
-            let starts_file = around.is_some_and(|(before, _)| {
-                offset / table.chunk_size <= (before / table.chunk_size).saturating_add(1)
-            });
-            if in_stream || (cap.is_some() && starts_file) {
+            let early = state.from_file_start && cap.is_some();
+            if in_stream || early {
                 let dense = state.dense();
                 let covered = state.covered;
                 let next = (last + 1) * table.chunk_size;
                 let limit = cap.unwrap_or(u64::MAX).min(table.blob_size);
-                // A bounded stream's level-2 window starts at STREAM_MIN_BYTES (it cannot
-                // overshoot, and local reads are cheap); the backend's keeps its ramp.
+                // An early stream's level-2 window is at least eight times what it asked, up
+                // to STREAM_MIN_BYTES (it cannot overshoot, and local reads are cheap); the
+                // backend's keeps its ramp.
                 let advance = |until: &mut u64, window: u64, floor: u64| {
                     let window = window.min(covered.saturating_mul(2).max(floor));
                     let from = (*until).max(next);
                     if !dense
-                        || (covered < STREAM_MIN_BYTES && cap.is_none())
+                        || (covered < STREAM_MIN_BYTES && !early)
                         || window == 0
                         || from >= limit
                         || from.saturating_sub(end) >= window / 2
@@ -685,7 +691,11 @@ impl ChunkCache {
                     Some(from / table.chunk_size..to.div_ceil(table.chunk_size))
                 };
                 let ahead = advance(&mut state.ahead_until, windows[0], 0);
-                let disk_floor = if cap.is_some() { STREAM_MIN_BYTES } else { 0 };
+                let disk_floor = if early {
+                    covered.saturating_mul(8).min(STREAM_MIN_BYTES)
+                } else {
+                    0
+                };
                 let disk_ahead = match self.inner.disk {
                     Some(_) => advance(&mut state.disk_ahead_until, windows[1], disk_floor),
                     None => None,

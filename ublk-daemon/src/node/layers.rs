@@ -341,13 +341,20 @@ impl Node {
 
     /// Tell the cache where layer `id`'s files end in its blobs (`fs_cache` `bounds.rs`:
     /// a reader of one file reads ahead only to its end), from its meta image, in the
-    /// background: the mount does not wait for the walk. Speed only: a meta image that does
-    /// not parse leaves readahead as it was.
+    /// background: the mount does not wait for the walk. A walk that ends after the layer
+    /// was taken down adds nothing (`bounds_wanted`, cleared by `release_unused` before it
+    /// forgets the blobs' bounds). Speed only: a meta image that does not parse leaves
+    /// readahead as it was.
     async fn learn_file_bounds(&self, id: &str) {
         let blobs: Vec<Digest> = match self.inner.lock().await.state.layers.get(id) {
             Some(l) => l.blobs.iter().map(|b| b.digest).collect(),
             None => return,
         };
+        let wanted = self.bounds_wanted.clone();
+        wanted
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.to_owned());
         let (cache, path, id) = (self.cache.clone(), self.meta_image(id), id.to_owned());
         tokio::task::spawn_blocking(move || {
             let img = match erofs_builder::Image::open(&path) {
@@ -358,6 +365,10 @@ impl Node {
                 }
             };
             let ends = erofs_builder::reader::device_run_ends(&img, MAX_BOUNDED_FILES);
+            let wanted = wanted.lock().unwrap_or_else(|p| p.into_inner());
+            if !wanted.contains(&id) {
+                return;
+            }
             // Device i + 1 of the image is the layer's blob i (as mounted).
             for (blob, ends) in blobs.iter().zip(&ends) {
                 cache.add_file_bounds(*blob, ends);
@@ -419,6 +430,10 @@ impl Node {
                 }
             }
             self.meta_pins.unpin(id);
+            self.bounds_wanted
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(id);
             let mut inner = self.inner.lock().await;
             inner.active.remove(id);
             // A request may have taken a use meanwhile: it mounts the layer again (it waits

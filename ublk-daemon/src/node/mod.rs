@@ -172,6 +172,9 @@ pub struct Node {
     stacked_refused: bool,
     /// Mounted layers' meta images kept in memory (`metapin.rs`).
     meta_pins: Arc<metapin::MetaPins>,
+    /// Layers whose file bounds the cache should have (`Node::learn_file_bounds`): a walk
+    /// that finishes after its layer was taken down adds nothing.
+    bounds_wanted: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
     stopping: AtomicBool,
     /// The fd holder keeping the blob mount's connection (none: the mounts die with us).
     holder: Option<Arc<HolderClient>>,

@@ -431,6 +431,7 @@ impl Node {
             layer_locks: Default::default(),
             stacked_refused,
             meta_pins: Arc::new(super::metapin::MetaPins::new(config.meta_pin_bytes)),
+            bounds_wanted: Default::default(),
             stopping: AtomicBool::new(false),
             holder,
             gate: tokio::sync::RwLock::new(()),
