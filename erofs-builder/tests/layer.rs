@@ -277,29 +277,14 @@ fn dedupe_holes_and_placement_give_the_expected_blob() {
     // Where the files' runs in the blob end: b_repeat's A,B then A, A (cs, 2cs), a_multi's
     // A,B,tail (2cs + 1000), "abc" (block 129 + 3, three files), the sparse file's chunk.
     let cs64 = cs as u64;
+    let ends = vec![cs64, 2 * cs64, 2 * cs64 + 1000, 129 * 4096 + 3, 256 * 4096];
     assert_eq!(
         erofs_builder::reader::device_run_ends(&img, usize::MAX),
-        vec![vec![
-            cs64,
-            2 * cs64,
-            2 * cs64 + 1000,
-            129 * 4096 + 3,
-            256 * 4096
-        ]]
+        vec![ends.clone()]
     );
     // Bounded: a walk that stops early finds fewer ends, never others.
     let some = erofs_builder::reader::device_run_ends(&img, 2);
-    assert!(
-        some[0].len() < 5
-            && some[0].iter().all(|e| [
-                cs64,
-                2 * cs64,
-                2 * cs64 + 1000,
-                129 * 4096 + 3,
-                256 * 4096
-            ]
-            .contains(e))
-    );
+    assert!(some[0].len() < 5 && some[0].iter().all(|e| ends.contains(e)));
     // Without the blob (and not concatenated) the data is unreachable: an error, no panic.
     let alone = Image::open(&meta).unwrap();
     let ino = alone.lookup("a_multi").unwrap();

@@ -609,6 +609,20 @@ async fn chunks_larger_than_level_2_takes_stay_in_level_1_and_hold_no_other_writ
     assert!(cache.read(&small_d, 0, 4096).await.unwrap()[..] == small[..4096]);
 }
 
+/// Chunks read ahead from level 2 so far, once the count stops moving (staged reads finish in
+/// the background).
+async fn staged_chunks(cache: &ChunkCache) -> u64 {
+    let mut last = u64::MAX;
+    loop {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let now = cache.stats().disk_readahead_chunks;
+        if now == last {
+            return now;
+        }
+        last = now;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn level_2_readahead_skips_short_streams_and_readers_that_skip_forward() {
     let chunks = 120;
@@ -616,18 +630,7 @@ async fn level_2_readahead_skips_short_streams_and_readers_that_skip_forward() {
     let dir = tempfile::tempdir().unwrap();
     let cache = level_2_filled(&f, dir.path()).await;
     let size = f.bytes.len() as u64;
-    // Staged reads finish in the background: wait until the count stops moving.
-    let staged = || async {
-        let mut last = u64::MAX;
-        loop {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            let now = cache.stats().disk_readahead_chunks;
-            if now == last {
-                return now;
-            }
-            last = now;
-        }
-    };
+    let staged = || staged_chunks(&cache);
     let check = |at: u64, got: &[u8]| assert!(got == &f.bytes[at as usize..][..got.len()]);
 
     // A 300 KiB file read in two requests is a stream, but a short one: nothing read ahead.
@@ -670,17 +673,7 @@ async fn with_file_bounds_a_reader_of_one_file_reads_ahead_from_its_first_read_t
     let f = fixture((120 * CHUNK_SIZE) as usize).await;
     let dir = tempfile::tempdir().unwrap();
     let cache = level_2_filled(&f, dir.path()).await;
-    let staged = || async {
-        let mut last = u64::MAX;
-        loop {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            let now = cache.stats().disk_readahead_chunks;
-            if now == last {
-                return now;
-            }
-            last = now;
-        }
-    };
+    let staged = || staged_chunks(&cache);
     let check = |at: u64, got: &[u8]| assert!(got == &f.bytes[at as usize..][..got.len()]);
     // Reads a "file" of 3 MiB + 5000 bytes at chunk `first` (13 chunks) 256 KiB at a time;
     // the chunks read ahead during its first read, and in all.
@@ -714,8 +707,7 @@ async fn with_file_bounds_a_reader_of_one_file_reads_ahead_from_its_first_read_t
     assert_eq!(staged().await, before, "{:?}", cache.stats());
 
     // Bounded: read ahead from the first 64 KiB (at the file's start) on, and never past the
-    // file's last chunk
-    // (chunks 11..=22: at most 12).
+    // file's last chunk (chunks 11..=22: at most 12).
     let (first, all) = read_file(10).await;
     assert!(
         first > 0,

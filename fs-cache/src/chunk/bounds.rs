@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 use crate::store::Digest;
 
 /// The most ends kept per blob (8 bytes each): beyond it, new ends are dropped.
-pub const MAX_ENDS_PER_BLOB: usize = 4 << 20;
+const MAX_ENDS_PER_BLOB: usize = 4 << 20;
 
 /// See the module docs.
 #[derive(Default)]

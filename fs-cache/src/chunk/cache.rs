@@ -755,7 +755,8 @@ impl ChunkCache {
     }
 
     /// Add where files' data runs end in `blob` (byte offsets, any order; `bounds.rs`): a
-    /// reader of one file then reads ahead only to its end, and from its first read on.
+    /// reader of one file then reads ahead only to its end, and, if it began at the file's
+    /// start, from its first read on.
     /// Several layers sharing a blob each add theirs. Speed only.
     pub fn add_file_bounds(&self, blob: Digest, ends: &[u64]) {
         self.inner.bounds.add(blob, ends);

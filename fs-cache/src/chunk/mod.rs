@@ -33,7 +33,6 @@ mod window;
 mod writer;
 pub use writer::{DISK_LINGER, RESUMED_DISK_LINGER, RESUMED_FOR};
 
-pub use bounds::MAX_ENDS_PER_BLOB;
 pub use cache::{CacheConfig, CacheStats, ChunkCache};
 pub use codec::Compression;
 pub use counters::BlobStats;

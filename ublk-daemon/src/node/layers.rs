@@ -329,8 +329,9 @@ impl Node {
         }
     }
 
-    /// Keep layer `id`'s meta image in memory while its EROFS is mounted (`metapin.rs`).
-    /// Speed only: a meta image left unpinned is read through the page cache as before.
+    /// Keep layer `id`'s meta image in memory while its EROFS is mounted (`metapin.rs`), and
+    /// learn from it where its files end ([`Node::learn_file_bounds`]). Speed only: a meta
+    /// image left unpinned is read through the page cache as before.
     pub(super) async fn pin_meta(&self, id: &str) {
         let pins = self.meta_pins.clone();
         let path = self.meta_image(id);
