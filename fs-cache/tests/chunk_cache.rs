@@ -1161,3 +1161,131 @@ async fn a_fetch_unit_widens_a_miss_in_a_blob_of_small_chunks_to_its_aligned_win
     cache.read(&f.blob, 10, 10).await.unwrap();
     assert_eq!(cache.stats().bytes_fetched, CHUNK_SIZE);
 }
+
+/// A replayed trace in a blob of chunks smaller than the fetch unit fetches its own chunks
+/// and fills only the smallest gaps between them (a quarter more chunks at most), not whole
+/// windows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replay_fills_small_gaps_instead_of_widening_to_the_fetch_unit() {
+    use fs_cache::trace::{Trace, TraceEntry};
+    let mem = Arc::new(MemoryBackend::new());
+    let chunk: u64 = 16 << 10;
+    let bytes = data(12, (64 * chunk) as usize);
+    let blob = put_with_chunks(&mem, &bytes, chunk).await;
+    let faulty = Arc::new(FaultyBackend::new(mem.clone(), 7));
+    let config = CacheConfig {
+        fetch_unit_bytes: 256 << 10,
+        readahead_bytes: 0,
+        ..memory_only(64 * MIB)
+    };
+    let cache = ChunkCache::open(Store::new(faulty.clone()), config)
+        .await
+        .unwrap();
+    cache.register(&blob).await.unwrap();
+    faulty.reset_stats();
+    let traced = [0u64, 1, 3, 10, 20, 21, 40, 60];
+    let trace = Trace {
+        blobs: vec![blob],
+        entries: (traced.iter())
+            .map(|&c| TraceEntry {
+                blob: 0,
+                block: (c * chunk / 4096) as u32,
+                blocks: 1,
+            })
+            .collect(),
+        window_ms: 1000,
+    };
+    let r = cache.replay(trace).await.unwrap().unwrap();
+    // A budget of 8 / 4 = 2 chunks: the gap of one (chunk 2) is filled, the next smallest
+    // (six chunks) is not. Requests: 0..=3, 10, 20..=21, 40, 60.
+    assert_eq!((r.chunks, r.fetched), (8, 9), "{r:?}");
+    let f = faulty.stats();
+    assert_eq!(
+        (f.gets, f.bytes_read),
+        (5, 9 * chunk),
+        "{:?}",
+        cache.stats()
+    );
+    for c in traced {
+        let got = cache.read(&blob, c * chunk, chunk).await.unwrap();
+        assert!(got[..] == bytes[(c * chunk) as usize..((c + 1) * chunk) as usize]);
+    }
+    assert_eq!(cache.stats().misses, 0);
+}
+
+/// A reader of one small chunk per window leaves its riders unread: the blob stops widening
+/// once enough were offered; a reader of whole windows then reads the riders of its (narrow)
+/// misses, and widening comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_fetch_unit_widens_only_while_its_riders_are_read() {
+    let mem = Arc::new(MemoryBackend::new());
+    let chunk: u64 = 16 << 10;
+    let per = 16; // a 256 KiB unit
+    let windows = 40;
+    let bytes = data(11, (windows * per * chunk) as usize);
+    let blob = put_with_chunks(&mem, &bytes, chunk).await;
+    let faulty = Arc::new(FaultyBackend::new(mem.clone(), 5));
+    let config = CacheConfig {
+        fetch_unit_bytes: per * chunk,
+        ..memory_only(64 * MIB)
+    };
+    let cache = ChunkCache::open(Store::new(faulty.clone()), config)
+        .await
+        .unwrap();
+    cache.register(&blob).await.unwrap();
+    faulty.reset_stats();
+    let read = |c: u64| {
+        let (cache, want) = (
+            cache.clone(),
+            bytes[(c * chunk) as usize..((c + 1) * chunk) as usize].to_vec(),
+        );
+        async move {
+            let got = cache.read(&blob, c * chunk, chunk).await.unwrap();
+            assert!(got[..] == want[..], "chunk {c}");
+        }
+    };
+
+    // One chunk in each of 8 windows: the first three widen (fewer than 32 riders offered
+    // before them), then none does; each read is one request.
+    for w in 0..8 {
+        read(w * per + 3).await;
+    }
+    let s = cache.stats();
+    assert_eq!(
+        (s.fetch_unit_widened, s.fetch_unit_narrowed),
+        (3, 5),
+        "{s:?}"
+    );
+    assert_eq!(faulty.stats().gets, 8);
+    assert_eq!(s.bytes_fetched, (3 * per + 5) * chunk, "{s:?}");
+    let y = cache.fetch_unit_yield(&blob);
+    assert_eq!((y.offered, y.used), (8 * (per - 1), 0));
+
+    // Whole windows from window 8 on: misses stay narrow (a request per chunk) until half the
+    // riders offered were read, then a window costs one request.
+    let mut w = 8;
+    loop {
+        assert!(
+            w < windows,
+            "never widened again: {:?}",
+            cache.fetch_unit_yield(&blob)
+        );
+        let gets = faulty.stats().gets;
+        for c in w * per..(w + 1) * per {
+            read(c).await;
+        }
+        let took = faulty.stats().gets - gets;
+        w += 1;
+        if took == 1 {
+            break;
+        }
+        assert_eq!(took, per, "window {}", w - 1);
+    }
+    // Widened again after 8 whole windows read narrow (2 × 15·w ≥ 120 + 15·w).
+    assert_eq!(w, 17);
+    let s = cache.stats();
+    assert_eq!(s.fetch_unit_widened, 4, "{s:?}");
+    // The riders of that widened window were all read: hits, no more requests.
+    let y = cache.fetch_unit_yield(&blob);
+    assert!(y.used * 2 >= y.offered, "{y:?}");
+}

@@ -155,6 +155,13 @@ pub struct CacheStats {
     /// Fetched chunks not kept on local disk because too many writes were pending.
     #[serde(default)]
     pub disk_writes_skipped: u64,
+    /// Demand misses in blobs of chunks smaller than the fetch unit that widened to their
+    /// windows, and that fetched only their own chunks because widening had not paid lately
+    /// in that blob (`window.rs`).
+    #[serde(default)]
+    pub fetch_unit_widened: u64,
+    #[serde(default)]
+    pub fetch_unit_narrowed: u64,
     /// Read latency histogram: `read_latency_us[i]` counts reads that took < 2^i µs.
     pub read_latency_us: Vec<u64>,
     pub memory_bytes: u64,
@@ -199,6 +206,8 @@ pub(super) struct Counters {
     prefetch_chunks: AtomicU64,
     pub(super) trace_chunks: AtomicU64,
     disk_writes_skipped: AtomicU64,
+    fetch_unit_widened: AtomicU64,
+    fetch_unit_narrowed: AtomicU64,
     latency: [AtomicU64; LATENCY_BUCKETS],
 }
 
@@ -298,12 +307,17 @@ pub(super) enum Priority {
     Prefetch,
     /// A recorded trace's replay: below demand reads (a demand reader that joins it raises
     /// it), but not held back while demand fetches run, since it exists to run ahead of
-    /// them; at most [`TRACE_REQUESTS_IN_FLIGHT`] requests at once.
+    /// them; at most [`TRACE_REQUESTS_IN_FLIGHT`] requests at once
+    /// ([`TRACE_REQUESTS_IN_FLIGHT_UNIT`] with a fetch unit).
     Trace,
 }
 
 /// Backend requests of trace replays in flight at once.
 pub(super) const TRACE_REQUESTS_IN_FLIGHT: usize = 4;
+/// The same with a fetch unit set (a store whose requests cost more than their bytes): a
+/// replay fetches the trace's small chunks, not whole windows (`window.rs`), so more, smaller
+/// requests, whose latency is hidden by running more of them at once.
+pub(super) const TRACE_REQUESTS_IN_FLIGHT_UNIT: usize = 16;
 
 pub(super) struct Inner {
     store: Store,
@@ -315,6 +329,8 @@ pub(super) struct Inner {
     sequential: Mutex<HashMap<Digest, Sequential>>,
     /// Where files' data runs end, per blob (`bounds.rs`).
     bounds: super::bounds::Bounds,
+    /// Per blob, whether widening misses to the fetch unit pays (`window.rs`).
+    yields: super::window::Yields,
     staging: Arc<Staging>,
     /// Level 2's background writes ([`super::writer`]).
     writer: Arc<DiskWriter>,
@@ -382,7 +398,11 @@ impl ChunkCache {
             inner: Arc::new(Inner {
                 store,
                 prefetch_gate: Semaphore::new(config.prefetch_concurrency.max(1)),
-                trace_gate: Semaphore::new(TRACE_REQUESTS_IN_FLIGHT),
+                trace_gate: Semaphore::new(if config.fetch_unit_bytes > 0 {
+                    TRACE_REQUESTS_IN_FLIGHT_UNIT
+                } else {
+                    TRACE_REQUESTS_IN_FLIGHT
+                }),
                 recordings: Mutex::new(Vec::new()),
                 recording: AtomicUsize::new(0),
                 config,
@@ -395,6 +415,7 @@ impl ChunkCache {
                 inflight: Mutex::new(HashMap::new()),
                 sequential: Mutex::new(HashMap::new()),
                 bounds: Default::default(),
+                yields: Default::default(),
                 staging,
                 writer: DiskWriter::new(),
                 counters: Counters::default(),
@@ -772,6 +793,12 @@ impl ChunkCache {
         self.inner.bounds.counts()
     }
 
+    /// `blob`'s fetch-unit yield now: riders its demand misses' windows offered, and how many
+    /// of them were then read (`window.rs`; zeros for a blob with none).
+    pub fn fetch_unit_yield(&self, blob: &Digest) -> super::window::Yield {
+        self.inner.yields.get(blob)
+    }
+
     /// Counters so far (cumulative across runs when a stats file is configured). Sums
     /// saturate: the stats file's counters are read from disk and may be anything.
     pub fn stats(&self) -> CacheStats {
@@ -815,6 +842,8 @@ impl ChunkCache {
             prefetch_chunks: on(b.prefetch_chunks, &c.prefetch_chunks),
             trace_chunks: on(b.trace_chunks, &c.trace_chunks),
             disk_writes_skipped: on(b.disk_writes_skipped, &c.disk_writes_skipped),
+            fetch_unit_widened: on(b.fetch_unit_widened, &c.fetch_unit_widened),
+            fetch_unit_narrowed: on(b.fetch_unit_narrowed, &c.fetch_unit_narrowed),
             read_latency_us: latency,
             memory_bytes,
             memory_capacity: self.inner.config.memory_bytes,
@@ -958,6 +987,11 @@ impl Inner {
     ) -> Result<Vec<Bytes>> {
         let n = (range.end - range.start) as usize;
         let mut parts: Vec<Option<Bytes>> = vec![None; n];
+        let unit = (self.config.fetch_unit_bytes).min(self.config.max_request_bytes);
+        let widening = unit > table.chunk_size;
+        if widening {
+            self.yields.touched(&table.blob, range.clone());
+        }
         let shift = table.chunk_shift();
         let id = |i: u64| ChunkId {
             blob: table.blob,
@@ -1042,24 +1076,35 @@ impl Inner {
             missing.sort_unstable();
         }
         if !missing.is_empty() {
-            // The rest of each miss's fetch-unit window rides along in the same requests;
-            // the reader waits for (and fails only with) its own chunks.
-            let extra: Vec<u64> = super::window::widen(
-                &missing,
-                table.chunk_size,
-                table.chunk_count(),
-                self.config
-                    .fetch_unit_bytes
-                    .min(self.config.max_request_bytes),
-                |j| {
-                    let cid = id(j);
-                    lock(&self.memory).lru.contains(&cid)
-                        || self.disk.as_ref().is_some_and(|d| d.contains(&cid))
-                },
-            )
-            .into_iter()
-            .filter(|j| missing.binary_search(j).is_err())
-            .collect();
+            // The rest of each miss's fetch-unit window rides along in the same requests
+            // while that has paid lately in this blob (`window.rs`); the reader waits for
+            // (and fails only with) its own chunks.
+            let mut extra: Vec<u64> = Vec::new();
+            if widening {
+                let riders: Vec<u64> = super::window::widen(
+                    &missing,
+                    table.chunk_size,
+                    table.chunk_count(),
+                    unit,
+                    |j| {
+                        let cid = id(j);
+                        lock(&self.memory).lru.contains(&cid)
+                            || self.disk.as_ref().is_some_and(|d| d.contains(&cid))
+                    },
+                )
+                .into_iter()
+                .filter(|j| missing.binary_search(j).is_err())
+                .collect();
+                let per = super::window::window_chunks(table.chunk_size, table.chunk_count(), unit);
+                if riders.is_empty() {
+                    // Nothing would ride along: neither widened nor narrowed.
+                } else if self.yields.miss(&table.blob, per, &riders) {
+                    add(&self.counters.fetch_unit_widened, 1);
+                    extra = riders;
+                } else {
+                    add(&self.counters.fetch_unit_narrowed, 1);
+                }
+            }
             let fetched = self
                 .fetch_chunks(table, &missing, &extra, Priority::Demand, io)
                 .await?;

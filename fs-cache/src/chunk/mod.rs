@@ -19,7 +19,8 @@
 //!   ahead only to its end.
 //! - `writer`: level 2's write queue (verified chunks written in batches, in the background).
 //! - `window`: the fetch unit, how far a demand miss in a blob of small chunks widens its
-//!   backend request ([`CacheConfig::fetch_unit_bytes`]).
+//!   backend request ([`CacheConfig::fetch_unit_bytes`]), only while that has paid lately in
+//!   the blob ([`Yield`]); and how a replayed trace's gaps are filled.
 
 mod bounds;
 pub mod cache;
@@ -37,6 +38,7 @@ pub use cache::{CacheConfig, CacheStats, ChunkCache};
 pub use codec::Compression;
 pub use counters::BlobStats;
 pub use recorder::{Recording, ReplayStats};
+pub use window::Yield;
 
 use crate::store::Digest;
 

@@ -7,7 +7,9 @@
 //!   bounded) and costs one relaxed atomic load per read when no recording is open.
 //! - **Replay**: a trace's entries, in order, become the chunks they cover; these are fetched
 //!   in batches of [`REPLAY_BATCH_CHUNKS`] (each batch's missing chunks sorted and coalesced
-//!   into ranged requests, like any miss), several batches in flight, at
+//!   into ranged requests, like any miss; in a blob of chunks smaller than the fetch unit the
+//!   smallest gaps between them are filled, up to a quarter more chunks, for fewer requests:
+//!   `window::fill_gaps`), several batches in flight, at
 //!   `Priority::Trace`: below demand reads (a demand reader that needs a chunk a replay is
 //!   fetching joins that fetch and raises it), but not held back while demand reads run.
 //!   Entries beyond a blob's end, and blobs the cache cannot register, are skipped and
@@ -177,18 +179,16 @@ impl ChunkCache {
                         continue;
                     };
                     chunks.sort_unstable();
-                    // Widened to the fetch unit like a demand miss (fewer, larger requests
-                    // for a blob of small chunks); what is cached already is not fetched.
-                    let chunks = super::window::widen(
-                        &chunks,
-                        table.chunk_size,
-                        table.chunk_count(),
-                        inner
-                            .config
-                            .fetch_unit_bytes
-                            .min(inner.config.max_request_bytes),
-                        |_| false,
-                    );
+                    // A blob of chunks smaller than the fetch unit (a store whose requests
+                    // cost more than their bytes): the trace's chunks with the smallest gaps
+                    // between them filled, a quarter more chunks at most, for fewer requests.
+                    // Not widened to whole windows: the trace says what will be read, and
+                    // riders it does not list were seen to cost more bytes than they save
+                    // requests (`window.rs`). What is cached already is not fetched.
+                    let unit = (inner.config.fetch_unit_bytes).min(inner.config.max_request_bytes);
+                    if unit > table.chunk_size {
+                        chunks = super::window::fill_gaps(&chunks, chunks.len() as u64 / 4);
+                    }
                     fetched += inner.warm_chunks(table, chunks, Priority::Trace).await?;
                 }
                 Result::Ok(fetched)

@@ -9,12 +9,148 @@
 //! trips of a `U`-chunked blob, while each chunk is still verified, cached, evicted and
 //! deduplicated on its own. A window never widens past the blob's last chunk, and a unit no
 //! larger than the chunk size (0 included) widens nothing.
+//!
+//! **Widening only while it pays** ([`Yields`]). The chunks a window brings besides the
+//! demanded ones (its *riders*) save a request each when read later and cost their bytes when
+//! not. A reader of a directory's small files in build order reads most of them; a reader of
+//! one file in ten (a sandbox's first command in a tree of many small files) reads one or two
+//! in sixteen, and over S3 fetched 2.5× the bytes it read with every window widened. So each
+//! blob keeps its *yield*: of the riders its demand misses' windows offered (the chunks no
+//! level held), how many were then read. A miss widens while the yield is at least
+//! [`MIN_YIELD_NUM`]`/`[`MIN_YIELD_DEN`] (widening fetches at most twice the riders it uses)
+//! or while too few riders were offered to tell ([`MIN_EVIDENCE`]); otherwise it fetches only
+//! its own chunks. Windows that were not widened are still offered and tracked (*shadow*
+//! windows: a later read of one of their chunks, then a miss, counts as used), so the yield
+//! is measured in both modes and a reader whose pattern changes turns widening back on. The
+//! counts halve every [`HALF_LIFE`] riders offered (recent behaviour weighs most); each blob
+//! tracks its [`RECENT_WINDOWS`] latest windows, and at most [`MAX_BLOBS`] blobs are tracked
+//! (beyond that, the tracker starts over).
+//!
+//! Invariants: a window is offered once while it is recent (a second miss in it does not
+//! offer its riders again); a rider counts as used at most once; what is fetched for a
+//! reader is never changed by the tracker, only what rides along.
 
+use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
+use std::sync::Mutex;
+
+use crate::store::Digest;
 
 /// The most chunks one window spans (4 MiB of 4 KiB chunks; callers also bound the unit by
 /// the largest request).
 pub(super) const MAX_WINDOW_CHUNKS: u64 = 1024;
+
+/// The chunks of one `unit`-aligned window of a blob of `count` chunks of `chunk_size`: at
+/// most the blob's chunks, and [`MAX_WINDOW_CHUNKS`], whatever the unit; at least 1.
+pub(super) fn window_chunks(chunk_size: u64, count: u64, unit: u64) -> u64 {
+    if chunk_size == 0 {
+        return 1;
+    }
+    (unit / chunk_size).clamp(1, count.clamp(1, MAX_WINDOW_CHUNKS))
+}
+
+/// The yield below which a miss stops widening: riders used / offered.
+pub(super) const MIN_YIELD_NUM: u64 = 1;
+pub(super) const MIN_YIELD_DEN: u64 = 2;
+/// Riders a blob's windows offer before its yield decides (until then a miss widens).
+pub(super) const MIN_EVIDENCE: u64 = 32;
+/// The offered count at which a blob's two counts halve.
+pub(super) const HALF_LIFE: u64 = 512;
+/// Windows tracked per blob.
+pub(super) const RECENT_WINDOWS: usize = 64;
+/// Blobs tracked at once.
+pub(super) const MAX_BLOBS: usize = 4096;
+
+/// Per blob, whether widening a demand miss has paid lately (the module docs).
+#[derive(Default)]
+pub(super) struct Yields {
+    blobs: Mutex<HashMap<Digest, BlobYield>>,
+}
+
+#[derive(Default)]
+struct BlobYield {
+    offered: u64,
+    used: u64,
+    /// (window's first chunk, its riders not read yet), oldest first.
+    recent: VecDeque<(u64, Vec<u64>)>,
+}
+
+impl BlobYield {
+    fn widens(&self) -> bool {
+        self.offered < MIN_EVIDENCE || self.used * MIN_YIELD_DEN >= self.offered * MIN_YIELD_NUM
+    }
+}
+
+/// A blob's yield as counted now (riders offered and used, after halvings).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Yield {
+    pub offered: u64,
+    pub used: u64,
+}
+
+impl Yields {
+    fn with<R>(&self, blob: &Digest, f: impl FnOnce(&mut BlobYield) -> R) -> R {
+        let mut m = self.blobs.lock().unwrap_or_else(|p| p.into_inner());
+        if !m.contains_key(blob) && m.len() >= MAX_BLOBS {
+            m.clear();
+        }
+        f(m.entry(*blob).or_default())
+    }
+
+    /// Chunks `chunks` of `blob` are being read: each one still waiting as a rider of a
+    /// recent window counts as used (once).
+    pub(super) fn touched(&self, blob: &Digest, chunks: Range<u64>) {
+        let mut m = self.blobs.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(y) = m.get_mut(blob) else {
+            return;
+        };
+        for (_, riders) in y.recent.iter_mut() {
+            let before = riders.len();
+            riders.retain(|j| !chunks.contains(j));
+            y.used += (before - riders.len()) as u64;
+        }
+    }
+
+    /// A demand miss in `blob` whose windows (`per` chunks each) would bring `riders` (sorted:
+    /// chunks no level holds, the demanded ones left out): whether it widens. The riders of
+    /// windows not recent already are offered (counted, then tracked), widened or not.
+    pub(super) fn miss(&self, blob: &Digest, per: u64, riders: &[u64]) -> bool {
+        self.with(blob, |y| {
+            let widens = y.widens();
+            let per = per.max(1);
+            let mut at = 0;
+            while at < riders.len() {
+                let start = riders[at] - riders[at] % per;
+                let n = riders[at..]
+                    .iter()
+                    .take_while(|&&j| j - j % per == start)
+                    .count();
+                if !y.recent.iter().any(|(s, _)| *s == start) {
+                    y.offered += n as u64;
+                    if y.recent.len() >= RECENT_WINDOWS {
+                        y.recent.pop_front();
+                    }
+                    y.recent.push_back((start, riders[at..at + n].to_vec()));
+                }
+                at += n;
+            }
+            if y.offered >= HALF_LIFE {
+                y.offered /= 2;
+                y.used /= 2;
+            }
+            widens
+        })
+    }
+
+    /// `blob`'s counts now.
+    pub(super) fn get(&self, blob: &Digest) -> Yield {
+        let m = self.blobs.lock().unwrap_or_else(|p| p.into_inner());
+        m.get(blob).map_or_else(Yield::default, |y| Yield {
+            offered: y.offered,
+            used: y.used,
+        })
+    }
+}
 
 /// `missing` (sorted chunk indexes) with, for each, the other chunks of its `unit`-aligned
 /// window among `0..count` for which `cached` is false; sorted, each index once.
@@ -28,8 +164,7 @@ pub(super) fn widen(
     if unit <= chunk_size || chunk_size == 0 || missing.is_empty() {
         return missing.to_vec();
     }
-    // At most the blob's chunks, and MAX_WINDOW_CHUNKS, per window whatever the unit.
-    let per = (unit / chunk_size).clamp(1, count.clamp(1, MAX_WINDOW_CHUNKS));
+    let per = window_chunks(chunk_size, count, unit);
     let mut out: Vec<u64> = Vec::new();
     let mut done: Option<Range<u64>> = None;
     for &i in missing {
@@ -50,9 +185,40 @@ pub(super) fn widen(
     out
 }
 
+/// `chunks` (sorted, each once) with the chunks of the gaps between them filled, smallest gaps
+/// first, as long as at most `budget` chunks are added: a replayed trace's chunks in fewer
+/// requests (adjacent chunks are one request), for at most `budget` chunks it did not list.
+pub(super) fn fill_gaps(chunks: &[u64], budget: u64) -> Vec<u64> {
+    let mut gaps: Vec<(u64, usize)> = chunks
+        .windows(2)
+        .enumerate()
+        .filter(|(_, w)| w[1] > w[0] + 1)
+        .map(|(k, w)| (w[1] - w[0] - 1, k))
+        .collect();
+    gaps.sort_unstable();
+    let mut left = budget;
+    let mut fill = vec![false; chunks.len()];
+    for (len, k) in gaps {
+        if len > left {
+            break;
+        }
+        left -= len;
+        fill[k] = true;
+    }
+    let mut out = Vec::with_capacity(chunks.len());
+    for (k, &c) in chunks.iter().enumerate() {
+        out.push(c);
+        if fill[k] {
+            out.extend(c + 1..chunks[k + 1]);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
-    use super::widen;
+    use super::{fill_gaps, widen, Yields, HALF_LIFE, MIN_EVIDENCE, RECENT_WINDOWS};
+    use crate::store::Digest;
 
     const K: u64 = 1024;
 
@@ -96,5 +262,78 @@ mod tests {
     fn a_unit_that_is_not_a_multiple_rounds_down() {
         // 64 KiB chunks, a 200 KiB unit: windows of three chunks.
         assert_eq!(widen(&[4], 64 * K, 100, 200 * K, |_| false), vec![3, 4, 5]);
+    }
+
+    #[test]
+    fn gaps_fill_smallest_first_within_the_budget() {
+        assert_eq!(fill_gaps(&[], 10), Vec::<u64>::new());
+        assert_eq!(fill_gaps(&[7], 10), vec![7]);
+        // Gaps of 1 (after 2), 3 (after 4) and 2 (after 10).
+        let chunks = [1, 2, 4, 8, 11];
+        assert_eq!(fill_gaps(&chunks, 0), chunks.to_vec());
+        assert_eq!(fill_gaps(&chunks, 1), vec![1, 2, 3, 4, 8, 11]);
+        // 1 + 2 = 3 fits a budget of 4; the gap of 3 then does not.
+        assert_eq!(fill_gaps(&chunks, 4), vec![1, 2, 3, 4, 8, 9, 10, 11]);
+        assert_eq!(fill_gaps(&chunks, 6), (1..=11).collect::<Vec<_>>());
+    }
+
+    fn blob(n: u8) -> Digest {
+        Digest::of(&[n])
+    }
+
+    #[test]
+    fn a_blob_whose_riders_go_unread_stops_widening_and_starts_again_when_read() {
+        let (y, b) = (Yields::default(), blob(1));
+        // Windows of 16 chunks, one chunk read in each: 15 riders offered, none read.
+        let mut widened = 0;
+        for w in 0..8u64 {
+            let riders: Vec<u64> = (w * 16 + 1..w * 16 + 16).collect();
+            y.touched(&b, w * 16..w * 16 + 1);
+            widened += u64::from(y.miss(&b, 16, &riders));
+        }
+        // Widening until MIN_EVIDENCE riders were offered (0, 15, 30 before each miss).
+        assert_eq!(widened, MIN_EVIDENCE.div_ceil(15));
+        assert_eq!((y.get(&b).offered, y.get(&b).used), (120, 0));
+        // Another blob is not affected.
+        assert!(y.miss(&blob(2), 16, &[1, 2]));
+        // A second miss in a recent window is not offered again; its chunk counts as used
+        // once, however often it is touched.
+        y.touched(&b, 5..6);
+        y.touched(&b, 5..6);
+        assert!(!y.miss(&b, 16, &[1, 2, 3, 4, 6]));
+        assert_eq!((y.get(&b).offered, y.get(&b).used), (120, 1));
+        // A reader of whole windows: every rider read, yield rises to one half, widening again.
+        let mut w = 8;
+        loop {
+            let riders: Vec<u64> = (w * 16 + 1..w * 16 + 16).collect();
+            y.touched(&b, w * 16..w * 16 + 1);
+            if y.miss(&b, 16, &riders) {
+                break;
+            }
+            y.touched(&b, w * 16 + 1..w * 16 + 16);
+            w += 1;
+            assert!(w < 30, "never widened again: {:?}", y.get(&b));
+        }
+        let got = y.get(&b);
+        assert!(got.used * 2 >= got.offered - 15, "{got:?}");
+    }
+
+    #[test]
+    fn counts_halve_and_windows_are_bounded() {
+        let (y, b) = (Yields::default(), blob(3));
+        for w in 0..(HALF_LIFE / 4 + 1) {
+            y.miss(&b, 8, &[w * 8 + 1, w * 8 + 2, w * 8 + 3, w * 8 + 4]);
+        }
+        let got = y.get(&b);
+        assert!(got.offered < HALF_LIFE, "{got:?}");
+        // Only the RECENT_WINDOWS latest windows are tracked: a rider of the first is not
+        // counted when read.
+        y.touched(&b, 1..2);
+        assert_eq!(y.get(&b).used, 0);
+        let last = (HALF_LIFE / 4) * 8 + 1;
+        y.touched(&b, last..last + 1);
+        assert_eq!(y.get(&b).used, 1);
+        let m = y.blobs.lock().unwrap();
+        assert_eq!(m[&b].recent.len(), RECENT_WINDOWS);
     }
 }
