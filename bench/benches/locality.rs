@@ -33,7 +33,8 @@
 //! bytes for zstd), their ratio, the layer's meta image as stored (fetched whole by the
 //! mount: with small files inline in it, `--inline-max`, part of what a read gets) and
 //! (fetched + meta) / read, the plain-equivalent ratio (plain bytes of the chunks fetched /
-//! bytes read) and the chunks fetched. `STRATA_TAIL_CHUNK_SIZE` (the layers' tails
+//! bytes read), the chunks fetched, the backend requests, and the demand misses that widened
+//! to the fetch unit or did not (`fs-cache/src/chunk/window.rs`). `STRATA_TAIL_CHUNK_SIZE` (the layers' tails
 //! blob chunk size) and `STRATA_CACHE_FETCH_UNIT` (the nodes' fetch unit) are passed on to
 //! `strata`. Figures: `bench/README.md`, "locality".
 
@@ -94,6 +95,11 @@ struct Row {
     chunks: u64,
     plain: u64,
     trace_chunks: u64,
+    /// Backend requests.
+    requests: u64,
+    /// Demand misses that widened to the fetch unit, and that did not (`window.rs`).
+    widened: u64,
+    narrowed: u64,
     /// The layer's meta image as stored (fetched whole by the mount, not in `fetched`).
     meta: u64,
 }
@@ -171,6 +177,9 @@ fn step(
         // plain bytes fetched, whatever the chunk sizes.
         plain: g("memory_bytes"),
         trace_chunks: g("trace_chunks"),
+        requests: g("backend_requests"),
+        widened: g("fetch_unit_widened"),
+        narrowed: g("fetch_unit_narrowed"),
         meta: 0,
     }
 }
@@ -346,12 +355,12 @@ fn main() {
         "inline files (STRATA_INLINE_MAX): {}",
         std::env::var("STRATA_INLINE_MAX").unwrap_or_else(|_| "default".into())
     );
-    println!("| compress | step | mount s | first command s | read MB | fetched MB | fetched / read | meta MB | (fetched + meta) / read | plain fetched / read | chunks fetched | trace chunks |");
-    println!("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    println!("| compress | step | mount s | first command s | read MB | fetched MB | fetched / read | meta MB | (fetched + meta) / read | plain fetched / read | chunks fetched | trace chunks | requests | misses widened / narrowed |");
+    println!("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     for r in &rows {
         let read = r.read_bytes.max(1) as f64;
         println!(
-            "| {} | {} | {:.3} | {:.3} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {} |",
+            "| {} | {} | {:.3} | {:.3} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {} | {} | {} | {} / {} |",
             r.compress,
             r.step,
             r.mount_s,
@@ -363,7 +372,10 @@ fn main() {
             (r.fetched + r.meta) as f64 / read,
             r.plain as f64 / read,
             r.chunks,
-            r.trace_chunks
+            r.trace_chunks,
+            r.requests,
+            r.widened,
+            r.narrowed
         );
     }
 }

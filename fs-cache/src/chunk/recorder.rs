@@ -5,16 +5,17 @@
 //!   prefetch and replays are not reads and are not recorded. A recording keeps at most
 //!   [`MAX_RECORDED_READS`] reads (the rest are dropped, so a busy node's memory stays
 //!   bounded) and costs one relaxed atomic load per read when no recording is open.
-//! - **Replay**: a trace's entries, in order, become the chunks they cover; these are fetched
-//!   in batches of [`REPLAY_BATCH_CHUNKS`] (each batch's missing chunks sorted and coalesced
-//!   into ranged requests, like any miss; in a blob of chunks smaller than the fetch unit the
-//!   smallest gaps between them are filled, up to a quarter more chunks, for fewer requests:
-//!   `window::fill_gaps`), several batches in flight, at
+//! - **Replay**: a trace's entries, in order, become the chunks they cover. Per blob these
+//!   are sorted (in a blob of chunks smaller than the fetch unit, the smallest gaps between
+//!   them filled, up to a quarter more chunks, for fewer requests: `window::fill_gaps`), cut
+//!   into runs of adjacent chunks (one ranged request each, like any miss's), and the runs
+//!   are fetched in the order their chunks were first read, many issued at once, at
 //!   `Priority::Trace`: below demand reads (a demand reader that needs a chunk a replay is
 //!   fetching joins that fetch and raises it), but not held back while demand reads run.
 //!   Entries beyond a blob's end, and blobs the cache cannot register, are skipped and
 //!   counted: a trace is advice, and a stale one costs fetches, never wrong bytes.
 
+use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -23,16 +24,16 @@ use std::time::Instant;
 use futures::StreamExt;
 
 use super::cache::{lock, ChunkCache, Inner, Priority};
+use super::table::ChunkTable;
 use crate::error::Result;
 use crate::store::Digest;
 use crate::trace::Trace;
 
 /// Reads kept by one recording at most.
 pub const MAX_RECORDED_READS: usize = 1 << 18;
-/// Chunks per replay batch (4 MiB of plain chunks).
-pub const REPLAY_BATCH_CHUNKS: usize = 16;
-/// Replay batches in flight at once.
-const REPLAY_BATCHES_IN_FLIGHT: usize = 4;
+/// Replay runs (requests of adjacent chunks) issued at once; the cache's trace gate bounds
+/// the requests actually in flight.
+const REPLAY_RUNS_IN_FLIGHT: usize = 32;
 
 /// One open recording: the blobs it watches and the reads so far.
 pub(crate) struct Recorder {
@@ -161,40 +162,47 @@ impl ChunkCache {
             }
         }
         stats.chunks = order.len() as u64;
-        let tables = Arc::new(tables);
-        let batches: Vec<Vec<(usize, u64)>> = order
-            .chunks(REPLAY_BATCH_CHUNKS)
-            .map(<[_]>::to_vec)
-            .collect();
-        let batches = batches.into_iter().map(|batch| {
-            let (inner, tables) = (self.inner.clone(), tables.clone());
-            async move {
-                let mut per_blob: std::collections::BTreeMap<usize, Vec<u64>> = Default::default();
-                for (b, c) in batch {
-                    per_blob.entry(b).or_default().push(c);
-                }
-                let mut fetched = 0;
-                for (b, mut chunks) in per_blob {
-                    let Some(Some(table)) = tables.get(b) else {
-                        continue;
-                    };
-                    chunks.sort_unstable();
-                    // A blob of chunks smaller than the fetch unit (a store whose requests
-                    // cost more than their bytes): the trace's chunks with the smallest gaps
-                    // between them filled, a quarter more chunks at most, for fewer requests.
-                    // Not widened to whole windows: the trace says what will be read, and
-                    // riders it does not list were seen to cost more bytes than they save
-                    // requests (`window.rs`). What is cached already is not fetched.
-                    let unit = (inner.config.fetch_unit_bytes).min(inner.config.max_request_bytes);
-                    if unit > table.chunk_size {
-                        chunks = super::window::fill_gaps(&chunks, chunks.len() as u64 / 4);
-                    }
-                    fetched += inner.warm_chunks(table, chunks, Priority::Trace).await?;
-                }
-                Result::Ok(fetched)
+        // Per blob, its chunks sorted (in a blob of chunks smaller than the fetch unit, with
+        // the smallest gaps filled: a quarter more chunks at most, for fewer requests; not
+        // whole windows, since the trace says what will be read and riders it does not list
+        // were seen to cost more bytes than they save requests, `window.rs`) and cut into
+        // runs of adjacent chunks, one request each; runs fetched in the order their chunks
+        // were first read.
+        let rank: HashMap<(usize, u64), usize> =
+            order.iter().enumerate().map(|(k, &bc)| (bc, k)).collect();
+        let mut per_blob: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
+        for &(b, c) in &order {
+            per_blob.entry(b).or_default().push(c);
+        }
+        let unit = (self.inner.config.fetch_unit_bytes).min(self.inner.config.max_request_bytes);
+        let mut runs: Vec<(usize, Arc<ChunkTable>, Vec<u64>)> = Vec::new();
+        for (b, mut chunks) in per_blob {
+            let Some(Some(table)) = tables.get(b) else {
+                continue;
+            };
+            chunks.sort_unstable();
+            if unit > table.chunk_size {
+                chunks = super::window::fill_gaps(&chunks, chunks.len() as u64 / 4);
             }
+            let most = (self.inner.config.max_request_bytes / table.chunk_size).max(1) as usize;
+            let mut run: Vec<u64> = Vec::new();
+            let mut first = usize::MAX;
+            for (k, &c) in chunks.iter().enumerate() {
+                run.push(c);
+                first = first.min(rank.get(&(b, c)).copied().unwrap_or(usize::MAX));
+                let next = chunks.get(k + 1);
+                if next != Some(&(c + 1)) || run.len() >= most {
+                    runs.push((first, table.clone(), std::mem::take(&mut run)));
+                    first = usize::MAX;
+                }
+            }
+        }
+        runs.sort_by_key(|r| r.0);
+        let runs = runs.into_iter().map(|(_, table, run)| {
+            let inner = self.inner.clone();
+            async move { inner.warm_chunks(&table, run, Priority::Trace).await }
         });
-        let mut results = futures::stream::iter(batches).buffered(REPLAY_BATCHES_IN_FLIGHT);
+        let mut results = futures::stream::iter(runs).buffered(REPLAY_RUNS_IN_FLIGHT);
         while let Some(r) = results.next().await {
             stats.fetched += r?;
         }
