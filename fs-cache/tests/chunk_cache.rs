@@ -1163,7 +1163,7 @@ async fn a_fetch_unit_widens_a_miss_in_a_blob_of_small_chunks_to_its_aligned_win
 }
 
 /// A replayed trace in a blob of chunks smaller than the fetch unit fetches its own chunks
-/// and fills only the smallest gaps between them (a quarter more chunks at most), not whole
+/// and fills only the smallest gaps between them (half again as many chunks at most), not whole
 /// windows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_replay_fills_small_gaps_instead_of_widening_to_the_fetch_unit() {
@@ -1196,7 +1196,7 @@ async fn a_replay_fills_small_gaps_instead_of_widening_to_the_fetch_unit() {
         window_ms: 1000,
     };
     let r = cache.replay(trace).await.unwrap().unwrap();
-    // A budget of 8 / 4 = 2 chunks: the gap of one (chunk 2) is filled, the next smallest
+    // A budget of 8 / 2 = 4 chunks: the gap of one (chunk 2) is filled, the next smallest
     // (six chunks) is not. Requests: 0..=3, 10, 20..=21, 40, 60.
     assert_eq!((r.chunks, r.fetched), (8, 9), "{r:?}");
     let f = faulty.stats();

@@ -7,7 +7,7 @@
 //!   bounded) and costs one relaxed atomic load per read when no recording is open.
 //! - **Replay**: a trace's entries, in order, become the chunks they cover. Per blob these
 //!   are sorted (in a blob of chunks smaller than the fetch unit, the smallest gaps between
-//!   them filled, up to a quarter more chunks, for fewer requests: `window::fill_gaps`), cut
+//!   them filled, up to half again as many chunks, for fewer requests: `window::fill_gaps`), cut
 //!   into runs of adjacent chunks (one ranged request each, like any miss's), and the runs
 //!   are fetched in the order their chunks were first read, many issued at once, at
 //!   `Priority::Trace`: below demand reads (a demand reader that needs a chunk a replay is
@@ -163,7 +163,7 @@ impl ChunkCache {
         }
         stats.chunks = order.len() as u64;
         // Per blob, its chunks sorted (in a blob of chunks smaller than the fetch unit, with
-        // the smallest gaps filled: a quarter more chunks at most, for fewer requests; not
+        // the smallest gaps filled: half again as many chunks at most, for fewer requests; not
         // whole windows, since the trace says what will be read and riders it does not list
         // were seen to cost more bytes than they save requests, `window.rs`) and cut into
         // runs of adjacent chunks, one request each; runs fetched in the order their chunks
@@ -182,7 +182,7 @@ impl ChunkCache {
             };
             chunks.sort_unstable();
             if unit > table.chunk_size {
-                chunks = super::window::fill_gaps(&chunks, chunks.len() as u64 / 4);
+                chunks = super::window::fill_gaps(&chunks, chunks.len() as u64 / 2);
             }
             let most = (self.inner.config.max_request_bytes / table.chunk_size).max(1) as usize;
             let mut run: Vec<u64> = Vec::new();
