@@ -34,6 +34,11 @@ pub struct CacheOpts {
     /// than its bytes, 0 for a POSIX store.
     #[arg(long, global = true, env = "STRATA_CACHE_FETCH_UNIT", value_parser = parse_size)]
     pub cache_fetch_unit: Option<u64>,
+    /// Such a miss widens to the fetch unit only while, of the chunks its blob's recent
+    /// windows brought (or would have brought) along, at least this percentage was then read;
+    /// 0: always. See `ublk-daemon/docs/daemon.md`, "A layer's blobs and the fetch unit".
+    #[arg(long, global = true, env = "STRATA_CACHE_FETCH_UNIT_YIELD", default_value_t = fs_cache::chunk::DEFAULT_MIN_YIELD_PCT, value_parser = clap::value_parser!(u8).range(0..=100))]
+    pub cache_fetch_unit_yield: u8,
 }
 
 /// The fetch unit for a store when none is given: see [`CacheOpts::cache_fetch_unit`].
@@ -87,6 +92,7 @@ impl CacheOpts {
             fetch_unit_bytes: self
                 .cache_fetch_unit
                 .unwrap_or_else(|| default_fetch_unit(store_url)),
+            fetch_unit_min_yield_pct: self.cache_fetch_unit_yield,
             retry: fs_cache::RetryPolicy {
                 attempt_timeout: self.backend_attempt_timeout,
                 deadline: self.backend_deadline,

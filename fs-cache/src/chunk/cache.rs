@@ -84,6 +84,10 @@ pub struct CacheConfig {
     /// (`window.rs`): for stores where a request costs far more than its bytes. 0: only the
     /// chunks asked for.
     pub fetch_unit_bytes: u64,
+    /// Such a miss widens only while, of the chunks recent windows of its blob brought or
+    /// would have brought along, at least this percentage was then read (`window.rs`); 0:
+    /// always.
+    pub fetch_unit_min_yield_pct: u8,
     /// Readahead after a sequential read (0: none): chunks in neither level are fetched.
     pub readahead_bytes: u64,
     /// Level-2 readahead after a sequential read (0: none): chunks on local disk are read
@@ -105,6 +109,7 @@ impl Default for CacheConfig {
             disk: None,
             max_request_bytes: 4 << 20,
             fetch_unit_bytes: 0,
+            fetch_unit_min_yield_pct: super::window::DEFAULT_MIN_YIELD_PCT,
             readahead_bytes: 1 << 20,
             disk_readahead_bytes: 8 << 20,
             prefetch_concurrency: 2,
@@ -1098,7 +1103,12 @@ impl Inner {
                 let per = super::window::window_chunks(table.chunk_size, table.chunk_count(), unit);
                 if riders.is_empty() {
                     // Nothing would ride along: neither widened nor narrowed.
-                } else if self.yields.miss(&table.blob, per, &riders) {
+                } else if self.yields.miss(
+                    &table.blob,
+                    per,
+                    &riders,
+                    self.config.fetch_unit_min_yield_pct,
+                ) {
                     add(&self.counters.fetch_unit_widened, 1);
                     extra = riders;
                 } else {

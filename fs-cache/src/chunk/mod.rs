@@ -38,7 +38,7 @@ pub use cache::{CacheConfig, CacheStats, ChunkCache};
 pub use codec::Compression;
 pub use counters::BlobStats;
 pub use recorder::{Recording, ReplayStats};
-pub use window::Yield;
+pub use window::{Yield, DEFAULT_MIN_YIELD_PCT};
 
 use crate::store::Digest;
 

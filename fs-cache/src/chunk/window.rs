@@ -17,9 +17,9 @@
 //! in sixteen, and over S3 fetched 2.5× the bytes it read with every window widened. So each
 //! blob keeps its *yield*: of the riders its demand misses' windows offered (the chunks no
 //! level held), how many were then read. A miss widens while the yield is at least
-//! [`MIN_YIELD_NUM`]`/`[`MIN_YIELD_DEN`] (widening fetches at most twice the riders it uses)
-//! or while too few riders were offered to tell ([`MIN_EVIDENCE`]); otherwise it fetches only
-//! its own chunks. Windows that were not widened are still offered and tracked (*shadow*
+//! `CacheConfig::fetch_unit_min_yield_pct` (by default [`DEFAULT_MIN_YIELD_PCT`]: widening
+//! fetches at most twice the riders it uses; 0 widens always) or while too few riders were
+//! offered to tell ([`MIN_EVIDENCE`]); otherwise it fetches only its own chunks. Windows that were not widened are still offered and tracked (*shadow*
 //! windows: a later read of one of their chunks, then a miss, counts as used), so the yield
 //! is measured in both modes and a reader whose pattern changes turns widening back on. The
 //! counts halve every [`HALF_LIFE`] riders offered (recent behaviour weighs most); each blob
@@ -49,9 +49,9 @@ pub(super) fn window_chunks(chunk_size: u64, count: u64, unit: u64) -> u64 {
     (unit / chunk_size).clamp(1, count.clamp(1, MAX_WINDOW_CHUNKS))
 }
 
-/// The yield below which a miss stops widening: riders used / offered.
-pub(super) const MIN_YIELD_NUM: u64 = 1;
-pub(super) const MIN_YIELD_DEN: u64 = 2;
+/// The yield (riders used / offered, in percent) below which a miss stops widening, unless
+/// configured otherwise.
+pub const DEFAULT_MIN_YIELD_PCT: u8 = 50;
 /// Riders a blob's windows offer before its yield decides (until then a miss widens).
 pub(super) const MIN_EVIDENCE: u64 = 32;
 /// The offered count at which a blob's two counts halve.
@@ -76,8 +76,8 @@ struct BlobYield {
 }
 
 impl BlobYield {
-    fn widens(&self) -> bool {
-        self.offered < MIN_EVIDENCE || self.used * MIN_YIELD_DEN >= self.offered * MIN_YIELD_NUM
+    fn widens(&self, min_pct: u8) -> bool {
+        self.offered < MIN_EVIDENCE || self.used * 100 >= self.offered * u64::from(min_pct)
     }
 }
 
@@ -112,11 +112,12 @@ impl Yields {
     }
 
     /// A demand miss in `blob` whose windows (`per` chunks each) would bring `riders` (sorted:
-    /// chunks no level holds, the demanded ones left out): whether it widens. The riders of
-    /// windows not recent already are offered (counted, then tracked), widened or not.
-    pub(super) fn miss(&self, blob: &Digest, per: u64, riders: &[u64]) -> bool {
+    /// chunks no level holds, the demanded ones left out): whether it widens, at a yield of at
+    /// least `min_pct` percent. The riders of windows not recent already are offered
+    /// (counted, then tracked), widened or not.
+    pub(super) fn miss(&self, blob: &Digest, per: u64, riders: &[u64], min_pct: u8) -> bool {
         self.with(blob, |y| {
-            let widens = y.widens();
+            let widens = y.widens(min_pct);
             let per = per.max(1);
             let mut at = 0;
             while at < riders.len() {
@@ -289,25 +290,25 @@ mod tests {
         for w in 0..8u64 {
             let riders: Vec<u64> = (w * 16 + 1..w * 16 + 16).collect();
             y.touched(&b, w * 16..w * 16 + 1);
-            widened += u64::from(y.miss(&b, 16, &riders));
+            widened += u64::from(y.miss(&b, 16, &riders, 50));
         }
         // Widening until MIN_EVIDENCE riders were offered (0, 15, 30 before each miss).
         assert_eq!(widened, MIN_EVIDENCE.div_ceil(15));
         assert_eq!((y.get(&b).offered, y.get(&b).used), (120, 0));
         // Another blob is not affected.
-        assert!(y.miss(&blob(2), 16, &[1, 2]));
+        assert!(y.miss(&blob(2), 16, &[1, 2], 50));
         // A second miss in a recent window is not offered again; its chunk counts as used
         // once, however often it is touched.
         y.touched(&b, 5..6);
         y.touched(&b, 5..6);
-        assert!(!y.miss(&b, 16, &[1, 2, 3, 4, 6]));
+        assert!(!y.miss(&b, 16, &[1, 2, 3, 4, 6], 50));
         assert_eq!((y.get(&b).offered, y.get(&b).used), (120, 1));
         // A reader of whole windows: every rider read, yield rises to one half, widening again.
         let mut w = 8;
         loop {
             let riders: Vec<u64> = (w * 16 + 1..w * 16 + 16).collect();
             y.touched(&b, w * 16..w * 16 + 1);
-            if y.miss(&b, 16, &riders) {
+            if y.miss(&b, 16, &riders, 50) {
                 break;
             }
             y.touched(&b, w * 16 + 1..w * 16 + 16);
@@ -319,10 +320,26 @@ mod tests {
     }
 
     #[test]
+    fn a_minimum_yield_of_zero_always_widens() {
+        let (y, b) = (Yields::default(), blob(4));
+        for w in 0..100u64 {
+            assert!(y.miss(&b, 16, &[w * 16 + 1], 0));
+        }
+        // And of 100 widens only once every rider offered was read.
+        let (y, b) = (Yields::default(), blob(5));
+        for w in 0..40u64 {
+            y.miss(&b, 4, &[w * 4 + 1], 100);
+        }
+        assert!(!y.miss(&b, 4, &[1000], 100));
+        y.touched(&b, 0..2000);
+        assert!(y.miss(&b, 4, &[2000], 100));
+    }
+
+    #[test]
     fn counts_halve_and_windows_are_bounded() {
         let (y, b) = (Yields::default(), blob(3));
         for w in 0..(HALF_LIFE / 4 + 1) {
-            y.miss(&b, 8, &[w * 8 + 1, w * 8 + 2, w * 8 + 3, w * 8 + 4]);
+            y.miss(&b, 8, &[w * 8 + 1, w * 8 + 2, w * 8 + 3, w * 8 + 4], 50);
         }
         let got = y.get(&b);
         assert!(got.offered < HALF_LIFE, "{got:?}");
