@@ -34,9 +34,9 @@ pub struct CacheOpts {
     /// than its bytes, 0 for a POSIX store.
     #[arg(long, global = true, env = "STRATA_CACHE_FETCH_UNIT", value_parser = parse_size)]
     pub cache_fetch_unit: Option<u64>,
-    /// Such a miss widens to the fetch unit only while, of the chunks its blob's recent
-    /// windows brought (or would have brought) along, at least this percentage was then read;
-    /// 0: always. See `ublk-daemon/docs/daemon.md`, "A layer's blobs and the fetch unit".
+    /// A miss in a blob of chunks smaller than the fetch unit widens to it only while, of the
+    /// chunks its blob's recent windows brought (or would have brought) along, at least this
+    /// percentage was then read; 0: always. See `ublk-daemon/docs/daemon.md`, "A layer's blobs and the fetch unit".
     #[arg(long, global = true, env = "STRATA_CACHE_FETCH_UNIT_YIELD", default_value_t = fs_cache::chunk::DEFAULT_MIN_YIELD_PCT, value_parser = clap::value_parser!(u8).range(0..=100))]
     pub cache_fetch_unit_yield: u8,
 }

@@ -306,6 +306,10 @@ fn faults_through_s3_proxy_fuse_and_erofs() {
             n(&s["hits_memory"]),
         ),
         (
+            "strata_cache_fetch_unit_misses_total{window=\"narrowed\"}",
+            n(&s["fetch_unit_narrowed"]),
+        ),
+        (
             "strata_fuse_read_errors_total",
             n(&status["node"]["fuse_read_errors"]),
         ),

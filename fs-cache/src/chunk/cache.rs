@@ -154,7 +154,8 @@ pub struct CacheStats {
     #[serde(default)]
     pub disk_readahead_hits: u64,
     pub prefetch_chunks: u64,
-    /// Chunks fetched by replays of recorded access traces ([`ChunkCache::replay`]).
+    /// Chunks fetched by replays of recorded access traces ([`ChunkCache::replay`]), the
+    /// gaps they filled included.
     #[serde(default)]
     pub trace_chunks: u64,
     /// Fetched chunks not kept on local disk because too many writes were pending.
@@ -313,15 +314,15 @@ pub(super) enum Priority {
     /// A recorded trace's replay: below demand reads (a demand reader that joins it raises
     /// it), but not held back while demand fetches run, since it exists to run ahead of
     /// them; at most [`TRACE_REQUESTS_IN_FLIGHT`] requests at once
-    /// ([`TRACE_REQUESTS_IN_FLIGHT_UNIT`] with a fetch unit).
+    /// ([`TRACE_REQUESTS_IN_FLIGHT_UNIT`] in blobs of chunks smaller than the fetch unit).
     Trace,
 }
 
 /// Backend requests of trace replays in flight at once.
 pub(super) const TRACE_REQUESTS_IN_FLIGHT: usize = 4;
-/// The same with a fetch unit set (a store whose requests cost more than their bytes): a
-/// replay fetches the trace's small chunks, not whole windows (`window.rs`), so more, smaller
-/// requests, whose latency is hidden by running more of them at once.
+/// The same for blobs of chunks smaller than the fetch unit (a store whose requests cost more
+/// than their bytes): a replay fetches the trace's small chunks there, not whole windows
+/// (`window.rs`), in requests of at most one unit, whose latency more of them at once hide.
 pub(super) const TRACE_REQUESTS_IN_FLIGHT_UNIT: usize = 16;
 
 pub(super) struct Inner {
@@ -347,6 +348,8 @@ pub(super) struct Inner {
     demand_idle: Notify,
     prefetch_gate: Semaphore,
     trace_gate: Semaphore,
+    /// The trace gate of blobs of chunks smaller than the fetch unit.
+    pub(super) trace_gate_unit: Semaphore,
     /// Traces being recorded ([`ChunkCache::record`]), and how many (read without the lock
     /// on every read).
     pub(super) recordings: Mutex<Vec<Arc<super::recorder::Recorder>>>,
@@ -403,11 +406,8 @@ impl ChunkCache {
             inner: Arc::new(Inner {
                 store,
                 prefetch_gate: Semaphore::new(config.prefetch_concurrency.max(1)),
-                trace_gate: Semaphore::new(if config.fetch_unit_bytes > 0 {
-                    TRACE_REQUESTS_IN_FLIGHT_UNIT
-                } else {
-                    TRACE_REQUESTS_IN_FLIGHT
-                }),
+                trace_gate: Semaphore::new(TRACE_REQUESTS_IN_FLIGHT),
+                trace_gate_unit: Semaphore::new(TRACE_REQUESTS_IN_FLIGHT_UNIT),
                 recordings: Mutex::new(Vec::new()),
                 recording: AtomicUsize::new(0),
                 config,
@@ -904,6 +904,11 @@ impl Drop for DemandGuard<'_> {
 }
 
 impl Inner {
+    /// Whether level 1 or level 2 holds chunk `id`.
+    pub(super) fn holds(&self, id: &ChunkId) -> bool {
+        lock(&self.memory).lru.contains(id) || self.disk.as_ref().is_some_and(|d| d.contains(id))
+    }
+
     fn memory_get(&self, id: &ChunkId) -> Option<Bytes> {
         lock(&self.memory).lru.get(id).cloned()
     }
@@ -1091,11 +1096,8 @@ impl Inner {
                     table.chunk_size,
                     table.chunk_count(),
                     unit,
-                    |j| {
-                        let cid = id(j);
-                        lock(&self.memory).lru.contains(&cid)
-                            || self.disk.as_ref().is_some_and(|d| d.contains(&cid))
-                    },
+                    // Chunks in flight are not riders: they are coming anyway (a replay's).
+                    |j| self.holds(&id(j)) || lock(&self.inflight).contains_key(&id(j)),
                 )
                 .into_iter()
                 .filter(|j| missing.binary_search(j).is_err())
@@ -1106,6 +1108,7 @@ impl Inner {
                 } else if self.yields.miss(
                     &table.blob,
                     per,
+                    &missing,
                     &riders,
                     self.config.fetch_unit_min_yield_pct,
                 ) {

@@ -25,6 +25,7 @@ use futures::StreamExt;
 
 use super::cache::{lock, ChunkCache, Inner, Priority};
 use super::table::ChunkTable;
+use super::ChunkId;
 use crate::error::Result;
 use crate::store::Digest;
 use crate::trace::Trace;
@@ -69,7 +70,9 @@ impl Drop for Recording {
 pub struct ReplayStats {
     /// Distinct chunks the trace names.
     pub chunks: u64,
-    /// Of those, fetched by the replay (or joined while another reader fetched them).
+    /// Chunks fetched by the replay (or joined while another reader fetched them): those of
+    /// the trace's not cached already, and the chunks of the gaps it filled (`fill_gaps`).
+    /// The cache's `trace_chunks` counter counts the same.
     pub fetched: u64,
     /// Entries skipped: past their blob's end, or of a blob that could not be registered.
     pub skipped: u64,
@@ -129,7 +132,7 @@ impl ChunkCache {
     }
 
     /// Replay `trace` as prefetch (see the module docs), in the background; the handle
-    /// resolves when every batch is cached or failed (the first error).
+    /// resolves when every run is cached or failed (the first error).
     pub fn replay(&self, trace: Trace) -> tokio::task::JoinHandle<Result<ReplayStats>> {
         let this = self.clone();
         tokio::spawn(async move { this.replay_now(&trace).await })
@@ -162,12 +165,12 @@ impl ChunkCache {
             }
         }
         stats.chunks = order.len() as u64;
-        // Per blob, its chunks sorted (in a blob of chunks smaller than the fetch unit, with
-        // the smallest gaps filled: half again as many chunks at most, for fewer requests; not
-        // whole windows, since the trace says what will be read and riders it does not list
-        // were seen to cost more bytes than they save requests, `window.rs`) and cut into
-        // runs of adjacent chunks, one request each; runs fetched in the order their chunks
-        // were first read.
+        // Per blob, its chunks not cached already, sorted (in a blob of chunks smaller than
+        // the fetch unit, with the smallest gaps filled: half again as many chunks at most,
+        // for fewer requests; not whole windows, since the trace says what will be read and
+        // riders it does not list were seen to cost more bytes than they save requests,
+        // `window.rs`) and cut into runs of adjacent chunks, one request each; runs fetched
+        // in the order their chunks were first read.
         let rank: HashMap<(usize, u64), usize> =
             order.iter().enumerate().map(|(k, &bc)| (bc, k)).collect();
         let mut per_blob: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
@@ -181,10 +184,18 @@ impl ChunkCache {
                 continue;
             };
             chunks.sort_unstable();
+            let shift = table.chunk_shift();
+            let blob = table.blob;
+            chunks.retain(|&index| !self.inner.holds(&ChunkId { blob, shift, index }));
+            let mut most = (self.inner.config.max_request_bytes / table.chunk_size).max(1);
             if unit > table.chunk_size {
-                chunks = super::window::fill_gaps(&chunks, chunks.len() as u64 / 2);
+                // Gaps no longer than a window less one (a longer one saves no request), and
+                // requests of at most one window, as a widened miss's.
+                let per = super::window::window_chunks(table.chunk_size, table.chunk_count(), unit);
+                chunks = super::window::fill_gaps(&chunks, chunks.len() as u64 / 2, per - 1);
+                most = most.min(per);
             }
-            let most = (self.inner.config.max_request_bytes / table.chunk_size).max(1) as usize;
+            let most = most as usize;
             let mut run: Vec<u64> = Vec::new();
             let mut first = usize::MAX;
             for (k, &c) in chunks.iter().enumerate() {

@@ -14,7 +14,7 @@
 //! demanded ones (its *riders*) save a request each when read later and cost their bytes when
 //! not. A reader of a directory's small files in build order reads most of them; a reader of
 //! one file in ten (a sandbox's first command in a tree of many small files) reads one or two
-//! in sixteen, and over S3 fetched 2.5× the bytes it read with every window widened. So each
+//! in sixteen, and over S3 fetched 2.7× the bytes it read with every window widened. So each
 //! blob keeps its *yield*: of the riders its demand misses' windows offered (the chunks no
 //! level held), how many were then read. A miss widens while the yield is at least
 //! `CacheConfig::fetch_unit_min_yield_pct` (by default [`DEFAULT_MIN_YIELD_PCT`]: widening
@@ -67,17 +67,62 @@ pub(super) struct Yields {
     blobs: Mutex<HashMap<Digest, BlobYield>>,
 }
 
+/// One tracked window: its first chunk and, one bit per chunk of the window, its riders not
+/// read yet (at most [`MAX_WINDOW_CHUNKS`] bits: 128 bytes).
+struct Window {
+    start: u64,
+    pending: Vec<u64>,
+}
+
+impl Window {
+    /// Clear chunk `j`'s bit; whether it was set.
+    fn take(&mut self, j: u64) -> bool {
+        let k = j.wrapping_sub(self.start);
+        let (word, bit) = ((k / 64) as usize, k % 64);
+        match self.pending.get_mut(word) {
+            Some(w) if *w & (1 << bit) != 0 => {
+                *w &= !(1 << bit);
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
 #[derive(Default)]
 struct BlobYield {
     offered: u64,
     used: u64,
-    /// (window's first chunk, its riders not read yet), oldest first.
-    recent: VecDeque<(u64, Vec<u64>)>,
+    /// Chunks per window (the same for every miss of a blob under one configuration).
+    per: u64,
+    /// Windows offered lately, oldest first.
+    recent: VecDeque<Window>,
 }
 
 impl BlobYield {
     fn widens(&self, min_pct: u8) -> bool {
         self.offered < MIN_EVIDENCE || self.used * 100 >= self.offered * u64::from(min_pct)
+    }
+
+    /// Chunks `chunks` are being read: each one still pending in a recent window counts as
+    /// used (once). Only the windows the chunks fall in are looked at.
+    fn read(&mut self, chunks: Range<u64>) {
+        if self.per == 0 || self.recent.is_empty() {
+            return;
+        }
+        let mut n = 0;
+        let mut at = chunks.start;
+        while at < chunks.end {
+            let start = at - at % self.per;
+            let end = start.saturating_add(self.per).min(chunks.end);
+            if let Some(w) = self.recent.iter_mut().find(|w| w.start == start) {
+                n += (at..end).filter(|&j| w.take(j)).count() as u64;
+            }
+            at = end;
+        }
+        // `used` never exceeds `offered`, halvings included (riders offered before a halving
+        // are still pending at full weight).
+        self.used = (self.used + n).min(self.offered);
     }
 }
 
@@ -85,62 +130,78 @@ impl BlobYield {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Yield {
     pub offered: u64,
+    /// Never more than `offered`.
     pub used: u64,
 }
 
 impl Yields {
-    fn with<R>(&self, blob: &Digest, f: impl FnOnce(&mut BlobYield) -> R) -> R {
-        let mut m = self.blobs.lock().unwrap_or_else(|p| p.into_inner());
-        if !m.contains_key(blob) && m.len() >= MAX_BLOBS {
-            m.clear();
-        }
-        f(m.entry(*blob).or_default())
-    }
-
     /// Chunks `chunks` of `blob` are being read: each one still waiting as a rider of a
     /// recent window counts as used (once).
     pub(super) fn touched(&self, blob: &Digest, chunks: Range<u64>) {
         let mut m = self.blobs.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(y) = m.get_mut(blob) else {
-            return;
-        };
-        for (_, riders) in y.recent.iter_mut() {
-            let before = riders.len();
-            riders.retain(|j| !chunks.contains(j));
-            y.used += (before - riders.len()) as u64;
+        if let Some(y) = m.get_mut(blob) {
+            y.read(chunks);
         }
     }
 
-    /// A demand miss in `blob` whose windows (`per` chunks each) would bring `riders` (sorted:
-    /// chunks no level holds, the demanded ones left out): whether it widens, at a yield of at
-    /// least `min_pct` percent. The riders of windows not recent already are offered
-    /// (counted, then tracked), widened or not.
-    pub(super) fn miss(&self, blob: &Digest, per: u64, riders: &[u64], min_pct: u8) -> bool {
-        self.with(blob, |y| {
-            let widens = y.widens(min_pct);
-            let per = per.max(1);
-            let mut at = 0;
-            while at < riders.len() {
-                let start = riders[at] - riders[at] % per;
-                let n = riders[at..]
-                    .iter()
-                    .take_while(|&&j| j - j % per == start)
-                    .count();
-                if !y.recent.iter().any(|(s, _)| *s == start) {
-                    y.offered += n as u64;
-                    if y.recent.len() >= RECENT_WINDOWS {
-                        y.recent.pop_front();
-                    }
-                    y.recent.push_back((start, riders[at..at + n].to_vec()));
+    /// A demand miss of `missing` (sorted) in `blob`, whose windows (`per` chunks each) would
+    /// bring `riders` (sorted: chunks no level holds and none in flight, the missing ones left
+    /// out): whether it widens, at a yield of at least `min_pct` percent. Missing chunks still
+    /// pending in a recent window count as used (a concurrent reader's miss registered that
+    /// window after this reader's [`Self::touched`]); then the riders of windows not recent
+    /// already are offered (counted, then tracked), widened or not.
+    pub(super) fn miss(
+        &self,
+        blob: &Digest,
+        per: u64,
+        missing: &[u64],
+        riders: &[u64],
+        min_pct: u8,
+    ) -> bool {
+        let per = per.clamp(1, MAX_WINDOW_CHUNKS);
+        let mut m = self.blobs.lock().unwrap_or_else(|p| p.into_inner());
+        if !m.contains_key(blob) && m.len() >= MAX_BLOBS {
+            m.clear();
+        }
+        let y = m.entry(*blob).or_default();
+        if y.per != per {
+            // A new configuration (or the first miss): windows of another size do not compare.
+            y.per = per;
+            y.recent.clear();
+        }
+        for &i in missing {
+            y.read(i..i.saturating_add(1));
+        }
+        let widens = y.widens(min_pct);
+        let mut at = 0;
+        while at < riders.len() {
+            let start = riders[at] - riders[at] % per;
+            let n = riders[at..]
+                .iter()
+                .take_while(|&&j| j - j % per == start)
+                .count();
+            if !y.recent.iter().any(|w| w.start == start) {
+                let mut w = Window {
+                    start,
+                    pending: vec![0; per.div_ceil(64) as usize],
+                };
+                for &j in &riders[at..at + n] {
+                    let k = j - start;
+                    w.pending[(k / 64) as usize] |= 1 << (k % 64);
                 }
-                at += n;
+                y.offered += n as u64;
+                if y.recent.len() >= RECENT_WINDOWS {
+                    y.recent.pop_front();
+                }
+                y.recent.push_back(w);
             }
-            if y.offered >= HALF_LIFE {
-                y.offered /= 2;
-                y.used /= 2;
-            }
-            widens
-        })
+            at += n;
+        }
+        if y.offered >= HALF_LIFE {
+            y.offered /= 2;
+            y.used /= 2;
+        }
+        widens
     }
 
     /// `blob`'s counts now.
@@ -187,13 +248,15 @@ pub(super) fn widen(
 }
 
 /// `chunks` (sorted, each once) with the chunks of the gaps between them filled, smallest gaps
-/// first, as long as at most `budget` chunks are added: a replayed trace's chunks in fewer
-/// requests (adjacent chunks are one request), for at most `budget` chunks it did not list.
-pub(super) fn fill_gaps(chunks: &[u64], budget: u64) -> Vec<u64> {
+/// first, as long as at most `budget` chunks are added and no gap is longer than `max_gap`
+/// chunks: a replayed trace's chunks in fewer requests (adjacent chunks are one request), for
+/// at most `budget` chunks it did not list. (A gap longer than a request's window saves no
+/// request; callers pass the fetch unit's window less one.)
+pub(super) fn fill_gaps(chunks: &[u64], budget: u64, max_gap: u64) -> Vec<u64> {
     let mut gaps: Vec<(u64, usize)> = chunks
         .windows(2)
         .enumerate()
-        .filter(|(_, w)| w[1] > w[0] + 1)
+        .filter(|(_, w)| w[1] > w[0] + 1 && w[1] - w[0] - 1 <= max_gap)
         .map(|(k, w)| (w[1] - w[0] - 1, k))
         .collect();
     gaps.sort_unstable();
@@ -267,15 +330,17 @@ mod tests {
 
     #[test]
     fn gaps_fill_smallest_first_within_the_budget() {
-        assert_eq!(fill_gaps(&[], 10), Vec::<u64>::new());
-        assert_eq!(fill_gaps(&[7], 10), vec![7]);
+        assert_eq!(fill_gaps(&[], 10, 100), Vec::<u64>::new());
+        assert_eq!(fill_gaps(&[7], 10, 100), vec![7]);
         // Gaps of 1 (after 2), 3 (after 4) and 2 (after 10).
         let chunks = [1, 2, 4, 8, 11];
-        assert_eq!(fill_gaps(&chunks, 0), chunks.to_vec());
-        assert_eq!(fill_gaps(&chunks, 1), vec![1, 2, 3, 4, 8, 11]);
+        assert_eq!(fill_gaps(&chunks, 0, 100), chunks.to_vec());
+        assert_eq!(fill_gaps(&chunks, 1, 100), vec![1, 2, 3, 4, 8, 11]);
         // 1 + 2 = 3 fits a budget of 4; the gap of 3 then does not.
-        assert_eq!(fill_gaps(&chunks, 4), vec![1, 2, 3, 4, 8, 9, 10, 11]);
-        assert_eq!(fill_gaps(&chunks, 6), (1..=11).collect::<Vec<_>>());
+        assert_eq!(fill_gaps(&chunks, 4, 100), vec![1, 2, 3, 4, 8, 9, 10, 11]);
+        assert_eq!(fill_gaps(&chunks, 6, 100), (1..=11).collect::<Vec<_>>());
+        // No gap longer than two: the gap of three stays, whatever the budget.
+        assert_eq!(fill_gaps(&chunks, 100, 2), vec![1, 2, 3, 4, 8, 9, 10, 11]);
     }
 
     fn blob(n: u8) -> Digest {
@@ -290,25 +355,25 @@ mod tests {
         for w in 0..8u64 {
             let riders: Vec<u64> = (w * 16 + 1..w * 16 + 16).collect();
             y.touched(&b, w * 16..w * 16 + 1);
-            widened += u64::from(y.miss(&b, 16, &riders, 50));
+            widened += u64::from(y.miss(&b, 16, &[w * 16], &riders, 50));
         }
         // Widening until MIN_EVIDENCE riders were offered (0, 15, 30 before each miss).
         assert_eq!(widened, MIN_EVIDENCE.div_ceil(15));
         assert_eq!((y.get(&b).offered, y.get(&b).used), (120, 0));
         // Another blob is not affected.
-        assert!(y.miss(&blob(2), 16, &[1, 2], 50));
+        assert!(y.miss(&blob(2), 16, &[0], &[1, 2], 50));
         // A second miss in a recent window is not offered again; its chunk counts as used
         // once, however often it is touched.
         y.touched(&b, 5..6);
         y.touched(&b, 5..6);
-        assert!(!y.miss(&b, 16, &[1, 2, 3, 4, 6], 50));
+        assert!(!y.miss(&b, 16, &[5], &[1, 2, 3, 4, 6], 50));
         assert_eq!((y.get(&b).offered, y.get(&b).used), (120, 1));
         // A reader of whole windows: every rider read, yield rises to one half, widening again.
         let mut w = 8;
         loop {
             let riders: Vec<u64> = (w * 16 + 1..w * 16 + 16).collect();
             y.touched(&b, w * 16..w * 16 + 1);
-            if y.miss(&b, 16, &riders, 50) {
+            if y.miss(&b, 16, &[w * 16], &riders, 50) {
                 break;
             }
             y.touched(&b, w * 16 + 1..w * 16 + 16);
@@ -323,23 +388,66 @@ mod tests {
     fn a_minimum_yield_of_zero_always_widens() {
         let (y, b) = (Yields::default(), blob(4));
         for w in 0..100u64 {
-            assert!(y.miss(&b, 16, &[w * 16 + 1], 0));
+            assert!(y.miss(&b, 16, &[w * 16], &[w * 16 + 1], 0));
         }
         // And of 100 widens only once every rider offered was read.
         let (y, b) = (Yields::default(), blob(5));
         for w in 0..40u64 {
-            y.miss(&b, 4, &[w * 4 + 1], 100);
+            y.miss(&b, 4, &[w * 4], &[w * 4 + 1], 100);
         }
-        assert!(!y.miss(&b, 4, &[1000], 100));
+        assert!(!y.miss(&b, 4, &[1001], &[1000], 100));
         y.touched(&b, 0..2000);
-        assert!(y.miss(&b, 4, &[2000], 100));
+        assert!(y.miss(&b, 4, &[2001], &[2000], 100));
+    }
+
+    #[test]
+    fn a_concurrent_readers_miss_counts_its_chunk_as_a_rider_read() {
+        let (y, b) = (Yields::default(), blob(6));
+        // Readers of chunks 3 and 5 of one window both looked (touched) before either miss
+        // was noted: nothing is tracked yet.
+        y.touched(&b, 3..4);
+        y.touched(&b, 5..6);
+        // The miss of 3 offers the window's other 15 chunks, 5 among them.
+        let riders: Vec<u64> = (0..16).filter(|&j| j != 3).collect();
+        y.miss(&b, 16, &[3], &riders, 50);
+        assert_eq!((y.get(&b).offered, y.get(&b).used), (15, 0));
+        // The miss of 5 then counts it as read, and offers nothing again.
+        let rest: Vec<u64> = (0..16).filter(|&j| j != 3 && j != 5).collect();
+        y.miss(&b, 16, &[5], &rest, 50);
+        assert_eq!((y.get(&b).offered, y.get(&b).used), (15, 1));
+        // Once only.
+        y.miss(&b, 16, &[5], &rest, 50);
+        y.touched(&b, 5..6);
+        assert_eq!(y.get(&b).used, 1);
+    }
+
+    #[test]
+    fn used_never_exceeds_offered_across_a_halving() {
+        let (y, b) = (Yields::default(), blob(7));
+        // 40 windows of 16 riders each (640 offered, halved once at 512), none read yet.
+        for w in 0..40u64 {
+            let riders: Vec<u64> = (w * 17 + 1..w * 17 + 17).collect();
+            y.miss(&b, 17, &[w * 17], &riders, 50);
+        }
+        let before = y.get(&b);
+        assert!(before.offered < 512, "{before:?}");
+        // Every rider then read: used is capped at offered.
+        y.touched(&b, 0..40 * 17);
+        let after = y.get(&b);
+        assert_eq!(after.used, after.offered, "{after:?}");
     }
 
     #[test]
     fn counts_halve_and_windows_are_bounded() {
         let (y, b) = (Yields::default(), blob(3));
         for w in 0..(HALF_LIFE / 4 + 1) {
-            y.miss(&b, 8, &[w * 8 + 1, w * 8 + 2, w * 8 + 3, w * 8 + 4], 50);
+            y.miss(
+                &b,
+                8,
+                &[w * 8],
+                &[w * 8 + 1, w * 8 + 2, w * 8 + 3, w * 8 + 4],
+                50,
+            );
         }
         let got = y.get(&b);
         assert!(got.offered < HALF_LIFE, "{got:?}");

@@ -6,6 +6,7 @@
 //! | --- | --- | --- | --- |
 //! | `strata_cache_hits_total` | counter | `level`: `memory` (level 1), `staging` (level-2 readahead), `disk` (level 2) | `cache.hits_memory`, `cache.disk_readahead_hits`, `cache.hits_disk - cache.disk_readahead_hits` |
 //! | `strata_cache_misses_total` | counter | | `cache.misses` |
+//! | `strata_cache_fetch_unit_misses_total` | counter | `window`: `widened`, `narrowed` | `cache.fetch_unit_widened`, `cache.fetch_unit_narrowed` (misses in blobs of chunks smaller than the fetch unit) |
 //! | `strata_cache_read_bytes_total`, `strata_cache_fetched_bytes_total` | counter | | `cache.bytes_read`, `cache.bytes_fetched` |
 //! | `strata_layer_read_bytes_total`, `strata_layer_fetched_bytes_total` | counter | `layer` (id), `ref` | `layers[].bytes_read`, `layers[].bytes_fetched` |
 //! | `strata_backend_requests_total` | counter | | `cache.backend_requests` |
@@ -125,6 +126,19 @@ impl Collector for Snapshot {
                     ("memory", c.hits_memory),
                     ("staging", staging),
                     ("disk", c.hits_disk.saturating_sub(staging)),
+                ],
+            ),
+        )?;
+        series(
+            &mut enc,
+            "strata_cache_fetch_unit_misses",
+            "Demand misses in blobs of chunks smaller than the fetch unit: widened to their window, or not (its riders went unread lately)",
+            Counter,
+            &by(
+                "window",
+                &[
+                    ("widened", c.fetch_unit_widened),
+                    ("narrowed", c.fetch_unit_narrowed),
                 ],
             ),
         )?;
@@ -357,6 +371,8 @@ mod tests {
             backend_requests: 4,
             verify_failures: 2,
             corrupt_errors: 1,
+            fetch_unit_widened: 12,
+            fetch_unit_narrowed: 13,
             fetch_latency_us: vec![0; 32],
             fetch_latency_sum_us: 1_500_000,
             ..CacheStats::default()
@@ -404,6 +420,8 @@ mod tests {
             "strata_cache_hits_total{level=\"staging\"} 3",
             "strata_cache_hits_total{level=\"disk\"} 4",
             "strata_cache_misses_total 11",
+            "strata_cache_fetch_unit_misses_total{window=\"widened\"} 12",
+            "strata_cache_fetch_unit_misses_total{window=\"narrowed\"} 13",
             "strata_cache_read_bytes_total 1234",
             "strata_cache_fetched_bytes_total 999",
             "strata_layer_read_bytes_total{layer=\"abc\",ref=\"base/os:1\"} 77",

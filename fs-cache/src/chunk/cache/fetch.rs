@@ -214,8 +214,14 @@ impl Inner {
             if boost.set.load(Ordering::Acquire) {
                 None
             } else {
+                let unit = (self.config.fetch_unit_bytes).min(self.config.max_request_bytes);
+                let gate = if unit > table.chunk_size {
+                    &self.trace_gate_unit
+                } else {
+                    &self.trace_gate
+                };
                 tokio::select! {
-                    permit = self.trace_gate.acquire() => permit.ok(),
+                    permit = gate.acquire() => permit.ok(),
                     () = boosted => None,
                 }
             }
