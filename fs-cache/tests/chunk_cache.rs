@@ -694,7 +694,11 @@ async fn with_file_bounds_a_reader_of_one_file_reads_ahead_from_its_first_read_t
         }
     };
     let file_end = 10 * CHUNK_SIZE + 3 * MIB + 5000;
-    cache.add_file_bounds(f.blob, &[10 * CHUNK_SIZE, file_end, 60 * CHUNK_SIZE]);
+    cache.add_file_bounds(
+        f.blob,
+        "layer",
+        &[10 * CHUNK_SIZE, file_end, 60 * CHUNK_SIZE],
+    );
     assert_eq!(cache.file_bounds(), (1, 3));
 
     // Random reads inside a bounded file (not at its start), even two adjacent ones, start
@@ -731,7 +735,7 @@ async fn with_file_bounds_a_reader_of_one_file_reads_ahead_from_its_first_read_t
     assert!(all > 12, "without bounds only {all} chunks were read ahead");
 
     // Forgotten: as without bounds again.
-    cache.forget_file_bounds(&f.blob);
+    cache.forget_file_bounds(&f.blob, "layer");
     assert_eq!(cache.file_bounds(), (0, 0));
     let (first, _) = read_file(30).await;
     assert_eq!(first, 0, "{:?}", cache.stats());

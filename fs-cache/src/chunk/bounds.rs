@@ -14,11 +14,12 @@
 //! stream that has crossed a run end (a reader of consecutive files in layout order) reads
 //! ahead as before.
 //!
-//! Invariants: each blob's ends are sorted and distinct. Ends change how far and how early
-//! readahead goes, never what a read returns: a missing end means readahead as without
-//! bounds; an extra one (several layers sharing a blob each add theirs) stops a stream's
-//! readahead there, and lets a stream that starts right after it read ahead early, at most
-//! to the next end.
+//! Invariants: each blob's ends are kept per layer (a layer learnt again replaces its own;
+//! a layer taken down takes its own away, and no other's) and looked up as their union,
+//! sorted and distinct. Ends change how far and how early readahead goes, never what a read
+//! returns: a missing end means readahead as without bounds; an extra one (several layers
+//! sharing a blob each add theirs) stops a stream's readahead there, and lets a stream that
+//! starts right after it read ahead early, at most to the next end.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -31,55 +32,82 @@ const MAX_ENDS_PER_BLOB: usize = 4 << 20;
 /// See the module docs.
 #[derive(Default)]
 pub(super) struct Bounds {
-    ends: Mutex<HashMap<Digest, Arc<[u64]>>>,
+    ends: Mutex<HashMap<Digest, BlobBounds>>,
+}
+
+/// One blob's ends: each layer's own (sorted), and their union, which reads look up.
+#[derive(Clone)]
+struct BlobBounds {
+    layers: Vec<(String, Arc<[u64]>)>,
+    merged: Arc<[u64]>,
 }
 
 impl Bounds {
-    /// Add `ends` (any order) to `blob`'s. The merge runs outside the lock every read takes
-    /// (a large layer's ends take milliseconds to sort), and starts over if another add
-    /// replaced the blob's ends meanwhile.
-    pub(super) fn add(&self, blob: Digest, ends: &[u64]) {
+    /// Change `blob`'s per-layer ends with `f`, then rebuild their union. The union is built
+    /// outside the lock every read takes (a large layer's ends take milliseconds to sort), and
+    /// the change starts over if another one replaced the blob's ends meanwhile.
+    fn update(&self, blob: Digest, f: impl Fn(&mut Vec<(String, Arc<[u64]>)>)) {
         loop {
             let old = super::cache::lock(&self.ends).get(&blob).cloned();
-            let mut all: Vec<u64> = old.as_deref().map(<[u64]>::to_vec).unwrap_or_default();
-            all.extend_from_slice(ends);
+            let mut layers = old.as_ref().map(|o| o.layers.clone()).unwrap_or_default();
+            f(&mut layers);
+            let mut all: Vec<u64> = layers.iter().flat_map(|(_, e)| e.iter().copied()).collect();
             all.sort_unstable();
             all.dedup();
             all.truncate(MAX_ENDS_PER_BLOB);
             let mut map = super::cache::lock(&self.ends);
-            let now = map.get(&blob);
-            let unchanged = match (&old, now) {
-                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            let unchanged = match (&old, map.get(&blob)) {
+                (Some(a), Some(b)) => Arc::ptr_eq(&a.merged, &b.merged),
                 (None, None) => true,
                 _ => false,
             };
             if unchanged {
-                map.insert(blob, all.into());
+                if layers.is_empty() {
+                    map.remove(&blob);
+                } else {
+                    let merged = all.into();
+                    map.insert(blob, BlobBounds { layers, merged });
+                }
                 return;
             }
         }
     }
 
-    /// Forget `blob`'s ends.
-    pub(super) fn forget(&self, blob: &Digest) {
-        super::cache::lock(&self.ends).remove(blob);
+    /// Set layer `layer`'s ends (any order) in `blob`, in place of any it had.
+    pub(super) fn add(&self, blob: Digest, layer: &str, ends: &[u64]) {
+        let mut own = ends.to_vec();
+        own.sort_unstable();
+        own.dedup();
+        own.truncate(MAX_ENDS_PER_BLOB);
+        let own: Arc<[u64]> = own.into();
+        self.update(blob, |layers| {
+            layers.retain(|(l, _)| l != layer);
+            layers.push((layer.to_owned(), own.clone()));
+        });
+    }
+
+    /// Forget layer `layer`'s ends in `blob`; other layers' stay.
+    pub(super) fn forget(&self, blob: &Digest, layer: &str) {
+        if super::cache::lock(&self.ends).contains_key(blob) {
+            self.update(*blob, |layers| layers.retain(|(l, _)| l != layer));
+        }
     }
 
     /// For a read of `blob` that ends at `at`: the run it is in, as (the end before it, 0 if
     /// none; its own end, the first end at or after `at`). `None` when no end is known at or
     /// after `at`.
     pub(super) fn around(&self, blob: &Digest, at: u64) -> Option<(u64, u64)> {
-        let ends = super::cache::lock(&self.ends).get(blob)?.clone();
+        let ends = super::cache::lock(&self.ends).get(blob)?.merged.clone();
         let k = ends.partition_point(|&e| e < at);
         let end = *ends.get(k)?;
         let before = k.checked_sub(1).map_or(0, |j| ends[j]);
         Some((before, end))
     }
 
-    /// Blobs with ends, and ends in all.
+    /// Blobs with ends, and ends in all (each blob's union).
     pub(super) fn counts(&self) -> (usize, usize) {
         let map = super::cache::lock(&self.ends);
-        (map.len(), map.values().map(|e| e.len()).sum())
+        (map.len(), map.values().map(|e| e.merged.len()).sum())
     }
 }
 
@@ -92,7 +120,7 @@ mod tests {
         let b = Bounds::default();
         let blob = Digest([7; 32]);
         assert_eq!(b.around(&blob, 10), None);
-        b.add(blob, &[300, 100, 200]);
+        b.add(blob, "l1", &[300, 100, 200]);
         assert_eq!(b.around(&blob, 1), Some((0, 100)));
         assert_eq!(
             b.around(&blob, 100),
@@ -103,12 +131,25 @@ mod tests {
         assert_eq!(b.around(&blob, 300), Some((200, 300)));
         assert_eq!(b.around(&blob, 301), None, "past every known end");
         // Another layer's ends for the same blob join them, each once.
-        b.add(blob, &[150, 200]);
+        b.add(blob, "l2", &[150, 200]);
         assert_eq!(b.around(&blob, 120), Some((100, 150)));
         assert_eq!(b.around(&blob, 160), Some((150, 200)));
         assert_eq!(b.counts(), (1, 4));
         assert_eq!(b.around(&Digest([8; 32]), 1), None, "another blob");
-        b.forget(&blob);
+        // The first layer goes: exactly the second's ends stay.
+        b.forget(&blob, "l1");
+        assert_eq!(b.around(&blob, 1), Some((0, 150)));
+        assert_eq!(b.around(&blob, 160), Some((150, 200)));
+        assert_eq!(b.around(&blob, 201), None);
+        assert_eq!(b.counts(), (1, 2));
+        // A layer learnt again replaces its ends.
+        b.add(blob, "l2", &[50]);
+        assert_eq!(b.around(&blob, 60), None);
+        assert_eq!(b.counts(), (1, 1));
+        // Forgetting a layer the blob does not have changes nothing; the last one's goes.
+        b.forget(&blob, "l9");
+        assert_eq!(b.counts(), (1, 1));
+        b.forget(&blob, "l2");
         assert_eq!(b.around(&blob, 1), None);
         assert_eq!(b.counts(), (0, 0));
     }

@@ -780,17 +780,18 @@ impl ChunkCache {
         })
     }
 
-    /// Add where files' data runs end in `blob` (byte offsets, any order; `bounds.rs`): a
-    /// reader of one file then reads ahead only to its end, and, if it began at the file's
-    /// start, from its first read on.
-    /// Several layers sharing a blob each add theirs. Speed only.
-    pub fn add_file_bounds(&self, blob: Digest, ends: &[u64]) {
-        self.inner.bounds.add(blob, ends);
+    /// Set where layer `layer`'s files' data runs end in `blob` (byte offsets, any order;
+    /// `bounds.rs`), in place of what that layer set before: a reader of one file then reads
+    /// ahead only to its end, and, if it began at the file's start, from its first read on.
+    /// Several layers sharing a blob each set theirs. Speed only.
+    pub fn add_file_bounds(&self, blob: Digest, layer: &str, ends: &[u64]) {
+        self.inner.bounds.add(blob, layer, ends);
     }
 
-    /// Forget `blob`'s file bounds (its readers read ahead as without them).
-    pub fn forget_file_bounds(&self, blob: &Digest) {
-        self.inner.bounds.forget(blob);
+    /// Forget layer `layer`'s file bounds in `blob` (other layers' stay; with none left, its
+    /// readers read ahead as without them).
+    pub fn forget_file_bounds(&self, blob: &Digest, layer: &str) {
+        self.inner.bounds.forget(blob, layer);
     }
 
     /// Blobs with file bounds, and their ends in all.

@@ -344,7 +344,8 @@ impl Node {
     /// a reader of one file reads ahead only to its end), from its meta image, in the
     /// background: the mount does not wait for the walk. A walk that ends after the layer
     /// was taken down adds nothing (`bounds_wanted`, cleared by `release_unused` before it
-    /// forgets the blobs' bounds). Speed only: a meta image that does not parse leaves
+    /// forgets the layer's bounds). Bounds are kept per (blob, layer): a layer taken down
+    /// takes only its own away. Speed only: a meta image that does not parse leaves
     /// readahead as it was.
     async fn learn_file_bounds(&self, id: &str) {
         let blobs: Vec<Digest> = match self.inner.lock().await.state.layers.get(id) {
@@ -372,7 +373,7 @@ impl Node {
             }
             // Device i + 1 of the image is the layer's blob i (as mounted).
             for (blob, ends) in blobs.iter().zip(&ends) {
-                cache.add_file_bounds(*blob, ends);
+                cache.add_file_bounds(*blob, &id, ends);
             }
             tracing::debug!(layer = %id, runs = ends.iter().map(Vec::len).sum::<usize>(), "file bounds learnt");
         });
@@ -444,6 +445,10 @@ impl Node {
             }
             if let Some(layer) = inner.state.layers.remove(id) {
                 changed = true;
+                // This layer's file bounds go; other layers' in shared blobs stay.
+                for b in &layer.blobs {
+                    self.cache.forget_file_bounds(&b.digest, id);
+                }
                 let still_used = inner.state.blobs_in_use();
                 if let Some(fs) = &inner.blobfs {
                     for b in layer
@@ -454,7 +459,6 @@ impl Node {
                         if let Err(e) = fs.remove_blob(&b.digest) {
                             tracing::warn!("remove blob file {}: {e}", b.digest);
                         }
-                        self.cache.forget_file_bounds(&b.digest);
                     }
                 }
             }
