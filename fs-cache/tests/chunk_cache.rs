@@ -351,7 +351,7 @@ async fn level_two_survives_a_restart_and_drops_damaged_chunks() {
     let blob_file = dir.path().join("cache/blobs").join(&hex[..2]).join(&hex);
     flip(&blob_file, 3 * CHUNK_SIZE + 100, 0x40);
     f.faulty.set(FaultConfig::default());
-    let cache = ChunkCache::open(f.store.clone(), config()).await.unwrap();
+    let cache = reopen(|| ChunkCache::open(f.store.clone(), config())).await;
     let got = cache.read(&f.blob, 0, 4 * MIB).await.unwrap();
     assert_eq!(&got[..], &f.bytes[..]);
     let s = cache.stats();
@@ -486,7 +486,7 @@ async fn warming_a_blob_puts_every_chunk_in_level_2_fetching_only_what_is_missin
     cache.read(&f.blob, 20 * CHUNK_SIZE, 10).await.unwrap();
     cache.flush().await.unwrap();
     drop(cache);
-    let cache = open(dir.path(), 64 * MIB).await.unwrap();
+    let cache = reopen(|| open(dir.path(), 64 * MIB)).await;
     cache.read(&f.blob, 30 * CHUNK_SIZE, 10).await.unwrap();
     let before = cache.stats();
     assert!(cache.warm_local(&f.blob).await.unwrap());
@@ -895,6 +895,29 @@ async fn refetches_of_corrupt_chunks_run_at_once() {
     assert_eq!(bad.most.load(std::sync::atomic::Ordering::SeqCst), 8);
 }
 
+/// Open a cache in a directory a just-dropped cache used. Its background tasks (the tail of a
+/// fetch, a level-2 write) can hold the last handle on the level-2 index for a moment after
+/// the drop, and the index refuses a second opener meanwhile: retried for up to 10 s.
+async fn reopen<F, Fut>(open: F) -> ChunkCache
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = fs_cache::Result<ChunkCache>>,
+{
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match open().await {
+            Ok(c) => return c,
+            Err(e)
+                if std::time::Instant::now() < until
+                    && e.to_string().contains("cannot open the index") =>
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("reopen the cache: {e}"),
+        }
+    }
+}
+
 /// Store `bytes` as a blob whose chunk table has `chunk_size` chunks (the table written as
 /// its sidecar, replacing any); its digest.
 async fn put_with_chunks(mem: &Arc<MemoryBackend>, bytes: &[u8], chunk_size: u64) -> Digest {
@@ -1035,7 +1058,7 @@ async fn a_blob_of_64_kib_chunks_reads_exactly_fills_level_2_and_is_pinned_and_w
 
     // Reopened with nothing in memory: sequential reads are served from level 2, read ahead
     // in runs of 64 KiB chunks.
-    let cache = open(dir.path(), 0, 8 * MIB).await.unwrap();
+    let cache = reopen(|| open(dir.path(), 0, 8 * MIB)).await;
     let mut out = Vec::new();
     while (out.len() as u64) < size {
         let b = cache

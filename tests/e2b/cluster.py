@@ -117,15 +117,28 @@ async def reach(ids_file):
 async def listing(ids_file):
     want = set(json.load(open(ids_file)))
     for url in FRONTS:
-        seen = []
-        pages = 0
-        p = AsyncSandbox.list(limit=100, api_url=url, query=SandboxQuery(state=[SandboxState.RUNNING]))
-        while p.has_next:
-            items = await p.next_items()
-            pages += 1
-            seen.extend(s.sandbox_id for s in items)
+        # A front lists the nodes its last poll found up: a node restarted just before is
+        # listed from the front's next poll on. Wait for that (15 s at most), not longer.
+        t0 = time.monotonic()
+        while True:
+            seen = []
+            pages = 0
+            p = AsyncSandbox.list(
+                limit=100, api_url=url, query=SandboxQuery(state=[SandboxState.RUNNING])
+            )
+            while p.has_next:
+                items = await p.next_items()
+                pages += 1
+                seen.extend(s.sandbox_id for s in items)
+            if set(seen) >= want or time.monotonic() - t0 > 15:
+                break
+            await asyncio.sleep(0.5)
         check(len(seen) == len(set(seen)), f"{url}: no sandbox listed twice")
-        check(set(seen) >= want, f"{url}: all {len(want)} listed in {pages} pages ({len(seen)} in all)")
+        check(
+            set(seen) >= want,
+            f"{url}: all {len(want)} listed in {pages} pages ({len(seen)} in all, "
+            f"after {time.monotonic() - t0:.1f} s)",
+        )
 
 
 def main():
