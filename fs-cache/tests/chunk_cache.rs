@@ -1189,6 +1189,28 @@ async fn a_fetch_unit_widens_a_miss_in_a_blob_of_small_chunks_to_its_aligned_win
     assert_eq!(cache.stats().bytes_fetched, CHUNK_SIZE);
 }
 
+/// A memory-only cache with fetch unit `unit` and no readahead over `mem` behind a
+/// `FaultyBackend` (no faults; it counts requests), `blob` registered and the counts reset.
+async fn counted_cache(
+    mem: &Arc<MemoryBackend>,
+    blob: Digest,
+    unit: u64,
+    seed: u64,
+) -> (ChunkCache, Arc<FaultyBackend>) {
+    let faulty = Arc::new(FaultyBackend::new(mem.clone(), seed));
+    let config = CacheConfig {
+        fetch_unit_bytes: unit,
+        readahead_bytes: 0,
+        ..memory_only(64 * MIB)
+    };
+    let cache = ChunkCache::open(Store::new(faulty.clone()), config)
+        .await
+        .expect("open the cache");
+    cache.register(&blob).await.expect("register the blob");
+    faulty.reset_stats();
+    (cache, faulty)
+}
+
 /// A replayed trace in a blob of chunks smaller than the fetch unit fetches its own chunks
 /// and fills only the smallest gaps between them (half again as many chunks at most), not whole
 /// windows.
@@ -1199,17 +1221,7 @@ async fn a_replay_fills_small_gaps_instead_of_widening_to_the_fetch_unit() {
     let chunk: u64 = 16 << 10;
     let bytes = data(12, (64 * chunk) as usize);
     let blob = put_with_chunks(&mem, &bytes, chunk).await;
-    let faulty = Arc::new(FaultyBackend::new(mem.clone(), 7));
-    let config = CacheConfig {
-        fetch_unit_bytes: 256 << 10,
-        readahead_bytes: 0,
-        ..memory_only(64 * MIB)
-    };
-    let cache = ChunkCache::open(Store::new(faulty.clone()), config)
-        .await
-        .unwrap();
-    cache.register(&blob).await.unwrap();
-    faulty.reset_stats();
+    let (cache, faulty) = counted_cache(&mem, blob, 256 << 10, 7).await;
     let traced = [0u64, 1, 3, 10, 20, 21, 40, 60];
     let trace = Trace {
         blobs: vec![blob],
@@ -1251,16 +1263,7 @@ async fn a_fetch_unit_widens_only_while_its_riders_are_read() {
     let windows = 40;
     let bytes = data(11, (windows * per * chunk) as usize);
     let blob = put_with_chunks(&mem, &bytes, chunk).await;
-    let faulty = Arc::new(FaultyBackend::new(mem.clone(), 5));
-    let config = CacheConfig {
-        fetch_unit_bytes: per * chunk,
-        ..memory_only(64 * MIB)
-    };
-    let cache = ChunkCache::open(Store::new(faulty.clone()), config)
-        .await
-        .unwrap();
-    cache.register(&blob).await.unwrap();
-    faulty.reset_stats();
+    let (cache, faulty) = counted_cache(&mem, blob, per * chunk, 5).await;
     let read = |c: u64| {
         let (cache, want) = (
             cache.clone(),

@@ -905,6 +905,14 @@ impl Drop for DemandGuard<'_> {
 }
 
 impl Inner {
+    /// The fetch unit (bounded by the largest request), if `table`'s chunks are smaller than
+    /// it: a blob whose misses may widen to windows (`window.rs`), whose replays fill gaps, and
+    /// whose replays have their own gate ([`TRACE_REQUESTS_IN_FLIGHT_UNIT`]).
+    pub(super) fn unit_for(&self, table: &ChunkTable) -> Option<u64> {
+        let unit = (self.config.fetch_unit_bytes).min(self.config.max_request_bytes);
+        (unit > table.chunk_size).then_some(unit)
+    }
+
     /// Whether level 1 or level 2 holds chunk `id`.
     pub(super) fn holds(&self, id: &ChunkId) -> bool {
         lock(&self.memory).lru.contains(id) || self.disk.as_ref().is_some_and(|d| d.contains(id))
@@ -998,9 +1006,8 @@ impl Inner {
     ) -> Result<Vec<Bytes>> {
         let n = (range.end - range.start) as usize;
         let mut parts: Vec<Option<Bytes>> = vec![None; n];
-        let unit = (self.config.fetch_unit_bytes).min(self.config.max_request_bytes);
-        let widening = unit > table.chunk_size;
-        if widening {
+        let unit = self.unit_for(table);
+        if unit.is_some() {
             self.yields.touched(&table.blob, range.clone());
         }
         let shift = table.chunk_shift();
@@ -1091,7 +1098,7 @@ impl Inner {
             // while that has paid lately in this blob (`window.rs`); the reader waits for
             // (and fails only with) its own chunks.
             let mut extra: Vec<u64> = Vec::new();
-            if widening {
+            if let Some(unit) = unit {
                 let riders: Vec<u64> = super::window::widen(
                     &missing,
                     table.chunk_size,
@@ -1153,14 +1160,12 @@ impl Inner {
         let shift = table.chunk_shift();
         let missing: Vec<u64> = chunks
             .into_iter()
-            .filter(|&i| {
-                let cid = ChunkId {
+            .filter(|&index| {
+                !self.holds(&ChunkId {
                     blob: table.blob,
                     shift,
-                    index: i,
-                };
-                !lock(&self.memory).lru.contains(&cid)
-                    && !self.disk.as_ref().is_some_and(|d| d.contains(&cid))
+                    index,
+                })
             })
             .collect();
         if !missing.is_empty() {

@@ -177,7 +177,6 @@ impl ChunkCache {
         for &(b, c) in &order {
             per_blob.entry(b).or_default().push(c);
         }
-        let unit = (self.inner.config.fetch_unit_bytes).min(self.inner.config.max_request_bytes);
         let mut runs: Vec<(usize, Arc<ChunkTable>, Vec<u64>)> = Vec::new();
         for (b, mut chunks) in per_blob {
             let Some(Some(table)) = tables.get(b) else {
@@ -188,7 +187,7 @@ impl ChunkCache {
             let blob = table.blob;
             chunks.retain(|&index| !self.inner.holds(&ChunkId { blob, shift, index }));
             let mut most = (self.inner.config.max_request_bytes / table.chunk_size).max(1);
-            if unit > table.chunk_size {
+            if let Some(unit) = self.inner.unit_for(table) {
                 // Gaps no longer than a window less one (a longer one saves no request), and
                 // requests of at most one window, as a widened miss's.
                 let per = super::window::window_chunks(table.chunk_size, table.chunk_count(), unit);

@@ -214,8 +214,7 @@ impl Inner {
             if boost.set.load(Ordering::Acquire) {
                 None
             } else {
-                let unit = (self.config.fetch_unit_bytes).min(self.config.max_request_bytes);
-                let gate = if unit > table.chunk_size {
+                let gate = if self.unit_for(&table).is_some() {
                     &self.trace_gate_unit
                 } else {
                     &self.trace_gate
