@@ -13,8 +13,10 @@
 //! 256 KiB read at a time. Read ahead instead, the next chunks of the stream are read in runs
 //! (one `pread` per run of adjacent cached chunks) with `O_DIRECT`: the device writes straight
 //! into the returned buffer, several runs are in flight at once, and the page cache is not
-//! touched. Every 4 KiB block is still checked against its crc32c before the chunk is handed
-//! out, so a damaged chunk is dropped (and refetched by whoever reads it), never served.
+//! touched. A read of 1 MiB or more goes into a huge-page buffer (`huge.rs`), so that a run
+//! is one device request, not one per `max_segments` scattered pages (254 here). Every 4 KiB
+//! block is still checked against its crc32c before the chunk is handed out, so a damaged
+//! chunk is dropped (and refetched by whoever reads it), never served.
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -25,6 +27,7 @@ use std::sync::{Arc, PoisonError};
 use bytes::Bytes;
 
 use super::files::{read_for_reader, ReadOutcome};
+use super::huge::{self, HugeBuf, HUGE_READ_MIN};
 use super::{blocks_match, chunk_offset, ChunkId, DiskCache, ReadPin, DROPPED_CORRUPT};
 use crate::error::{Error, Result};
 use crate::store::Digest;
@@ -216,8 +219,15 @@ impl DiskCache {
 }
 
 /// `len` bytes of `file` (opened with `O_DIRECT`) at `at` (aligned), fewer at end of file.
+/// Reads of [`HUGE_READ_MIN`] bytes or more go into a huge-page buffer (`huge.rs`).
 fn read_direct(file: &File, at: u64, len: usize) -> io::Result<Bytes> {
     let want = len.next_multiple_of(DIRECT_ALIGN);
+    if want >= HUGE_READ_MIN {
+        if let Some(mut buf) = HugeBuf::new(&huge::POOL, want) {
+            let got = fill_direct(file, at, &mut buf.as_mut_slice()[..want])?;
+            return Ok(buf.into_bytes(got.min(len)));
+        }
+    }
     let mut v: Vec<u8> = Vec::with_capacity(want + DIRECT_ALIGN);
     // The buffer must start on an aligned address: skip `pad` bytes of the allocation.
     let pad = v.as_ptr().align_offset(DIRECT_ALIGN);
@@ -242,4 +252,22 @@ fn read_direct(file: &File, at: u64, len: usize) -> io::Result<Bytes> {
     }
     let b = Bytes::from(v);
     Ok(b.slice(pad..pad + got.min(len)))
+}
+
+/// Fill `buf` (aligned, a whole number of blocks) from `file` (opened with `O_DIRECT`) at `at`
+/// (aligned): the bytes read, fewer at end of file.
+fn fill_direct(file: &File, at: u64, buf: &mut [u8]) -> io::Result<usize> {
+    let mut got = 0usize;
+    while got < buf.len() {
+        let n = rustix::io::pread(file, &mut buf[got..], at + got as u64)?;
+        if n == 0 {
+            break;
+        }
+        got += n;
+        if got % DIRECT_ALIGN != 0 {
+            // Only the end of the file ends a direct read off a block boundary.
+            break;
+        }
+    }
+    Ok(got)
 }

@@ -92,8 +92,9 @@
 //! the bytes (level 1, or the kernel's page cache above a FUSE file), so that a byte read
 //! through a lazy mount sits in the page cache once; the crc32c values come from a memory
 //! LRU ([`SUMS_CACHED`] bytes of values) in front of the index. A sequential stream's readahead reads
-//! runs of adjacent chunks instead, one `O_DIRECT` `pread` per run and no page cache
-//! ([`DiskCache::read_chunks_direct`], `direct.rs`). Recency is written to the index in
+//! runs of adjacent chunks instead, one `O_DIRECT` `pread` per run into a huge-page buffer
+//! (one device request per run, `huge.rs`) and no page cache ([`DiskCache::read_chunks_direct`],
+//! `direct.rs`). Recency is written to the index in
 //! batches of [`RECENCY_BATCH`] hits (and on flush); losing it in a crash only makes the LRU
 //! order stale. A chunk being put or removed is in flight: a second put of it returns at once,
 //! and it is not evicted meanwhile. Indexed bytes (each chunk rounded up to 4 KiB) plus bytes
@@ -139,6 +140,7 @@ mod direct;
 mod files;
 mod fuzz;
 mod hold;
+mod huge;
 mod index;
 mod pin;
 mod run;
