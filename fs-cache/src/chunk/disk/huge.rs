@@ -6,9 +6,9 @@
 //! about 1 MiB), and a 2 MiB level-2 run became three requests. In a 2 MiB-aligned mapping
 //! advised `MADV_HUGEPAGE` the buffer is one huge page, one segment, and the run one request:
 //! on this VM 2 MiB direct reads went from 1.4–1.9 GB/s to 3.3–3.7 GB/s, above a buffered
-//! sequential read of the same file (3.0 GB/s; `bench/README.md`, "peers", "Huge-page
-//! buffers"). Where the kernel gives no huge page (THP off, memory fragmented) the mapping
-//! works as ordinary pages, as fast as a `Vec`.
+//! sequential read of the same file (3.0 GB/s; `bench/README.md`, "peers", "level-2 runs in
+//! huge-page buffers"). Where the kernel gives no huge page (THP off, memory fragmented) the
+//! mapping works as ordinary pages, as fast as a `Vec`.
 //!
 //! Freed buffers are kept for reuse, up to [`POOL_BUFFERS`]: a fresh huge page costs a fault
 //! and the kernel's zeroing of 2 MiB, a kept one neither. A buffer goes back when the last
