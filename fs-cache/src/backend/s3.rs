@@ -1063,31 +1063,6 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn parts_are_cut_exactly() {
-        for (total, piece) in [(0, 1), (10, 3), (12, 4), (13, 100), (25, 5)] {
-            let data: Vec<u8> = (0..total as u8).collect();
-            let chunks: Vec<_> = data
-                .chunks(piece)
-                .map(|c| Ok(Bytes::copy_from_slice(c)))
-                .collect();
-            let mut reader = PartReader::new(futures::stream::iter(chunks).boxed(), 4);
-            let mut got = Vec::new();
-            loop {
-                let (part, last) = reader.next_part().await.unwrap();
-                assert!(
-                    part.len() == 4 || last,
-                    "{total}/{piece}: short part before the end"
-                );
-                got.extend_from_slice(&part);
-                if last {
-                    break;
-                }
-            }
-            assert_eq!(got, data, "{total}/{piece}");
-        }
-    }
-
-    #[tokio::test]
     async fn missing_credentials_fail_fast_and_permanently() {
         let dir = tempfile::tempdir().unwrap();
         let config_file = dir.path().join("config");
