@@ -138,6 +138,10 @@ enum Command {
         /// Report what would be removed without removing it.
         #[arg(long)]
         dry_run: bool,
+        /// Sweep what puts left when their process died (POSIX temporary files, S3
+        /// multipart uploads) once begun longer ago than this.
+        #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
+        abandoned_after: Duration,
     },
 }
 
@@ -1004,8 +1008,17 @@ async fn run(cli: Cli) -> Result<()> {
         | Command::Template(_) => {
             anyhow::bail!("internal: node commands are dispatched before the store is opened")
         }
-        Command::Gc { grace, dry_run } => {
-            let report = gc::collect(&store, GcOptions { grace, dry_run }).await?;
+        Command::Gc {
+            grace,
+            dry_run,
+            abandoned_after,
+        } => {
+            let opts = GcOptions {
+                grace,
+                dry_run,
+                abandoned_after,
+            };
+            let report = gc::collect(&store, opts).await?;
             if cli.json {
                 print_json(&report)?;
             } else {
@@ -1023,6 +1036,10 @@ async fn run(cli: Cli) -> Result<()> {
                 );
                 for k in &report.unrecognised {
                     println!("left alone (not a blob key): {k}");
+                }
+                let swept = if dry_run { "would be swept" } else { "swept" };
+                for what in &report.abandoned_puts {
+                    println!("abandoned put, {swept}: {what}");
                 }
             }
         }

@@ -8,6 +8,13 @@
 //! manifest list again just before deleting; it aborts, deleting nothing, if any manifest cannot
 //! be read or parsed. Sidecars (`blobs/xx/<d>.<suffix>`) go with their blob. Objects under
 //! `blobs/` that are not named by a digest are reported and left alone.
+//!
+//! # Abandoned puts
+//! A put whose process died half-way leaves what no listing shows and nothing else removes:
+//! a POSIX temporary file, an S3 multipart upload (whose parts are stored, and billed, until
+//! aborted). gc sweeps those begun or last written more than `abandoned_after` ago (default
+//! a day: far longer than any put takes, so a live one is never cut off;
+//! [`crate::Backend::sweep_abandoned`]).
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, SystemTime};
@@ -26,13 +33,20 @@ pub struct GcOptions {
     pub grace: Duration,
     /// Report what would be removed, remove nothing.
     pub dry_run: bool,
+    /// Leftovers of puts begun (or last written) longer ago than this are swept (module
+    /// docs).
+    pub abandoned_after: Duration,
 }
+
+/// [`GcOptions::abandoned_after`] by default: a day.
+pub const DEFAULT_ABANDONED_AFTER: Duration = Duration::from_secs(24 * 3600);
 
 impl Default for GcOptions {
     fn default() -> Self {
         Self {
             grace: Duration::from_secs(3600),
             dry_run: false,
+            abandoned_after: DEFAULT_ABANDONED_AFTER,
         }
     }
 }
@@ -51,6 +65,8 @@ pub struct GcReport {
     pub expired_leases: usize,
     /// Keys under `blobs/` that are not blobs; left alone.
     pub unrecognised: Vec<String>,
+    /// Leftovers of puts that never finished, swept (or, in a dry run, that would be).
+    pub abandoned_puts: Vec<String>,
     pub dry_run: bool,
 }
 
@@ -167,6 +183,10 @@ pub async fn collect(store: &Store, opts: GcOptions) -> Result<GcReport> {
                 backend.delete(key).await?;
             }
         }
+    }
+
+    if let Some(before) = now.checked_sub(opts.abandoned_after) {
+        report.abandoned_puts = backend.sweep_abandoned(before, opts.dry_run).await?;
     }
     Ok(report)
 }

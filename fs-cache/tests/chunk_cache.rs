@@ -860,6 +860,14 @@ impl Backend for EveryChunkBad {
     async fn delete(&self, key: &str) -> fs_cache::Result<()> {
         self.inner.delete(key).await
     }
+
+    async fn sweep_abandoned(
+        &self,
+        before: std::time::SystemTime,
+        dry_run: bool,
+    ) -> fs_cache::Result<Vec<String>> {
+        self.inner.sweep_abandoned(before, dry_run).await
+    }
 }
 
 /// A read whose chunks are all corrupt fails after two rounds of requests, not one refetch

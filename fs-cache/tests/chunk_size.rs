@@ -161,6 +161,14 @@ impl Backend for PutLog {
         self.inner.delete(key).await
     }
 
+    async fn sweep_abandoned(
+        &self,
+        before: std::time::SystemTime,
+        dry_run: bool,
+    ) -> Result<Vec<String>> {
+        self.inner.sweep_abandoned(before, dry_run).await
+    }
+
     async fn put_stream_retrying(
         &self,
         key: &str,

@@ -199,6 +199,7 @@ async fn every_path(backend: Arc<dyn Backend>, label: &str) {
         fs_cache::gc::GcOptions {
             grace: std::time::Duration::ZERO,
             dry_run: false,
+            ..Default::default()
         },
     )
     .await

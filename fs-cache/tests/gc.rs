@@ -72,6 +72,7 @@ async fn keeps_referenced_and_recent_removes_the_rest() {
         GcOptions {
             grace: HOUR,
             dry_run: true,
+            ..Default::default()
         },
     )
     .await
@@ -84,6 +85,7 @@ async fn keeps_referenced_and_recent_removes_the_rest() {
         GcOptions {
             grace: HOUR,
             dry_run: false,
+            ..Default::default()
         },
     )
     .await
@@ -172,4 +174,85 @@ async fn unreadable_manifest_aborts_gc_without_deleting() {
     let e = collect(&store, GcOptions::default()).await.unwrap_err();
     assert!(e.to_string().contains("base/x:1"), "{e}");
     assert!(store.stat_blob(&b.digest).await.unwrap().is_some());
+}
+
+/// A file beside a key's target, named as the POSIX backend names its temporary files, last
+/// written `by` ago.
+fn temp_file(dir: &std::path::Path, rel: &str, by: Duration) {
+    let path = dir.join(rel);
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    let f = std::fs::File::create(&path).unwrap();
+    std::io::Write::write_all(&mut &f, b"half a put").unwrap();
+    f.set_modified(SystemTime::now() - by).unwrap();
+}
+
+#[tokio::test]
+async fn sweeps_temporary_files_of_puts_whose_process_died() {
+    let dir = tempfile::tempdir().unwrap();
+    let posix = PosixBackend::open(dir.path()).unwrap();
+    let store = Store::new(Arc::new(posix.clone()));
+    let kept = put(&store, b"a blob").await;
+    let manifest = Manifest::new(
+        "base/os:1".parse().unwrap(),
+        None,
+        vec![kept.clone()],
+        "test".into(),
+    );
+    store.push_manifest(&manifest).await.unwrap();
+    // Two days old (a put killed half-way), deep and at the root; one written a minute ago
+    // (a put under way); an old file that only looks alike.
+    temp_file(dir.path(), "blobs/ab/.strata-tmp.killed", 48 * HOUR);
+    temp_file(dir.path(), ".strata-tmp.at-root", 48 * HOUR);
+    temp_file(
+        dir.path(),
+        "blobs/cd/.strata-tmp.live",
+        Duration::from_secs(60),
+    );
+    temp_file(dir.path(), "blobs/cd/strata-tmp.not-ours", 48 * HOUR);
+
+    let dry = collect(
+        &store,
+        GcOptions {
+            dry_run: true,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        dry.abandoned_puts,
+        [
+            "temporary file .strata-tmp.at-root (10 bytes)",
+            "temporary file blobs/ab/.strata-tmp.killed (10 bytes)",
+        ]
+    );
+    assert!(dir.path().join("blobs/ab/.strata-tmp.killed").exists());
+
+    let report = collect(&store, GcOptions::default()).await.unwrap();
+    assert_eq!(report.abandoned_puts, dry.abandoned_puts);
+    assert!(!dir.path().join("blobs/ab/.strata-tmp.killed").exists());
+    assert!(!dir.path().join(".strata-tmp.at-root").exists());
+    assert!(dir.path().join("blobs/cd/.strata-tmp.live").exists());
+    assert!(dir.path().join("blobs/cd/strata-tmp.not-ours").exists());
+    assert_eq!(
+        store.get_blob(&kept.digest).await.unwrap(),
+        Bytes::from_static(b"a blob")
+    );
+
+    // A shorter threshold takes the live one too; nothing is left to sweep after.
+    let report = collect(
+        &store,
+        GcOptions {
+            abandoned_after: Duration::from_secs(1),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        report.abandoned_puts,
+        ["temporary file blobs/cd/.strata-tmp.live (10 bytes)"]
+    );
+    let again = collect(&store, GcOptions::default()).await.unwrap();
+    assert!(again.abandoned_puts.is_empty(), "{again:?}");
 }

@@ -272,6 +272,16 @@ impl Backend for FaultyBackend {
         self.before(Op::Delete, key).await?;
         self.inner.delete(key).await
     }
+
+    /// Faulted as a listing (it lists before it removes).
+    async fn sweep_abandoned(
+        &self,
+        before: std::time::SystemTime,
+        dry_run: bool,
+    ) -> Result<Vec<String>> {
+        self.before(Op::List, "").await?;
+        self.inner.sweep_abandoned(before, dry_run).await
+    }
 }
 
 #[cfg(test)]

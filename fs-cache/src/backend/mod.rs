@@ -21,6 +21,8 @@
 //! - **List** returns every object whose key starts with the prefix (a string prefix, not a
 //!   directory), sorted by key, however many there are.
 //! - **Delete** is idempotent: deleting a missing key succeeds.
+//! - **Abandoned puts** (what a put leaves when its process dies half-way: a POSIX temporary
+//!   file, an S3 multipart upload) are found and removed by `sweep_abandoned`, never listed.
 
 use std::fmt;
 use std::ops::Range;
@@ -97,6 +99,13 @@ pub trait Backend: Send + Sync + fmt::Debug + fmt::Display {
 
     /// Remove `key`; succeeds if it is already gone.
     async fn delete(&self, key: &str) -> Result<()>;
+
+    /// What puts left behind when their process died half-way (a POSIX temporary file, an S3
+    /// multipart upload never completed nor aborted), begun or last written before `before`:
+    /// removed unless `dry_run`, each described in one line. A put that fails or is dropped
+    /// cleans up after itself; only one whose process is gone leaves these, and they are
+    /// never listed or read as objects, so nothing else would ever remove them.
+    async fn sweep_abandoned(&self, before: SystemTime, dry_run: bool) -> Result<Vec<String>>;
 
     /// [`Self::put_stream`] with `retry` applied to each request the put makes, for
     /// [`RetryingBackend`], which cannot retry a streaming put whole: its body is consumed as

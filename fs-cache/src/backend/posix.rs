@@ -340,6 +340,79 @@ impl Inner {
     }
 }
 
+impl Inner {
+    /// Remove (unless `dry_run`) the temporary files under `dir_fd` (key `dir_key`) last
+    /// written before `before`: puts whose process died before it could remove them. A put
+    /// in progress writes its file as it goes, so its mtime stays recent.
+    fn sweep_dir(
+        &self,
+        dir_fd: &OwnedFd,
+        dir_key: &str,
+        before: SystemTime,
+        dry_run: bool,
+        out: &mut Vec<String>,
+    ) -> Result<()> {
+        let sweep_err = |e: Errno| Error::io("sweep", self.root.join(dir_key), e.into());
+        let entries = rustix::fs::Dir::read_from(dir_fd).map_err(sweep_err)?;
+        let mut removed = false;
+        for entry in entries {
+            let entry = entry.map_err(sweep_err)?;
+            let name = entry.file_name().to_bytes();
+            if name == b"." || name == b".." {
+                continue;
+            }
+            let Ok(name) = std::str::from_utf8(name) else {
+                continue; // not a name we could have written
+            };
+            let st = match rustix::fs::statat(dir_fd, name, AtFlags::SYMLINK_NOFOLLOW) {
+                Ok(st) => st,
+                Err(Errno::NOENT) => continue,
+                Err(e) => return Err(sweep_err(e)),
+            };
+            let key = if dir_key.is_empty() {
+                name.to_owned()
+            } else {
+                format!("{dir_key}/{name}")
+            };
+            match FileType::from_raw_mode(st.st_mode) {
+                FileType::Directory if !name.starts_with(".strata-") => {
+                    let fd = match rustix::fs::openat(
+                        dir_fd,
+                        name,
+                        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                        Mode::empty(),
+                    ) {
+                        Ok(fd) => fd,
+                        Err(Errno::NOENT) => continue,
+                        Err(e) => return Err(sweep_err(e)),
+                    };
+                    self.sweep_dir(&fd, &key, before, dry_run, out)?;
+                }
+                FileType::RegularFile if name.starts_with(TMP_PREFIX) => {
+                    let written = UNIX_EPOCH
+                        + Duration::new(st.st_mtime.max(0) as u64, st.st_mtime_nsec as u32);
+                    if written >= before {
+                        continue;
+                    }
+                    if !dry_run {
+                        match rustix::fs::unlinkat(dir_fd, name, AtFlags::empty()) {
+                            Ok(()) => removed = true,
+                            Err(Errno::NOENT) => continue,
+                            Err(e) => return Err(sweep_err(e)),
+                        }
+                    }
+                    out.push(format!("temporary file {key} ({} bytes)", st.st_size));
+                }
+                _ => {}
+            }
+        }
+        if removed {
+            rustix::fs::fsync(dir_fd.as_fd()).map_err(sweep_err)?;
+        }
+        Ok(())
+    }
+}
+
 fn split_key(key: &str) -> (&str, &str) {
     match key.rsplit_once('/') {
         Some((dir, name)) => (dir, name),
@@ -492,6 +565,18 @@ impl Backend for PosixBackend {
             let mut out = Vec::new();
             inner.list_dir(&fd, start, &prefix, &mut out)?;
             out.sort_by(|a, b| a.key.cmp(&b.key));
+            Ok(out)
+        })
+        .await
+    }
+
+    /// Temporary files of puts whose process died (module docs), found by a walk of the
+    /// whole root.
+    async fn sweep_abandoned(&self, before: SystemTime, dry_run: bool) -> Result<Vec<String>> {
+        self.blocking(move |inner| {
+            let mut out = Vec::new();
+            inner.sweep_dir(&inner.root_fd, "", before, dry_run, &mut out)?;
+            out.sort();
             Ok(out)
         })
         .await

@@ -32,7 +32,7 @@ use std::future::Future;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -503,6 +503,12 @@ impl Backend for RetryingBackend {
 
     async fn delete(&self, key: &str) -> Result<()> {
         self.run("delete", key, || self.inner.delete(key)).await
+    }
+
+    /// Retried whole: a sweep only removes what is still there.
+    async fn sweep_abandoned(&self, before: SystemTime, dry_run: bool) -> Result<Vec<String>> {
+        self.run("sweep", "", || self.inner.sweep_abandoned(before, dry_run))
+            .await
     }
 }
 

@@ -21,7 +21,11 @@
 //! memory), then `CompleteMultipartUpload`, which publishes the object atomically. On any
 //! failure (the body stream, a part, the completion) the upload is aborted before the error
 //! is returned, and a put future dropped half-way aborts it from a spawned task, so no pending
-//! upload is left behind. [`PutMode::Create`] sends `If-None-Match: *` on `PutObject` and on
+//! upload is left behind by a live process. One killed half-way (or dropped before the
+//! create's answer brought it the upload's id) leaves its upload pending, its parts stored and
+//! billed: `strata gc` aborts the uploads under the prefix begun more than a day before
+//! ([`crate::gc`], `sweep_uploads` in `put.rs`). moto 5.2.1 reports every upload as begun on
+//! 2010-11-10, so a gc against moto sweeps uploads still under way too. [`PutMode::Create`] sends `If-None-Match: *` on `PutObject` and on
 //! `CompleteMultipartUpload`; `412 PreconditionFailed` and `409 ConditionalRequestConflict`
 //! become [`Error::AlreadyExists`]. A multipart create first checks with a HEAD so that a
 //! large body is not uploaded just to be refused. S3 does not say when it stored an object,
@@ -753,6 +757,11 @@ impl Backend for S3Backend {
 
     async fn list_retrying(&self, prefix: &str, retry: &RetryPolicy) -> Result<Vec<ObjectMeta>> {
         self.list_with(prefix, Some(retry)).await
+    }
+
+    /// Multipart uploads under the prefix (`put.rs`).
+    async fn sweep_abandoned(&self, before: SystemTime, dry_run: bool) -> Result<Vec<String>> {
+        self.inner.sweep_uploads(before, dry_run).await
     }
 
     async fn delete(&self, key: &str) -> Result<()> {

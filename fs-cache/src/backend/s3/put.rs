@@ -4,6 +4,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::SystemTime;
 
 use aws_sdk_s3::error::ProvideErrorMetadata;
 use aws_sdk_s3::primitives::ByteStream as SdkBody;
@@ -246,22 +247,87 @@ impl Inner {
 
     /// Abort a multipart upload, best effort (failures are logged).
     async fn abort(&self, key: &str, upload_id: &str, retry: Option<&RetryPolicy>) {
-        let full = self.object_key(key);
-        let res = self
-            .call("abort multipart upload of", key, retry, || {
-                let req = self.client.abort_multipart_upload().bucket(&self.bucket);
-                let req = req.key(&full).upload_id(upload_id);
-                async move {
-                    match req.send().await {
-                        Err(e) if e.code() == Some("NoSuchUpload") => Ok(None),
-                        other => other.map(Some),
-                    }
-                }
-            })
-            .await;
-        if let Err(e) = res {
+        if let Err(e) = self.try_abort(key, upload_id, retry).await {
             tracing::warn!(error = %e, upload_id, "could not abort a multipart upload; it stays pending");
         }
+    }
+
+    /// Abort a multipart upload (of `key`, relative to the prefix); one already gone is not
+    /// an error.
+    async fn try_abort(
+        &self,
+        key: &str,
+        upload_id: &str,
+        retry: Option<&RetryPolicy>,
+    ) -> Result<()> {
+        let full = self.object_key(key);
+        self.call("abort multipart upload of", key, retry, || {
+            let req = self.client.abort_multipart_upload().bucket(&self.bucket);
+            let req = req.key(&full).upload_id(upload_id);
+            async move {
+                match req.send().await {
+                    Err(e) if e.code() == Some("NoSuchUpload") => Ok(None),
+                    other => other.map(Some),
+                }
+            }
+        })
+        .await
+        .map(|_| ())
+    }
+
+    /// The multipart uploads under the prefix begun before `before`, aborted unless
+    /// `dry_run` ([`crate::Backend::sweep_abandoned`]): a put's upload that its process never
+    /// completed or aborted (killed half-way; or dropped between the server creating the
+    /// upload and the id reaching it). One whose start S3 does not give is left alone.
+    pub(super) async fn sweep_uploads(
+        &self,
+        before: SystemTime,
+        dry_run: bool,
+    ) -> Result<Vec<String>> {
+        let prefix = self.object_key("");
+        let mut out = Vec::new();
+        let (mut key_marker, mut id_marker) = (None::<String>, None::<String>);
+        loop {
+            let page = self
+                .call("list multipart uploads under", &prefix, None, || {
+                    let mut req = self.client.list_multipart_uploads().bucket(&self.bucket);
+                    if !prefix.is_empty() {
+                        req = req.prefix(&prefix);
+                    }
+                    if let Some(k) = &key_marker {
+                        req = req.key_marker(k);
+                    }
+                    if let Some(u) = &id_marker {
+                        req = req.upload_id_marker(u);
+                    }
+                    req.send()
+                })
+                .await?;
+            for upload in page.uploads() {
+                let (Some(full), Some(id)) = (upload.key(), upload.upload_id()) else {
+                    continue;
+                };
+                let begun = upload
+                    .initiated()
+                    .and_then(|t| SystemTime::try_from(*t).ok());
+                let Some(begun) = begun.filter(|&t| t < before) else {
+                    continue;
+                };
+                let key = full.strip_prefix(&prefix).unwrap_or(full);
+                if !dry_run {
+                    self.try_abort(key, id, None).await?;
+                }
+                let when = humantime::format_rfc3339_seconds(begun);
+                out.push(format!("multipart upload of {key} begun {when} (id {id})"));
+            }
+            key_marker = page.next_key_marker().map(str::to_owned);
+            id_marker = page.next_upload_id_marker().map(str::to_owned);
+            if page.is_truncated() != Some(true) || (key_marker.is_none() && id_marker.is_none()) {
+                break;
+            }
+        }
+        out.sort();
+        Ok(out)
     }
 }
 
