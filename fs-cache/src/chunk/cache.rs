@@ -62,7 +62,7 @@ use tokio::sync::{watch, Notify, Semaphore};
 
 use super::counters::{BlobStats, Extra};
 use super::disk::{BlobPin, DiskCache, DiskCacheConfig, DiskStats, RangeRead};
-use super::stage::Staging;
+use super::stage::{RunJob, RunQueue, Staging};
 use super::table::ChunkTable;
 use super::writer::DiskWriter;
 use super::ChunkId;
@@ -290,8 +290,10 @@ const STREAM_MIN_BYTES: u64 = 1 << 20;
 /// The staging area holds this many `disk_readahead_bytes` windows (several streams at once).
 const STAGED_WINDOWS: u64 = 4;
 /// Bytes per level-2 readahead read (a whole number of chunks, at least one): a window is read
-/// as several such runs at once. 8 chunks of 256 KiB.
+/// as several such runs. 8 chunks of 256 KiB.
 pub const DISK_RUN_BYTES: u64 = 2 << 20;
+/// Level-2 readahead runs read at once, oldest queued first ([`RunQueue`]).
+pub const DISK_RUNS_IN_FLIGHT: usize = 2;
 
 /// The shift of a table whose chunks level 2 keeps (4 KiB ..= 256 KiB, a power of two).
 fn disk_shift(table: &ChunkTable) -> Option<u8> {
@@ -338,6 +340,8 @@ pub(super) struct Inner {
     /// Per blob, whether widening misses to the fetch unit pays (`window.rs`).
     yields: super::window::Yields,
     staging: Arc<Staging>,
+    /// Level-2 readahead runs waiting to be read ([`Inner::stage`]).
+    runs: Arc<RunQueue>,
     /// Level 2's background writes ([`super::writer`]).
     writer: Arc<DiskWriter>,
     counters: Counters,
@@ -422,6 +426,7 @@ impl ChunkCache {
                 bounds: Default::default(),
                 yields: Default::default(),
                 staging,
+                runs: RunQueue::new(DISK_RUNS_IN_FLIGHT),
                 writer: DiskWriter::new(),
                 counters: Counters::default(),
                 extra: Extra::default(),
@@ -946,11 +951,12 @@ impl Inner {
 
     /// Read `chunks` of `blob` (chunks of `1 << shift` bytes) from level 2 into the staging
     /// area ([`Staging`]), in the background: runs of [`DISK_RUN_BYTES`], each claimed now
-    /// (readers of its chunks wait for it) and read on a blocking thread, so that a window's
-    /// runs are in flight at once.
+    /// (readers of its chunks wait for it) and queued, read in order [`DISK_RUNS_IN_FLIGHT`]
+    /// at a time on blocking threads ([`RunQueue`]).
     fn stage(self: &Arc<Self>, disk: &Arc<DiskCache>, blob: Digest, shift: u8, chunks: Range<u64>) {
         let run_chunks = (DISK_RUN_BYTES >> shift).max(1);
         let mut at = chunks.start;
+        let mut jobs: Vec<RunJob> = Vec::new();
         while at < chunks.end {
             let run = at..(at + run_chunks).min(chunks.end);
             at = run.end;
@@ -961,7 +967,7 @@ impl Inner {
                 continue;
             };
             let (inner, disk) = (self.clone(), disk.clone());
-            tokio::task::spawn_blocking(move || {
+            jobs.push(Box::new(move || {
                 let indexes = claim.ids().iter().map(|id| id.index);
                 match disk.read_chunks_direct(&blob, shift, indexes) {
                     Ok(read) => {
@@ -974,8 +980,9 @@ impl Inner {
                     }
                     Err(e) => tracing::debug!(error = %e, "level-2 readahead failed"),
                 }
-            });
+            }));
         }
+        self.runs.push(jobs);
     }
 
     /// Chunk `index`'s verified plain bytes from its stored bytes (decompressed, bounded by

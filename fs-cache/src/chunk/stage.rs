@@ -1,7 +1,8 @@
 //! The staging area: chunks read ahead from level 2 for sequential readers.
 //!
-//! A sequential stream's next chunks are read from level 2 in runs (`O_DIRECT`, several at
-//! once, see [`super::disk::DiskCache::read_chunks_direct`]) before the reader asks. A run is
+//! A sequential stream's next chunks are read from level 2 in runs (`O_DIRECT`, see
+//! [`super::disk::DiskCache::read_chunks_direct`]) before the reader asks, in the order they
+//! were queued and a few at a time ([`RunQueue`]). A run is
 //! *claimed* first: its chunks are marked pending, and a reader that wants one of them waits
 //! for the run instead of reading the same bytes again. A filled chunk stays until a read
 //! reaches its end (the stream has passed it) or it is pushed out, oldest first, past the
@@ -9,7 +10,8 @@
 //! wakes the waiters, who then read level 2 themselves. Every staged chunk was checked
 //! against its crc32c when read, so the area never holds a wrong byte.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use bytes::Bytes;
@@ -160,6 +162,81 @@ impl Drop for Claim {
     }
 }
 
+/// A level-2 readahead run's read: reads it, fills its claim.
+pub(super) type RunJob = Box<dyn FnOnce() + Send>;
+
+/// Level-2 readahead runs, read in the order they were queued, at most `depth` at once, each
+/// on a blocking thread. Spawned all at once, a window's runs (and the next window's) shared
+/// the disk and came back together, 5 ms after they were issued, so that a reader waited for
+/// the whole batch however soon its own run could have come (`bench/README.md`, "peers").
+pub(super) struct RunQueue {
+    jobs: Mutex<VecDeque<RunJob>>,
+    /// Threads reading runs now.
+    readers: AtomicUsize,
+    depth: usize,
+}
+
+impl RunQueue {
+    pub(super) fn new(depth: usize) -> Arc<Self> {
+        Arc::new(Self {
+            jobs: Mutex::new(VecDeque::new()),
+            readers: AtomicUsize::new(0),
+            depth: depth.max(1),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, VecDeque<RunJob>> {
+        self.jobs.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Queue `jobs` (in order) and start readers up to the depth. Called on a runtime.
+    pub(super) fn push(self: &Arc<Self>, jobs: impl IntoIterator<Item = RunJob>) {
+        let queued = {
+            let mut q = self.lock();
+            q.extend(jobs);
+            q.len()
+        };
+        for _ in 0..queued {
+            if !self.claim() {
+                break;
+            }
+            let queue = self.clone();
+            tokio::task::spawn_blocking(move || queue.read());
+        }
+    }
+
+    /// Take a reader slot, if one is free.
+    fn claim(&self) -> bool {
+        (self.readers)
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.depth).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    /// A reader: runs the queued jobs, oldest first, until none is left.
+    fn read(&self) {
+        loop {
+            let job = self.lock().pop_front();
+            match job {
+                // A job that panics has dropped its claim (its waiters read level 2
+                // themselves); the reader goes on with the rest.
+                Some(job) => {
+                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
+                }
+                None => {
+                    self.readers.fetch_sub(1, Ordering::AcqRel);
+                    // A job queued after the pop above found every slot taken and started no
+                    // reader: take it on (or leave it to one that claimed a slot meanwhile).
+                    if self.lock().is_empty() || !self.claim() {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -218,5 +295,62 @@ mod tests {
         assert_eq!(s.take(&id(0), 0).await, None);
         assert_eq!(s.take(&id(1), 0).await, None);
         assert_eq!(s.take(&id(3), 0).await.as_deref(), Some(&[3u8; 4][..]));
+    }
+
+    /// Pushes `jobs` to `q` as jobs that record their number in `order`, track how many run
+    /// at once in `most`, sleep 2 ms, and panic for `panic_at`; waits until all ran.
+    async fn run_all(
+        q: &Arc<RunQueue>,
+        batches: &[std::ops::Range<usize>],
+        panic_at: Option<usize>,
+    ) -> (Vec<usize>, usize) {
+        use std::time::Duration;
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let (now, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let job = |i: usize| -> RunJob {
+            let (order, now, most) = (order.clone(), now.clone(), most.clone());
+            Box::new(move || {
+                let n = now.fetch_add(1, Ordering::SeqCst) + 1;
+                most.fetch_max(n, Ordering::SeqCst);
+                order.lock().unwrap().push(i);
+                std::thread::sleep(Duration::from_millis(2));
+                now.fetch_sub(1, Ordering::SeqCst);
+                if Some(i) == panic_at {
+                    panic!("run {i}'s read panics (this test's own panic, expected)");
+                }
+            })
+        };
+        let total: usize = batches.iter().map(|b| b.len()).sum();
+        for b in batches {
+            q.push(b.clone().map(job));
+        }
+        let start = std::time::Instant::now();
+        while order.lock().unwrap().len() < total || q.readers.load(Ordering::SeqCst) > 0 {
+            let got = order.lock().unwrap().clone();
+            assert!(start.elapsed() < Duration::from_secs(20), "{got:?}");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let got = order.lock().unwrap().clone();
+        (got, most.load(Ordering::SeqCst))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn runs_are_read_in_queue_order_and_a_panic_stops_nothing() {
+        let q = RunQueue::new(1);
+        let (order, most) = run_all(&q, &[0..6, 6..10], Some(3)).await;
+        assert_eq!(order, (0..10).collect::<Vec<_>>());
+        assert_eq!(most, 1);
+        // Idle again: a later push starts a reader.
+        let (order, _) = run_all(&q, &[10..11, 11..12], None).await;
+        assert_eq!(order, [10, 11]);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn at_most_depth_runs_are_read_at_once() {
+        let q = RunQueue::new(2);
+        let (mut order, most) = run_all(&q, &[0..8, 8..16], None).await;
+        assert!((1..=2).contains(&most), "{most}");
+        order.sort_unstable();
+        assert_eq!(order, (0..16).collect::<Vec<_>>());
     }
 }

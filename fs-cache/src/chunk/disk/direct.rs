@@ -12,7 +12,7 @@
 //! insertion, a copy out, a removal (level 2 keeps no pages, see the module docs) and one
 //! 256 KiB read at a time. Read ahead instead, the next chunks of the stream are read in runs
 //! (one `pread` per run of adjacent cached chunks) with `O_DIRECT`: the device writes straight
-//! into the returned buffer, several runs are in flight at once, and the page cache is not
+//! into the returned buffer, two runs are in flight at once, and the page cache is not
 //! touched. A read of 1 MiB or more goes into a huge-page buffer (`huge.rs`), so that a run
 //! is one device request, not one per `max_segments` scattered pages (254 here). Every 4 KiB
 //! block is still checked against its crc32c before the chunk is handed out, so a damaged
