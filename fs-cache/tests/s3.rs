@@ -57,14 +57,19 @@ fn fast_retries() -> RetryPolicy {
     }
 }
 
-async fn pending_uploads(server: &S3Server, bucket: &str) -> usize {
+/// The pending multipart uploads of `bucket`.
+async fn uploads(server: &S3Server, bucket: &str) -> Vec<aws_sdk_s3::types::MultipartUpload> {
     let out = moto::client(server)
         .list_multipart_uploads()
         .bucket(bucket)
         .send()
         .await
         .unwrap();
-    out.uploads().len()
+    out.uploads().to_vec()
+}
+
+async fn pending_uploads(server: &S3Server, bucket: &str) -> usize {
+    uploads(server, bucket).await.len()
 }
 
 /// `data` as a stream of `piece`-sized buffers (zero-copy slices).
@@ -724,14 +729,8 @@ async fn gc_sweeps_multipart_uploads_left_by_a_dead_put() {
     // The threshold is against the start the server reports (moto reports a fixed date in
     // 2010 for every upload, so "begun an hour ago" cannot be staged; real S3 reports the
     // time of the create): not swept at that instant, swept a second after it.
-    let listed = client
-        .list_multipart_uploads()
-        .bucket(&bucket)
-        .send()
+    let begun = uploads(server, &bucket)
         .await
-        .unwrap();
-    let begun = listed
-        .uploads()
         .iter()
         .find(|u| u.upload_id() == Some(ids[0].as_str()))
         .and_then(|u| u.initiated())
@@ -754,13 +753,8 @@ async fn gc_sweeps_multipart_uploads_left_by_a_dead_put() {
     assert_eq!(pending_uploads(server, &bucket).await, 3);
     // Swept: only the other tenant's upload is left.
     assert_eq!(b.sweep_abandoned(later, false).await.unwrap(), found);
-    let left = client
-        .list_multipart_uploads()
-        .bucket(&bucket)
-        .send()
-        .await
-        .unwrap();
-    let keys: Vec<_> = left.uploads().iter().filter_map(|u| u.key()).collect();
+    let left = uploads(server, &bucket).await;
+    let keys: Vec<_> = left.iter().filter_map(|u| u.key()).collect();
     assert_eq!(keys, ["other/upload"]);
     assert!(b.sweep_abandoned(later, false).await.unwrap().is_empty());
 }

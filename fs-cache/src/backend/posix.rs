@@ -313,12 +313,7 @@ impl Inner {
                     if !(sub.starts_with(prefix) || prefix.starts_with(&sub)) {
                         continue;
                     }
-                    let fd = match rustix::fs::openat(
-                        dir_fd,
-                        name,
-                        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-                        Mode::empty(),
-                    ) {
+                    let fd = match open_subdir(dir_fd, name) {
                         Ok(fd) => fd,
                         Err(Errno::NOENT) => continue,
                         Err(e) => return Err(listing_err(e)),
@@ -376,12 +371,7 @@ impl Inner {
             };
             match FileType::from_raw_mode(st.st_mode) {
                 FileType::Directory if !name.starts_with(".strata-") => {
-                    let fd = match rustix::fs::openat(
-                        dir_fd,
-                        name,
-                        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-                        Mode::empty(),
-                    ) {
+                    let fd = match open_subdir(dir_fd, name) {
                         Ok(fd) => fd,
                         Err(Errno::NOENT) => continue,
                         Err(e) => return Err(sweep_err(e)),
@@ -389,9 +379,8 @@ impl Inner {
                     self.sweep_dir(&fd, &key, before, dry_run, out)?;
                 }
                 FileType::RegularFile if name.starts_with(TMP_PREFIX) => {
-                    let written = UNIX_EPOCH
-                        + Duration::new(st.st_mtime.max(0) as u64, st.st_mtime_nsec as u32);
-                    if written >= before {
+                    let meta = Self::meta(&key, &st);
+                    if meta.last_modified.is_none_or(|written| written >= before) {
                         continue;
                     }
                     if !dry_run {
@@ -401,7 +390,7 @@ impl Inner {
                             Err(e) => return Err(sweep_err(e)),
                         }
                     }
-                    out.push(format!("temporary file {key} ({} bytes)", st.st_size));
+                    out.push(format!("temporary file {key} ({} bytes)", meta.size));
                 }
                 _ => {}
             }
@@ -411,6 +400,16 @@ impl Inner {
         }
         Ok(())
     }
+}
+
+/// Directory `name` in `dir_fd`, not following a symlink.
+fn open_subdir(dir_fd: &OwnedFd, name: &str) -> rustix::io::Result<OwnedFd> {
+    rustix::fs::openat(
+        dir_fd,
+        name,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
 }
 
 fn split_key(key: &str) -> (&str, &str) {

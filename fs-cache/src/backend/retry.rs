@@ -505,9 +505,13 @@ impl Backend for RetryingBackend {
         self.run("delete", key, || self.inner.delete(key)).await
     }
 
-    /// Retried whole: a sweep only removes what is still there.
+    /// Retried whole (a sweep only removes what is still there), without a per-attempt
+    /// timeout: like a listing, it walks everything the store holds.
     async fn sweep_abandoned(&self, before: SystemTime, dry_run: bool) -> Result<Vec<String>> {
-        self.run("sweep", "", || self.inner.sweep_abandoned(before, dry_run))
+        (self.policy)
+            .run_untimed(self.ctx("sweep", ""), |_| {
+                self.inner.sweep_abandoned(before, dry_run)
+            })
             .await
     }
 }

@@ -20,6 +20,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io;
+use std::mem::MaybeUninit;
 use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, PoisonError};
@@ -231,19 +232,7 @@ fn read_direct(file: &File, at: u64, len: usize) -> io::Result<Bytes> {
     let mut v: Vec<u8> = Vec::with_capacity(want + DIRECT_ALIGN);
     // The buffer must start on an aligned address: skip `pad` bytes of the allocation.
     let pad = v.as_ptr().align_offset(DIRECT_ALIGN);
-    let mut got = 0usize;
-    while got < want {
-        let spare = &mut v.spare_capacity_mut()[pad + got..pad + want];
-        let (n, _) = rustix::io::pread(file, spare, at + got as u64)?;
-        if n.is_empty() {
-            break;
-        }
-        got += n.len();
-        if got % DIRECT_ALIGN != 0 {
-            // Only the end of the file ends a direct read off a block boundary.
-            break;
-        }
-    }
+    let got = fill_direct(file, at, &mut v.spare_capacity_mut()[pad..pad + want])?;
     // SAFETY: `pread` initialised bytes `pad..pad + got` of the spare capacity; the `pad`
     // bytes before them are set here first.
     unsafe {
@@ -255,15 +244,15 @@ fn read_direct(file: &File, at: u64, len: usize) -> io::Result<Bytes> {
 }
 
 /// Fill `buf` (aligned, a whole number of blocks) from `file` (opened with `O_DIRECT`) at `at`
-/// (aligned): the bytes read, fewer at end of file.
-fn fill_direct(file: &File, at: u64, buf: &mut [u8]) -> io::Result<usize> {
+/// (aligned): how many bytes (from its start) were read and initialised, fewer at end of file.
+fn fill_direct(file: &File, at: u64, buf: &mut [MaybeUninit<u8>]) -> io::Result<usize> {
     let mut got = 0usize;
     while got < buf.len() {
-        let n = rustix::io::pread(file, &mut buf[got..], at + got as u64)?;
-        if n == 0 {
+        let (n, _) = rustix::io::pread(file, &mut buf[got..], at + got as u64)?;
+        if n.is_empty() {
             break;
         }
-        got += n;
+        got += n.len();
         if got % DIRECT_ALIGN != 0 {
             // Only the end of the file ends a direct read off a block boundary.
             break;

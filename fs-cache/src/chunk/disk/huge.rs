@@ -14,6 +14,7 @@
 //! and the kernel's zeroing of 2 MiB, a kept one neither. A buffer goes back when the last
 //! [`Bytes`] slice of it is dropped, so the staging area's and a reader's slices hold it.
 
+use std::mem::MaybeUninit;
 use std::ptr::NonNull;
 use std::sync::{Mutex, PoisonError};
 
@@ -126,10 +127,10 @@ impl HugeBuf {
     }
 
     /// The whole buffer, for the read to fill.
-    pub(super) fn as_mut_slice(&mut self) -> &mut [u8] {
+    pub(super) fn as_mut_slice(&mut self) -> &mut [MaybeUninit<u8>] {
         // SAFETY: the mapping is `len` bytes, readable and writable, owned by `self` (borrowed
-        // mutably here); anonymous memory reads as initialised (zeroes or earlier reads).
-        unsafe { std::slice::from_raw_parts_mut(self.map.ptr.as_ptr(), self.map.len) }
+        // mutably here); `MaybeUninit` makes no claim about its bytes.
+        unsafe { std::slice::from_raw_parts_mut(self.map.ptr.as_ptr().cast(), self.map.len) }
     }
 
     /// The first `len` bytes (at most the buffer), as `Bytes` that give the buffer back to
@@ -187,7 +188,9 @@ mod tests {
         let ptr = b.as_mut_slice().as_ptr() as usize;
         assert_eq!(ptr % HUGE_PAGE, 0);
         assert_eq!(b.as_mut_slice().len(), HUGE_PAGE);
-        b.as_mut_slice()[..3].copy_from_slice(b"abc");
+        for (d, &c) in b.as_mut_slice().iter_mut().zip(b"abc") {
+            d.write(c);
+        }
         let bytes = b.into_bytes(3);
         assert_eq!(&bytes[..], b"abc");
         let part = bytes.slice(1..);
