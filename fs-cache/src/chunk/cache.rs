@@ -966,8 +966,16 @@ impl Inner {
             let Some(claim) = self.staging.claim(ids, skip) else {
                 continue;
             };
-            let (inner, disk) = (self.clone(), disk.clone());
+            // Weak: a queued run must not keep a dropped cache (and its index) open; it is
+            // then skipped, and its claim's waiters released.
+            let inner = Arc::downgrade(self);
             jobs.push(Box::new(move || {
+                let Some(inner) = inner.upgrade() else {
+                    return;
+                };
+                let Some(disk) = inner.disk.clone() else {
+                    return;
+                };
                 let indexes = claim.ids().iter().map(|id| id.index);
                 match disk.read_chunks_direct(&blob, shift, indexes) {
                     Ok(read) => {
