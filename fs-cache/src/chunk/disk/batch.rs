@@ -152,7 +152,9 @@ impl DiskCache {
                 }
             }
         }
-        // The pages are clean now; do not let them crowd out level 1 and hot files.
+        // Chunks written through the page cache (a blob's last one, or all where the
+        // filesystem refuses O_DIRECT) left clean pages now; do not let them crowd out level 1
+        // and hot files.
         for (id, len) in &written {
             if let (Some(f), Some(at)) = (files.get(&id.blob), chunk_offset(id.index, id.shift)) {
                 let _ = rustix::fs::fadvise(

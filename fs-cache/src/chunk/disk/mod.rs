@@ -45,7 +45,8 @@
 //!
 //! # Ordering, and why a crash cannot make the index lie
 //! - **put**: evict LRU chunks until `bytes + in flight + size <= capacity` → `pwrite` the chunk
-//!   at its offset in the blob file → `fdatasync` → put the index entries (a batch of chunks:
+//!   at its offset in the blob file (with `O_DIRECT` where it can, `direct.rs`) → `fdatasync`
+//!   → put the index entries (a batch of chunks:
 //!   every chunk written, each blob file synced once, one index write; `batch.rs`). The
 //!   entries are written only once the bytes are durable, so a `kill -9` at any point leaves either no
 //!   entry (the bytes, if any, are unindexed and punched out at the next open) or an entry for
@@ -397,11 +398,11 @@ pub struct DiskCache {
     index_lock: Mutex<()>,
     /// Blob files kept open (read-write).
     open_files: Mutex<LruCache<Digest, Arc<File>>>,
-    /// Blob files kept open for reading with `O_DIRECT` (`direct.rs`), popped with
+    /// Blob files kept open (read-write) with `O_DIRECT` (`direct.rs`), popped with
     /// `open_files`.
     open_direct: Mutex<LruCache<Digest, Arc<File>>>,
-    /// Whether a reader's blocks are read with `O_DIRECT`: cleared when the cache's
-    /// filesystem first refuses it, or by `set_direct_reads(false)`.
+    /// Whether a reader's blocks are read and chunks written with `O_DIRECT`: cleared when
+    /// the cache's filesystem first refuses it, or by `set_direct_reads(false)`.
     direct_ok: std::sync::atomic::AtomicBool,
     /// crc32c values of recently read chunks.
     sums: Mutex<SumsCache>,
@@ -1202,6 +1203,9 @@ impl DiskCache {
         };
         let at = chunk_offset(id.index, id.shift).unwrap_or(u64::MAX);
         // Made durable by the caller, with the rest of its batch (`batch.rs`).
+        if let Some(written) = self.write_direct(&id.blob, at, data) {
+            return written;
+        }
         file.write_all_at(data, at)
     }
 
