@@ -774,6 +774,82 @@ fn ranged_reads(direct: bool) {
     assert!(!path.exists(), "the blob's last chunk went: its file too");
 }
 
+const INDEX_HOLDER_ENV: &str = "STRATA_DISK_INDEX_HOLDER_DIR";
+
+/// Run by `an_open_waits_for_an_index_another_process_holds`: open the cache, say so (a
+/// `ready` file), hold it for 800 ms, exit.
+#[test]
+#[ignore = "the child process of an_open_waits_for_an_index_another_process_holds"]
+fn index_holder_child() {
+    let Some(dir) = std::env::var_os(INDEX_HOLDER_ENV) else {
+        return;
+    };
+    let dir = PathBuf::from(dir);
+    let cache = open(&dir.join("cache"), MIB);
+    fs::write(dir.join("ready"), b"").unwrap();
+    std::thread::sleep(Duration::from_millis(800));
+    drop(cache);
+}
+
+#[test]
+fn an_open_waits_for_an_index_another_process_holds() {
+    // A daemon that hands over lets go of its run directory before its process (and the
+    // index's lock) is gone: the next one's open waits for the index instead of failing.
+    let tmp = tempfile::tempdir().unwrap();
+    let config = DiskCacheConfig {
+        dir: tmp.path().join("cache"),
+        capacity: MIB,
+    };
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "index_holder_child",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(INDEX_HOLDER_ENV, tmp.path())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    while !tmp.path().join("ready").exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the child never opened the cache"
+        );
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the child exited early"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Not waiting: refused at once, and the message says why.
+    let e = DiskCache::open_waiting(config.clone(), Duration::ZERO)
+        .err()
+        .expect("the child holds the index");
+    assert!(e.to_string().contains("another process has held it"), "{e}");
+    // Waiting: open once the child is gone.
+    let t = Instant::now();
+    let cache = DiskCache::open_waiting(config.clone(), Duration::from_secs(20))
+        .expect("opened once the child let go");
+    assert!(child.wait().unwrap().success());
+    assert!(
+        t.elapsed() >= Duration::from_millis(300),
+        "it did wait: {:?}",
+        t.elapsed()
+    );
+    // This process's own open cache is never waited for.
+    let t = Instant::now();
+    assert!(DiskCache::open_waiting(config, Duration::from_secs(20)).is_err());
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "no wait for itself: {:?}",
+        t.elapsed()
+    );
+    drop(cache);
+}
+
 #[test]
 fn chunks_written_around_or_through_the_page_cache_read_back_exactly() {
     // With direct I/O (a disk-backed directory): a whole chunk from an aligned buffer (written

@@ -69,7 +69,10 @@
 //!   directories touched since the last flush, then syncs the WAL.
 //!
 //! # Recovery on open
-//! RocksDB's lock makes a directory single-owner. Every entry is decoded and its blob file
+//! RocksDB's lock makes a directory single-owner; an open waits a while
+//! ([`INDEX_LOCK_WAIT`]) for another process that holds it (a daemon exiting after a
+//! handover: its run-directory lock goes a moment before its index's), never for itself.
+//! Every entry is decoded and its blob file
 //! `stat`ed; entries that do not decode, lack their crc32c value, or whose file is missing
 //! (`recovered_orphans`) or too short (`dropped_corrupt`) are deleted, and so are all the
 //! entries of a blob whose entries name more than one shift (`recovered_orphans`: which of
@@ -202,6 +205,24 @@ const _: () = assert!(MAX_CHUNK <= u32::MAX as u64);
 // Every shift kept is at least a crc32c block: a chunk that is not its blob's last is a
 // whole number of blocks.
 const _: () = assert!(1 << super::MIN_CHUNK_SHIFT >= CHECK_BLOCK);
+
+/// How long [`DiskCache::open`] waits for an index that another process holds: a daemon that
+/// has handed its mounts over releases the run directory's lock a moment before its process
+/// is gone, and with it the index (`ublk-daemon/docs/daemon.md`, "Start, stop, crash,
+/// upgrade").
+pub const INDEX_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+/// How often a waiting open tries the index again.
+const INDEX_LOCK_POLL: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// Whether RocksDB refused to open because another process holds the index's lock file (its
+/// `fcntl` lock, `EAGAIN`/`EACCES`), as opposed to this process holding it ("lock hold by
+/// current process") or anything else.
+fn held_elsewhere(e: &rocksdb::Error) -> bool {
+    let m = e.as_ref();
+    e.kind() == rocksdb::ErrorKind::IOError
+        && m.contains("While lock file")
+        && !m.contains("current process")
+}
 
 /// Where level 2 lives and how large it may grow.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -438,7 +459,16 @@ impl Drop for ReadPin<'_> {
 
 impl DiskCache {
     /// Open (or create) the cache in `config.dir`, recovering from any crash (module docs).
+    /// An index that another process holds is waited for, up to [`INDEX_LOCK_WAIT`]
+    /// ([`DiskCache::open_waiting`]).
     pub fn open(config: DiskCacheConfig) -> Result<Self> {
+        Self::open_waiting(config, INDEX_LOCK_WAIT)
+    }
+
+    /// [`DiskCache::open`], waiting up to `wait` while another process holds the index (module
+    /// docs, "Recovery on open"); zero fails at once. This process's own open cache on the
+    /// same directory is never waited for: that fails at once.
+    pub fn open_waiting(config: DiskCacheConfig, wait: std::time::Duration) -> Result<Self> {
         let DiskCacheConfig { dir, capacity } = config;
         let blobs = dir.join("blobs");
         let index_dir = dir.join("index");
@@ -469,13 +499,29 @@ impl DiskCache {
         opts.set_log_level(rocksdb::LogLevel::Warn);
         opts.set_keep_log_file_num(2);
         opts.set_max_log_file_size(MIB as usize);
-        let db = DB::open(&opts, &index_dir).map_err(|e| {
-            rocks_error(
-                &index_dir,
-                "cannot open the index (is another process using it?)",
-                e,
-            )
-        })?;
+        let deadline = std::time::Instant::now() + wait;
+        let db = loop {
+            match DB::open(&opts, &index_dir) {
+                Ok(db) => break db,
+                // Held by another process (RocksDB's `fcntl` lock on `index/LOCK`): a daemon
+                // that handed over and is exiting, most likely.
+                Err(e) if held_elsewhere(&e) && std::time::Instant::now() < deadline => {
+                    std::thread::sleep(INDEX_LOCK_POLL);
+                }
+                Err(e) => {
+                    let what = if held_elsewhere(&e) {
+                        format!(
+                            "cannot open the index: another process has held it for {} ms \
+                             (another daemon on this cache directory?)",
+                            wait.as_millis()
+                        )
+                    } else {
+                        "cannot open the index (is another process using it?)".to_owned()
+                    };
+                    return Err(rocks_error(&index_dir, &what, e));
+                }
+            }
+        };
         let counters = match db.get(META_COUNTERS) {
             Ok(v) => v.as_deref().and_then(decode_counters).unwrap_or_default(),
             Err(e) => return Err(rocks_error(&index_dir, "cannot read the index", e)),
