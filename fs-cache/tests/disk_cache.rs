@@ -825,9 +825,9 @@ fn an_open_waits_for_an_index_another_process_holds() {
         std::thread::sleep(Duration::from_millis(10));
     }
     // Not waiting: refused at once, and the message says why.
-    let e = DiskCache::open_waiting(config.clone(), Duration::ZERO)
-        .err()
-        .expect("the child holds the index");
+    let Err(e) = DiskCache::open_waiting(config.clone(), Duration::ZERO) else {
+        panic!("opened an index the child holds");
+    };
     assert!(e.to_string().contains("another process has held it"), "{e}");
     // Waiting: open once the child is gone.
     let t = Instant::now();
