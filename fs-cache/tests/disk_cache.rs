@@ -899,6 +899,42 @@ fn chunks_written_around_or_through_the_page_cache_read_back_exactly() {
         let cache = open(&dir, 4 * MIB);
         cache.set_direct_reads(!direct);
         check(&cache);
+
+        // A batch of adjacent chunks, listed out of order (one write of the run, `batch.rs`),
+        // beside one that is not adjacent and a short last chunk.
+        drop(cache);
+        let cache = open(&dir, 8 * MIB);
+        cache.set_direct_reads(direct);
+        let ids: Vec<(ChunkId, u64)> = [5u64, 3, 4, 9, 6, 7, 10]
+            .iter()
+            .map(|&i| (id("run", i), if i == 10 { 777 } else { CHUNK_SIZE }))
+            .collect();
+        let data: Vec<Vec<u8>> = ids.iter().map(|(c, len)| content(c, *len)).collect();
+        let batch: Vec<(ChunkId, &[u8])> = ids
+            .iter()
+            .zip(&data)
+            .map(|((c, _), d)| (*c, &d[..]))
+            .collect();
+        cache.put_many(&batch).unwrap();
+        let file = fs::read(blob_file(&dir, &ids[0].0)).unwrap();
+        assert_eq!(file.len() as u64, 10 * CHUNK_SIZE + 777);
+        for ((c, len), want) in ids.iter().zip(&data) {
+            let at = slot(c) as usize;
+            assert_eq!(
+                &file[at..at + want.len()],
+                &want[..],
+                "chunk {} in the file",
+                c.index
+            );
+            match cache.read_range(c, 0..*len, false).unwrap() {
+                fs_cache::chunk::disk::RangeRead::Hit(b) => assert_eq!(&b[..], &want[..]),
+                other => panic!("chunk {}: {other:?}", c.index),
+            }
+        }
+        assert!(
+            !chunk_has_data(&dir, &id("run", 8)),
+            "no bytes between the runs"
+        );
     }
 }
 

@@ -6,12 +6,14 @@
 //! fetching small files at disk speed paid for dozens of commits in flight beside its own
 //! reads. [`DiskCache::put_many`] keeps the same order for a whole batch: reserve every chunk
 //! (evicting LRU chunks to fit), write all their bytes, `fdatasync` each blob file touched
-//! once, then index all of them in one batch. A crash anywhere in between leaves unindexed
+//! once, then index all of them in one batch. Adjacent chunks of a blob are written together
+//! (`direct.rs`, "Writes"). A crash anywhere in between leaves unindexed
 //! bytes (punched out at the next open) and never an entry for bytes that are not durable.
 
 use std::collections::HashMap;
 use std::sync::{Arc, PoisonError};
 
+use super::direct::DIRECT_RUN_BYTES;
 use super::{block_sums, chunk_key, chunk_offset, cost, encode_entry, sums_key, valid_shift};
 use super::{BlobRefs, ChunkId, DiskCache, Entry, PendingGuard, MAX_DISK_CHUNK_SHIFT};
 use crate::error::{Error, Result};
@@ -118,13 +120,43 @@ impl DiskCache {
             }
         };
         let mut sums = Vec::with_capacity(todo.len());
-        for (g, data) in &todo {
-            if let Err(e) = self.store_chunk(&g.id, data) {
-                undo(&written);
-                return Err(e);
+        // Adjacent chunks of a blob go to disk as one write (`direct.rs`, "Writes"): in
+        // blob and index order.
+        todo.sort_by_key(|(g, _)| g.id);
+        let mut at = 0;
+        while at < todo.len() {
+            let run = direct_run(&todo[at..]);
+            if run > 1 {
+                let parts: Vec<&[u8]> = todo[at..at + run].iter().map(|(_, d)| *d).collect();
+                let first = todo[at].0.id;
+                match self.write_run_direct(&first, &parts) {
+                    Some(Ok(())) => {
+                        for (g, data) in &todo[at..at + run] {
+                            written.push((g.id, data.len() as u64));
+                            sums.push(block_sums(data));
+                        }
+                        at += run;
+                        continue;
+                    }
+                    Some(Err(e)) => {
+                        // Chunk by chunk below, where a full disk evicts and retries.
+                        tracing::debug!(error = %e, "chunk cache: a run's write failed; writing its chunks one by one");
+                        for (g, data) in &todo[at..at + run] {
+                            let _ = self.punch(&g.id, data.len() as u64);
+                        }
+                    }
+                    None => {}
+                }
             }
-            written.push((g.id, data.len() as u64));
-            sums.push(block_sums(data));
+            for (g, data) in &todo[at..at + run.max(1)] {
+                if let Err(e) = self.store_chunk(&g.id, data) {
+                    undo(&written);
+                    return Err(e);
+                }
+                written.push((g.id, data.len() as u64));
+                sums.push(block_sums(data));
+            }
+            at += run.max(1);
         }
         let mut files: HashMap<_, Arc<std::fs::File>> = HashMap::new();
         for (g, _) in &todo {
@@ -209,4 +241,28 @@ impl DiskCache {
         }
         Ok(())
     }
+}
+
+/// How many chunks at the head of `todo` (sorted by id) make one run: whole chunks
+/// (`1 << shift` bytes) of one blob at consecutive indexes, at most [`DIRECT_RUN_BYTES`] in
+/// all.
+fn direct_run(todo: &[(PendingGuard<'_>, &[u8])]) -> usize {
+    let Some((first, _)) = todo.first() else {
+        return 0;
+    };
+    let full = 1usize << first.id.shift;
+    let most = (DIRECT_RUN_BYTES / full).max(1);
+    let mut n = 0;
+    for (g, data) in todo.iter().take(most) {
+        let next = first.id.index.checked_add(n as u64);
+        if g.id.blob != first.id.blob
+            || g.id.shift != first.id.shift
+            || Some(g.id.index) != next
+            || data.len() != full
+        {
+            break;
+        }
+        n += 1;
+    }
+    n
 }

@@ -24,11 +24,16 @@
 //! buffered, each byte cost a copy into a new page-cache page, its writeback at the batch's
 //! `fdatasync` and the page's removal after (`fadvise(DONTNEED)`: level 2 keeps no pages).
 //! In a cold read of a 110 MB file from a compressed store that was about a fifth of the
-//! daemon's CPU time and a tenth of the read's (`bench/README.md`, "peers"). Bytes in an
-//! unaligned buffer (a decoded chunk is a plain `Vec`) are copied into the writer thread's
-//! aligned buffer first. The batch's `fdatasync` still makes the chunks durable (the blocks
-//! the writes allocated, the file size) before they are indexed. A filesystem that refuses
-//! the write (`EINVAL`) turns direct I/O off for reads and writes alike.
+//! daemon's CPU time and a tenth of the read's (`bench/README.md`, "peers"). A batch's
+//! adjacent chunks of one blob go as one write of up to [`DIRECT_RUN_BYTES`]
+//! ([`DiskCache::write_run_direct`]): written one 256 KiB chunk at a time, each waiting for
+//! the device, the writers fell behind a cold reader of every file of `/usr/lib` and 1,352–1,974
+//! chunks were served but not kept (none through the page cache, none with runs), and ext4
+//! allocated the blob files in 256 KiB pieces. Bytes in an unaligned buffer (a decoded chunk
+//! is a plain `Vec`) are copied into a kept aligned buffer first. The batch's `fdatasync`
+//! still makes the chunks durable (the blocks the writes allocated, the file size) before
+//! they are indexed. A filesystem that refuses the write (`EINVAL`) turns direct I/O off for
+//! reads and writes alike.
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -182,7 +187,11 @@ impl DiskCache {
         at: u64,
         data: &[u8],
     ) -> Option<io::Result<()>> {
-        if data.is_empty() || data.len() % DIRECT_ALIGN != 0 || at % DIRECT_ALIGN as u64 != 0 {
+        if data.is_empty()
+            || data.len() % DIRECT_ALIGN != 0
+            || data.len() > DIRECT_RUN_BYTES
+            || at % DIRECT_ALIGN as u64 != 0
+        {
             return None;
         }
         let file = self.open_blob_direct(blob)?;
@@ -190,16 +199,9 @@ impl DiskCache {
             file.write_all_at(data, at)
         } else {
             // Bytes from an unaligned allocation (a plain chunk sliced from its request):
-            // one copy into this thread's aligned buffer, still far cheaper than the page
-            // cache's insertion, writeback and removal.
-            BOUNCE.with(|b| {
-                let mut b = b.borrow_mut();
-                match b.as_mut() {
-                    Some(buf) if buf.len() >= data.len() => {}
-                    _ => *b = Some(AlignedBuf::new(data.len().max(BOUNCE_BYTES))?),
-                }
-                let buf = b.as_mut().expect("set just above");
-                let buf = &mut buf.as_mut_slice()[..data.len()];
+            // one copy into a kept aligned buffer, still far cheaper than the page cache's
+            // insertion, writeback and removal.
+            with_bounce(data.len(), |buf| {
                 buf.copy_from_slice(data);
                 file.write_all_at(buf, at)
             })
@@ -208,6 +210,48 @@ impl DiskCache {
             Err(e) if e.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) => {
                 // Nothing was written: a filesystem that opens with O_DIRECT but refuses the
                 // write (or an alignment it wants larger than 4 KiB).
+                self.refuse_direct();
+                None
+            }
+            r => Some(r),
+        }
+    }
+
+    /// Write `parts` (whole chunks of `first`'s blob at consecutive indexes from `first`'s,
+    /// [`DIRECT_RUN_BYTES`] at most) with one `O_DIRECT` write, through this thread's aligned
+    /// buffer; `None` if not taken (direct I/O off or refused, a part not a whole number of
+    /// blocks, too many bytes): the caller writes them one by one.
+    pub(super) fn write_run_direct(
+        &self,
+        first: &ChunkId,
+        parts: &[&[u8]],
+    ) -> Option<io::Result<()>> {
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        if total == 0
+            || total > DIRECT_RUN_BYTES
+            || parts.iter().any(|p| p.len() % DIRECT_ALIGN != 0)
+        {
+            return None;
+        }
+        let at = chunk_offset(first.index, first.shift)?;
+        if at % DIRECT_ALIGN as u64 != 0 {
+            return None;
+        }
+        // The blob's file may not exist yet: created as for a single chunk's write.
+        if let Err(e) = self.open_blob(&first.blob, true) {
+            return Some(Err(io::Error::other(e)));
+        }
+        let file = self.open_blob_direct(&first.blob)?;
+        let written = with_bounce(total, |buf| {
+            let mut filled = 0;
+            for p in parts {
+                buf[filled..filled + p.len()].copy_from_slice(p);
+                filled += p.len();
+            }
+            file.write_all_at(buf, at)
+        });
+        match written {
+            Err(e) if e.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) => {
                 self.refuse_direct();
                 None
             }
@@ -276,11 +320,33 @@ impl DiskCache {
     }
 }
 
-/// The bounce buffer of a writer thread: enough for a chunk of the largest shift level 2 keeps.
-const BOUNCE_BYTES: usize = 1 << super::MAX_DISK_CHUNK_SHIFT;
+/// The most bytes of one write of adjacent chunks ([`DiskCache::write_run_direct`]): 16
+/// chunks of 256 KiB.
+pub(super) const DIRECT_RUN_BYTES: usize = 4 << 20;
 
-thread_local! {
-    static BOUNCE: std::cell::RefCell<Option<AlignedBuf>> = const { std::cell::RefCell::new(None) };
+/// Bounce buffers kept for reuse (each [`DIRECT_RUN_BYTES`]): one per level-2 writer and one
+/// for a `warm`.
+const BOUNCE_KEPT: usize = crate::chunk::writer::DISK_WRITERS + 1;
+
+static BOUNCE: std::sync::Mutex<Vec<AlignedBuf>> = std::sync::Mutex::new(Vec::new());
+
+/// Run `f` on the first `len` bytes (at most [`DIRECT_RUN_BYTES`]) of an aligned buffer: a
+/// kept one (faulted in already), else a new one, kept afterwards if fewer than
+/// [`BOUNCE_KEPT`] are.
+fn with_bounce<R>(len: usize, f: impl FnOnce(&mut [u8]) -> io::Result<R>) -> io::Result<R> {
+    let pool = || BOUNCE.lock().unwrap_or_else(PoisonError::into_inner);
+    let kept = pool().pop();
+    let mut buf = match kept {
+        Some(b) => b,
+        None => AlignedBuf::new(DIRECT_RUN_BYTES)?,
+    };
+    let len = len.min(buf.len());
+    let r = f(&mut buf.as_mut_slice()[..len]);
+    let mut pool = pool();
+    if pool.len() < BOUNCE_KEPT {
+        pool.push(buf);
+    }
+    r
 }
 
 /// A zeroed heap buffer whose start is [`DIRECT_ALIGN`]-aligned.
@@ -288,6 +354,9 @@ struct AlignedBuf {
     ptr: std::ptr::NonNull<u8>,
     len: usize,
 }
+
+// SAFETY: the buffer is plain heap memory owned by this value alone.
+unsafe impl Send for AlignedBuf {}
 
 impl AlignedBuf {
     fn layout(len: usize) -> io::Result<std::alloc::Layout> {
