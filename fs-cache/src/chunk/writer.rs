@@ -8,9 +8,6 @@
 //!   [`DISK_BATCH_BYTES`] of queued chunks (one at least) and puts them as one batch
 //!   ([`DiskCache::put_many`]: one `fdatasync` per blob file, one index write). A chunk's
 //!   permits go once its batch is done, put or failed.
-//! - **Writes yield the disk.** A batch is written at the idle I/O priority class (restored
-//!   after it: writers run on pooled blocking threads), so that the block layer's scheduler
-//!   serves readers' requests first.
 //! - **Writes wait for a quiet moment.** A writer that finds less than [`DISK_EAGER_BYTES`]
 //!   queued writes it once no demand read has begun for [`DISK_QUIET`]
 //!   ([`DiskWriter::note_demand`]), or once the oldest queued chunk has waited
@@ -230,7 +227,6 @@ impl DiskWriter {
                 continue;
             }
             let chunks: Vec<(ChunkId, &[u8])> = batch.iter().map(|p| (p.id, &p.data[..])).collect();
-            let _idle = IdleIo::begin();
             if let Err(e) = disk.put_many(&chunks) {
                 tracing::warn!(error = %e, chunks = chunks.len(), "could not keep chunks on local disk");
             }
@@ -307,46 +303,6 @@ impl Drop for WriterSlot {
             let mut q = lock(&self.writer.queue);
             q.chunks.clear();
             q.bytes = 0;
-        }
-    }
-}
-
-/// The I/O priority class of this thread set to idle for the guard's life, then restored:
-/// level-2 writes yield the disk to readers (the block layer's scheduler serves idle-class
-/// requests only when no other class waits; mq-deadline, BFQ). A writer runs on a pooled
-/// blocking thread, so the priority must not outlive its batch.
-struct IdleIo(Option<libc::c_long>);
-
-/// `ioprio_set`/`ioprio_get` arguments (`linux/ioprio.h`).
-const IOPRIO_WHO_PROCESS: libc::c_long = 1;
-const IOPRIO_CLASS_SHIFT: libc::c_long = 13;
-const IOPRIO_CLASS_IDLE: libc::c_long = 3;
-
-impl IdleIo {
-    fn begin() -> Self {
-        // SAFETY: plain system calls on this thread (who 0: the caller); no memory passed.
-        let old = unsafe { libc::syscall(libc::SYS_ioprio_get, IOPRIO_WHO_PROCESS, 0) };
-        if old < 0 {
-            return Self(None);
-        }
-        // SAFETY: as above.
-        let set = unsafe {
-            libc::syscall(
-                libc::SYS_ioprio_set,
-                IOPRIO_WHO_PROCESS,
-                0,
-                IOPRIO_CLASS_IDLE << IOPRIO_CLASS_SHIFT,
-            )
-        };
-        Self((set == 0).then_some(old))
-    }
-}
-
-impl Drop for IdleIo {
-    fn drop(&mut self) {
-        if let Some(old) = self.0 {
-            // SAFETY: as in `begin`.
-            unsafe { libc::syscall(libc::SYS_ioprio_set, IOPRIO_WHO_PROCESS, 0, old) };
         }
     }
 }
@@ -447,23 +403,6 @@ mod tests {
             set.elapsed() < Duration::from_secs(5),
             "waited for the old linger"
         );
-    }
-
-    #[test]
-    fn a_batch_runs_at_the_idle_io_class_and_the_thread_gets_its_own_back() {
-        std::thread::spawn(|| {
-            // SAFETY: plain system calls about this thread.
-            let get = || unsafe { libc::syscall(libc::SYS_ioprio_get, IOPRIO_WHO_PROCESS, 0) };
-            let before = get();
-            assert!(before >= 0);
-            {
-                let _idle = IdleIo::begin();
-                assert_eq!(get() >> IOPRIO_CLASS_SHIFT, IOPRIO_CLASS_IDLE);
-            }
-            assert_eq!(get(), before);
-        })
-        .join()
-        .unwrap();
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
