@@ -198,9 +198,9 @@ impl DiskCache {
         let written = if data.as_ptr().align_offset(DIRECT_ALIGN) == 0 {
             file.write_all_at(data, at)
         } else {
-            // Bytes from an unaligned allocation (a plain chunk sliced from its request):
-            // one copy into a kept aligned buffer, still far cheaper than the page cache's
-            // insertion, writeback and removal.
+            // Bytes from an unaligned allocation (a decoded chunk's `Vec`, a plain chunk's
+            // copy): one copy into a kept aligned buffer, still far cheaper than the page
+            // cache's insertion, writeback and removal.
             with_bounce(data.len(), |buf| {
                 buf.copy_from_slice(data);
                 file.write_all_at(buf, at)
@@ -218,7 +218,7 @@ impl DiskCache {
     }
 
     /// Write `parts` (whole chunks of `first`'s blob at consecutive indexes from `first`'s,
-    /// [`DIRECT_RUN_BYTES`] at most) with one `O_DIRECT` write, through this thread's aligned
+    /// [`DIRECT_RUN_BYTES`] at most) with one `O_DIRECT` write, through a kept aligned
     /// buffer; `None` if not taken (direct I/O off or refused, a part not a whole number of
     /// blocks, too many bytes): the caller writes them one by one.
     pub(super) fn write_run_direct(
@@ -352,19 +352,16 @@ fn with_bounce<R>(len: usize, f: impl FnOnce(&mut [u8]) -> io::Result<R>) -> io:
 /// A zeroed heap buffer whose start is [`DIRECT_ALIGN`]-aligned.
 struct AlignedBuf {
     ptr: std::ptr::NonNull<u8>,
-    len: usize,
+    layout: std::alloc::Layout,
 }
 
 // SAFETY: the buffer is plain heap memory owned by this value alone.
 unsafe impl Send for AlignedBuf {}
 
 impl AlignedBuf {
-    fn layout(len: usize) -> io::Result<std::alloc::Layout> {
-        std::alloc::Layout::from_size_align(len, DIRECT_ALIGN).map_err(io::Error::other)
-    }
-
     fn new(len: usize) -> io::Result<Self> {
-        let layout = Self::layout(len)?;
+        let layout =
+            std::alloc::Layout::from_size_align(len, DIRECT_ALIGN).map_err(io::Error::other)?;
         if len == 0 {
             return Err(io::Error::other("an empty aligned buffer"));
         }
@@ -372,29 +369,24 @@ impl AlignedBuf {
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         let ptr = std::ptr::NonNull::new(ptr)
             .ok_or_else(|| io::Error::from(io::ErrorKind::OutOfMemory))?;
-        Ok(Self { ptr, len })
+        Ok(Self { ptr, layout })
     }
 
     fn len(&self) -> usize {
-        self.len
+        self.layout.size()
     }
 
     fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: `ptr` points to `len` initialised (zeroed at allocation) bytes owned by
+        // SAFETY: `ptr` points to `len()` initialised (zeroed at allocation) bytes owned by
         // `self`, borrowed mutably here.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) }
     }
 }
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this very layout (which was valid then).
-        unsafe {
-            std::alloc::dealloc(
-                self.ptr.as_ptr(),
-                Self::layout(self.len).expect("valid at allocation"),
-            )
-        }
+        // SAFETY: allocated in `new` with this very layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
     }
 }
 
