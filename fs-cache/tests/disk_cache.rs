@@ -850,6 +850,23 @@ fn an_open_waits_for_an_index_another_process_holds() {
     drop(cache);
 }
 
+/// Each chunk's bytes are at its slot of `file` (its blob file's bytes) and read back whole.
+fn assert_written(cache: &DiskCache, file: &[u8], chunks: &[(ChunkId, Vec<u8>)]) {
+    for (c, want) in chunks {
+        let at = slot(c) as usize;
+        assert_eq!(
+            &file[at..at + want.len()],
+            &want[..],
+            "chunk {} in the file",
+            c.index
+        );
+        match cache.read_range(c, 0..want.len() as u64, false).unwrap() {
+            fs_cache::chunk::disk::RangeRead::Hit(b) => assert_eq!(&b[..], &want[..]),
+            other => panic!("chunk {}: {other:?}", c.index),
+        }
+    }
+}
+
 #[test]
 fn chunks_written_around_or_through_the_page_cache_read_back_exactly() {
     // With direct I/O (a disk-backed directory): a whole chunk from an aligned buffer (written
@@ -878,22 +895,11 @@ fn chunks_written_around_or_through_the_page_cache_read_back_exactly() {
         assert_eq!(cache.direct_reads(), direct, "the filesystem took O_DIRECT");
         let file = fs::read(blob_file(&dir, &chunks[0].0)).unwrap();
         assert_eq!(file.len() as u64, 2 * CHUNK_SIZE + 5000);
-        let check = |cache: &DiskCache| {
-            for (c, len, _) in &chunks {
-                let want = content(c, *len);
-                let at = slot(c) as usize;
-                assert_eq!(
-                    &file[at..at + want.len()],
-                    &want[..],
-                    "chunk {} in the file",
-                    c.index
-                );
-                match cache.read_range(c, 0..*len, false).unwrap() {
-                    fs_cache::chunk::disk::RangeRead::Hit(b) => assert_eq!(&b[..], &want[..]),
-                    other => panic!("chunk {}: {other:?}", c.index),
-                }
-            }
-        };
+        let written: Vec<(ChunkId, Vec<u8>)> = chunks
+            .iter()
+            .map(|(c, len, _)| (*c, content(c, *len)))
+            .collect();
+        let check = |cache: &DiskCache| assert_written(cache, &file, &written);
         check(&cache);
         drop(cache);
         let cache = open(&dir, 4 * MIB);
@@ -918,19 +924,12 @@ fn chunks_written_around_or_through_the_page_cache_read_back_exactly() {
         cache.put_many(&batch).unwrap();
         let file = fs::read(blob_file(&dir, &ids[0].0)).unwrap();
         assert_eq!(file.len() as u64, 10 * CHUNK_SIZE + 777);
-        for ((c, len), want) in ids.iter().zip(&data) {
-            let at = slot(c) as usize;
-            assert_eq!(
-                &file[at..at + want.len()],
-                &want[..],
-                "chunk {} in the file",
-                c.index
-            );
-            match cache.read_range(c, 0..*len, false).unwrap() {
-                fs_cache::chunk::disk::RangeRead::Hit(b) => assert_eq!(&b[..], &want[..]),
-                other => panic!("chunk {}: {other:?}", c.index),
-            }
-        }
+        let written: Vec<(ChunkId, Vec<u8>)> = ids
+            .iter()
+            .map(|(c, _)| *c)
+            .zip(data.iter().cloned())
+            .collect();
+        assert_written(&cache, &file, &written);
         assert!(
             !chunk_has_data(&dir, &id("run", 8)),
             "no bytes between the runs"

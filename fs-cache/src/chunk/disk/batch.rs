@@ -129,7 +129,7 @@ impl DiskCache {
             if run > 1 {
                 let parts: Vec<&[u8]> = todo[at..at + run].iter().map(|(_, d)| *d).collect();
                 let first = todo[at].0.id;
-                match self.write_run_direct(&first, &parts) {
+                match self.write_direct(&first, &parts) {
                     Some(Ok(())) => {
                         for (g, data) in &todo[at..at + run] {
                             written.push((g.id, data.len() as u64));

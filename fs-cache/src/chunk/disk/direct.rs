@@ -26,7 +26,7 @@
 //! In a cold read of a 110 MB file from a compressed store that was about a fifth of the
 //! daemon's CPU time and a tenth of the read's (`bench/README.md`, "peers"). A batch's
 //! adjacent chunks of one blob go as one write of up to [`DIRECT_RUN_BYTES`]
-//! ([`DiskCache::write_run_direct`]): written one 256 KiB chunk at a time, each waiting for
+//! (the same call with several parts): written one 256 KiB chunk at a time, each waiting for
 //! the device, the writers fell behind a cold reader of every file of `/usr/lib` and 1,352–1,974
 //! chunks were served but not kept (none through the page cache, none with runs), and ext4
 //! allocated the blob files in 256 KiB pieces. Bytes in an unaligned buffer (a decoded chunk
@@ -177,55 +177,13 @@ impl DiskCache {
         Ok((outcome, Bytes::from(data)))
     }
 
-    /// Write a chunk's bytes at `at` in `blob`'s file (which exists) with `O_DIRECT` (module
-    /// docs, "Writes"): `None` if not taken — direct I/O is off or refused, or the chunk is
-    /// not a whole number of blocks (a blob's last chunk) — and the caller writes it through
-    /// the page cache.
-    pub(super) fn write_direct(
-        &self,
-        blob: &Digest,
-        at: u64,
-        data: &[u8],
-    ) -> Option<io::Result<()>> {
-        if data.is_empty()
-            || data.len() % DIRECT_ALIGN != 0
-            || data.len() > DIRECT_RUN_BYTES
-            || at % DIRECT_ALIGN as u64 != 0
-        {
-            return None;
-        }
-        let file = self.open_blob_direct(blob)?;
-        let written = if data.as_ptr().align_offset(DIRECT_ALIGN) == 0 {
-            file.write_all_at(data, at)
-        } else {
-            // Bytes from an unaligned allocation (a decoded chunk's `Vec`, a plain chunk's
-            // copy): one copy into a kept aligned buffer, still far cheaper than the page
-            // cache's insertion, writeback and removal.
-            with_bounce(data.len(), |buf| {
-                buf.copy_from_slice(data);
-                file.write_all_at(buf, at)
-            })
-        };
-        match written {
-            Err(e) if e.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) => {
-                // Nothing was written: a filesystem that opens with O_DIRECT but refuses the
-                // write (or an alignment it wants larger than 4 KiB).
-                self.refuse_direct();
-                None
-            }
-            r => Some(r),
-        }
-    }
-
-    /// Write `parts` (whole chunks of `first`'s blob at consecutive indexes from `first`'s,
-    /// [`DIRECT_RUN_BYTES`] at most) with one `O_DIRECT` write, through a kept aligned
-    /// buffer; `None` if not taken (direct I/O off or refused, a part not a whole number of
-    /// blocks, too many bytes): the caller writes them one by one.
-    pub(super) fn write_run_direct(
-        &self,
-        first: &ChunkId,
-        parts: &[&[u8]],
-    ) -> Option<io::Result<()>> {
+    /// Write `parts` — whole chunks of `first`'s blob at consecutive indexes from `first`'s
+    /// (one part: any chunk) — with one `O_DIRECT` write (module docs, "Writes"): from the
+    /// part itself when it is one aligned part, else through a kept aligned buffer. `None` if
+    /// not taken (direct I/O off or refused, a part not a whole number of blocks — a blob's
+    /// last chunk —, more than [`DIRECT_RUN_BYTES`]): the caller writes them one by one,
+    /// through the page cache where this refuses a single chunk.
+    pub(super) fn write_direct(&self, first: &ChunkId, parts: &[&[u8]]) -> Option<io::Result<()>> {
         let total: usize = parts.iter().map(|p| p.len()).sum();
         if total == 0
             || total > DIRECT_RUN_BYTES
@@ -237,21 +195,29 @@ impl DiskCache {
         if at % DIRECT_ALIGN as u64 != 0 {
             return None;
         }
-        // The blob's file may not exist yet: created as for a single chunk's write.
-        if let Err(e) = self.open_blob(&first.blob, true) {
-            return Some(Err(io::Error::other(e)));
+        // The blob's file may not exist yet: created (and kept open) as for a buffered write.
+        if let Err(e) = self.blob_file_for_write(&first.blob) {
+            return Some(Err(e));
         }
         let file = self.open_blob_direct(&first.blob)?;
-        let written = with_bounce(total, |buf| {
-            let mut filled = 0;
-            for p in parts {
-                buf[filled..filled + p.len()].copy_from_slice(p);
-                filled += p.len();
-            }
-            file.write_all_at(buf, at)
-        });
+        let written = match parts {
+            [one] if one.as_ptr().align_offset(DIRECT_ALIGN) == 0 => file.write_all_at(one, at),
+            // Bytes from unaligned allocations (a decoded chunk's `Vec`, a plain chunk's copy),
+            // or several chunks: one copy into a kept aligned buffer, still far cheaper than
+            // the page cache's insertion, writeback and removal.
+            _ => with_bounce(total, |buf| {
+                let mut filled = 0;
+                for p in parts {
+                    buf[filled..filled + p.len()].copy_from_slice(p);
+                    filled += p.len();
+                }
+                file.write_all_at(buf, at)
+            }),
+        };
         match written {
             Err(e) if e.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) => {
+                // Nothing was written: a filesystem that opens with O_DIRECT but refuses the
+                // write (or an alignment it wants larger than 4 KiB).
                 self.refuse_direct();
                 None
             }
@@ -320,7 +286,7 @@ impl DiskCache {
     }
 }
 
-/// The most bytes of one write of adjacent chunks ([`DiskCache::write_run_direct`]): 16
+/// The most bytes of one write of adjacent chunks (the same call with several parts): 16
 /// chunks of 256 KiB.
 pub(super) const DIRECT_RUN_BYTES: usize = 4 << 20;
 

@@ -1241,18 +1241,24 @@ impl DiskCache {
     }
 
     fn write_chunk(&self, id: &ChunkId, data: &[u8]) -> io::Result<()> {
-        let file = match self.open_blob(&id.blob, true) {
-            Ok(Some(f)) => f,
-            Ok(None) => return Err(io::Error::from(io::ErrorKind::NotFound)),
-            Err(Error::Io { source, .. }) => return Err(source),
-            Err(e) => return Err(io::Error::other(e)),
-        };
-        let at = chunk_offset(id.index, id.shift).unwrap_or(u64::MAX);
         // Made durable by the caller, with the rest of its batch (`batch.rs`).
-        if let Some(written) = self.write_direct(&id.blob, at, data) {
+        if let Some(written) = self.write_direct(id, &[data]) {
             return written;
         }
+        let file = self.blob_file_for_write(&id.blob)?;
+        let at = chunk_offset(id.index, id.shift).unwrap_or(u64::MAX);
         file.write_all_at(data, at)
+    }
+
+    /// `blob`'s file, created if missing and kept open (buffered), for a chunk's write: an
+    /// I/O error keeps its OS error (a full disk is told apart by it, `store_chunk`).
+    fn blob_file_for_write(&self, blob: &Digest) -> io::Result<Arc<File>> {
+        match self.open_blob(blob, true) {
+            Ok(Some(f)) => Ok(f),
+            Ok(None) => Err(io::Error::from(io::ErrorKind::NotFound)),
+            Err(Error::Io { source, .. }) => Err(source),
+            Err(e) => Err(io::Error::other(e)),
+        }
     }
 
     /// Write the recency of the chunks hit since last time. With `wait == false`, skip if
