@@ -48,10 +48,25 @@ pub fn of_path(path: &str) -> BTreeMap<String, PathBuf> {
 }
 
 /// Where each v1 controller's hierarchy (and the v2 hierarchy, as `"unified"`) is mounted.
+///
+/// Read from `/proc/self/mountinfo` once, then kept while each of its places is still a
+/// mount point (one `statx` each): mountinfo lists every mount of the namespace, two or more
+/// per sandbox, and a node's status (asked several times a second by each front) read it
+/// whole each time; under a create burst, with the mounts changing, those reads took
+/// seconds and the fronts placed on the node's status of before.
 fn hierarchies() -> BTreeMap<String, PathBuf> {
-    std::fs::read_to_string("/proc/self/mountinfo")
+    static KEPT: std::sync::Mutex<BTreeMap<String, PathBuf>> =
+        std::sync::Mutex::new(BTreeMap::new());
+    let kept = KEPT.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let still = |m: &PathBuf| ublk_daemon::node::sys::is_mount_point(m).unwrap_or(false);
+    if !kept.is_empty() && kept.values().all(still) {
+        return kept;
+    }
+    let fresh = std::fs::read_to_string("/proc/self/mountinfo")
         .map(|mi| fuzz_hierarchies(&mi))
-        .unwrap_or_default()
+        .unwrap_or_default();
+    fresh.clone_into(&mut KEPT.lock().unwrap_or_else(|p| p.into_inner()));
+    fresh
 }
 
 /// [`hierarchies`] of mountinfo text (public for the fuzz target, `fuzz/`).
@@ -240,6 +255,15 @@ mod tests {
         for (c, p) in &cg {
             assert!(p.is_dir(), "{c}: {} is not a directory", p.display());
         }
+    }
+
+    #[test]
+    fn kept_hierarchies_are_mountinfos() {
+        let read = || fuzz_hierarchies(&std::fs::read_to_string("/proc/self/mountinfo").unwrap());
+        let (first, again) = (hierarchies(), hierarchies());
+        assert!(!first.is_empty(), "no cgroup hierarchy mounted here");
+        assert_eq!(first, read());
+        assert_eq!(again, read(), "kept, still what mountinfo says");
     }
 
     #[test]

@@ -634,20 +634,28 @@ impl Node {
                 "this kernel has no overlay filesystem (needed to stack layers or add an upper)",
             ));
         }
-        let mp = sys::check_mountpoint(mountpoint)?;
-        let (upper, work) = match upper {
-            Some(u) => {
-                let (u, w) = prepare_upper(u, work)?;
-                if u.starts_with(&mp) || w.starts_with(&mp) {
-                    return Err(ApiError::new(
-                        ErrorKind::BadRequest,
-                        "the upper and work directories cannot be inside the mountpoint",
-                    ));
-                }
-                (Some(u), Some(w))
+        // File system calls, on the blocking pool: a create burst runs many of these at
+        // once, and the async workers must stay free to answer (a status, say).
+        let (mountpoint, upper, work) = (
+            mountpoint.to_owned(),
+            upper.map(Path::to_owned),
+            work.map(Path::to_owned),
+        );
+        let (mp, upper, work) = blocking(move || {
+            let mp = sys::check_mountpoint(&mountpoint)?;
+            let Some(u) = upper else {
+                return Ok((mp, None, None));
+            };
+            let (u, w) = prepare_upper(&u, work.as_deref())?;
+            if u.starts_with(&mp) || w.starts_with(&mp) {
+                return Err(ApiError::new(
+                    ErrorKind::BadRequest,
+                    "the upper and work directories cannot be inside the mountpoint",
+                ));
             }
-            None => (None, None),
-        };
+            Ok((mp, Some(u), Some(w)))
+        })
+        .await?;
         let mut resolved = Vec::with_capacity(layers.len());
         for reference in layers {
             resolved.push(self.resolve(reference).await?);
