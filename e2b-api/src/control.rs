@@ -183,7 +183,14 @@ async fn create(
     front: Option<String>,
 ) -> Result<Response> {
     let req: NewSandbox = crate::http::read_json(body).await?;
-    let (id, meta) = start(api, req, default_timeout, front.as_deref()).await?;
+    // A task of its own: a client that goes away (its timeout, a closed connection) drops
+    // this handler, and a create dropped halfway left a root mounted and a sandbox that never
+    // ran. It is made whole, and lives to its timeout.
+    let api = api.clone();
+    let (id, meta) =
+        tokio::spawn(async move { start(&api, req, default_timeout, front.as_deref()).await })
+            .await
+            .map_err(|e| Error::Runtime(format!("create task: {e}")))??;
     Ok(json(201, &created(&id, &meta)))
 }
 

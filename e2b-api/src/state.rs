@@ -344,7 +344,8 @@ impl Api {
             f(&mut e.meta);
             e.meta.clone()
         };
-        self.persist(id)?;
+        // A synced write: not on an async worker, which every request of the node shares.
+        off_worker(|| self.persist(id))?;
         Ok(m)
     }
 
@@ -631,6 +632,19 @@ impl Extension for TemplateExtension {
 
     fn keeps_mounts(&self) -> bool {
         self.inner.keeps_mounts()
+    }
+}
+
+/// Run `f` (file system calls that wait for the disk: a synced write) without holding up an
+/// async worker: on a multi-threaded runtime the worker's other tasks move to another thread
+/// meanwhile (`block_in_place`); elsewhere (a current-thread runtime, a blocking thread, no
+/// runtime) it runs as is.
+pub(crate) fn off_worker<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
     }
 }
 

@@ -32,6 +32,7 @@
 
 pub mod admission;
 pub mod agent;
+mod bundle;
 pub mod cgroup;
 pub mod exec;
 mod ext;

@@ -128,6 +128,8 @@ pub(crate) struct Sandbox {
     last_active: Mutex<Instant>,
     pub(crate) running_execs: AtomicUsize,
     pub(crate) lifecycle: tokio::sync::Mutex<()>,
+    /// Held while the record is written ([`Sandbox::set`]).
+    saving: tokio::sync::Mutex<()>,
 }
 
 impl Sandbox {
@@ -138,13 +140,16 @@ impl Sandbox {
             .clone()
     }
 
-    pub(crate) fn set(&self, f: impl FnOnce(&mut Record)) -> Result<()> {
-        let r = {
-            let mut r = self.record.lock().unwrap_or_else(|p| p.into_inner());
-            f(&mut r);
-            r.clone()
-        };
-        save_record(&self.dir, &r)
+    /// Change the record, and write it (synced, on the blocking pool). Writes go one at a
+    /// time, each of the record as it is when its turn comes: the last one written is the
+    /// latest.
+    pub(crate) async fn set(&self, f: impl FnOnce(&mut Record)) -> Result<()> {
+        f(&mut self.record.lock().unwrap_or_else(|p| p.into_inner()));
+        let _turn = self.saving.lock().await;
+        let (dir, r) = (self.dir.clone(), self.record());
+        tokio::task::spawn_blocking(move || save_record(&dir, &r))
+            .await
+            .map_err(|e| Error::Runtime(format!("write a sandbox's record: {e}")))?
     }
 
     pub(crate) fn touch(&self) {
@@ -222,7 +227,7 @@ impl Record {
     }
 }
 
-fn save_record(dir: &Path, r: &Record) -> Result<()> {
+pub(crate) fn save_record(dir: &Path, r: &Record) -> Result<()> {
     let bytes = serde_json::to_vec_pretty(r).map_err(|e| Error::Spec(e.to_string()))?;
     let path = dir.join("sandbox.json");
     fs_cache::write_atomic(&path, &bytes)
@@ -251,7 +256,7 @@ fn fresh_id(prefix: &str) -> String {
 }
 
 /// `n` random bytes from the kernel, as hex.
-fn random_hex(n: usize) -> String {
+pub(crate) fn random_hex(n: usize) -> String {
     let mut b = vec![0u8; n];
     let mut filled = 0;
     while filled < n {
@@ -282,7 +287,7 @@ pub struct Manager {
     next_exec: AtomicU64,
     pub(crate) pools: crate::pool::Pools,
     /// The uppers filesystem, if configured.
-    uppers: Option<crate::quota::UpperFs>,
+    uppers: Option<Arc<crate::quota::UpperFs>>,
     /// Network slots in use.
     slots: Mutex<std::collections::BTreeSet<u32>>,
     /// The init binary the bundles bind (`agent::install_init`).
@@ -328,11 +333,11 @@ impl Manager {
         let uppers = match config.uppers_size {
             Some(size) => {
                 let dir = config.dir.clone();
-                Some(
+                Some(Arc::new(
                     tokio::task::spawn_blocking(move || crate::quota::UpperFs::open(&dir, size))
                         .await
                         .map_err(|e| Error::Runtime(format!("open the uppers: {e}")))??,
-                )
+                ))
             }
             None => None,
         };
@@ -423,6 +428,7 @@ impl Manager {
                 last_active: Mutex::new(Instant::now()),
                 running_execs: AtomicUsize::new(0),
                 lifecycle: tokio::sync::Mutex::new(()),
+                saving: tokio::sync::Mutex::new(()),
             });
             m.sandboxes
                 .lock()
@@ -481,7 +487,7 @@ impl Manager {
         tokio::task::spawn_blocking(move || crate::net::update(&run_dir, &net, &rules))
             .await
             .map_err(|e| Error::Runtime(format!("network task: {e}")))??;
-        sb.set(|r| r.net = Network::Allow(allow))?;
+        sb.set(|r| r.net = Network::Allow(allow)).await?;
         Ok(sb.info())
     }
 
@@ -607,6 +613,7 @@ impl Manager {
             last_active: Mutex::new(Instant::now()),
             running_execs: AtomicUsize::new(0),
             lifecycle: tokio::sync::Mutex::new(()),
+            saving: tokio::sync::Mutex::new(()),
         });
         let _life = sb.lifecycle.lock().await;
         let mem = crate::admission::meminfo();
@@ -646,7 +653,8 @@ impl Manager {
                     r.pid = Some(pid);
                     r.init_start = started;
                     r.create_ms = create_ms;
-                })?;
+                })
+                .await?;
                 // The keys are made by an exec, which takes the lifecycle lock itself.
                 drop(_life);
                 self.new_host_keys(&sb).await;
@@ -672,65 +680,13 @@ impl Manager {
         secrets: &[(String, String)],
     ) -> Result<u32> {
         let dir = &sb.dir;
-        let mk = |p: &Path| {
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(p)
-                .map_err(|e| Error::io(format!("create {}", p.display()), e))
-        };
-        match std::fs::create_dir(dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                return Err(Error::Conflict(format!(
-                    "{} exists already (leftovers of another sandbox {}?)",
-                    dir.display(),
-                    sb.id
-                )))
-            }
-            Err(e) => return Err(Error::io(format!("create {}", dir.display()), e)),
-        }
-        save_record(dir, record)?;
-        let rootfs = sb.rootfs();
-        let etc = dir.join("etc");
-        for d in [&rootfs, &etc] {
-            mk(d)?;
-        }
-        let (upper, work) = match &self.uppers {
-            Some(u) => u.create(&sb.id, record.limits.disk)?,
-            None => {
-                let (upper, work) = (dir.join("upper"), dir.join("work"));
-                mk(&upper)?;
-                mk(&work)?;
-                (upper, work)
-            }
-        };
-        // The overlay's root takes the upper's mode: the root of a system is 0755.
-        std::fs::set_permissions(&upper, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-            .map_err(|e| Error::io(format!("chmod {}", upper.display()), e))?;
-        let write = |name: &str, text: String| {
-            let p = etc.join(name);
-            std::fs::write(&p, text).map_err(|e| Error::io(format!("write {}", p.display()), e))
-        };
-        write("hostname", format!("{}\n", sb.id))?;
-        write(
-            "hosts",
-            format!(
-                "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{}\n",
-                sb.id
-            ),
-        )?;
-        write("resolv.conf", String::new())?;
-        // Its own identity: a fresh machine id (systemd's format: 32 lowercase hex digits).
-        write("machine-id", format!("{}\n", random_hex(16)))?;
-        let secrets_dir = if secrets.is_empty() {
-            None
-        } else {
-            let s = dir.join("secrets");
-            mk(&s)?;
-            mount_secrets(&s, secrets)?;
-            Some(s)
-        };
+        let crate::bundle::Prepared {
+            rootfs,
+            etc,
+            upper,
+            work,
+            secrets: secrets_dir,
+        } = crate::bundle::prepare(&sb.dir, &sb.id, record, self.uppers.clone(), secrets).await?;
         self.node
             .handle(NodeRequest::Mount {
                 layers: record.layers.clone(),
@@ -766,8 +722,7 @@ impl Manager {
         let bundle = dir.join("bundle");
         let bytes = serde_json::to_vec(&config).map_err(|e| Error::Spec(e.to_string()))?;
         let cfg = bundle.join("config.json");
-        fs_cache::write_atomic(&cfg, &bytes)
-            .map_err(|e| Error::io(format!("write {}", cfg.display()), e))?;
+        crate::bundle::write_file(cfg, bytes).await?;
         let pid = self
             .runtime
             .run_detached(&sb.id, &bundle, &dir.join("runc.log"))
@@ -879,7 +834,7 @@ impl Manager {
             // Thawed first, so that the kill reaches every process at once.
             let _ = self.runtime.resume(id).await;
         }
-        sb.set(|r| r.state = SandboxState::Removing)?;
+        sb.set(|r| r.state = SandboxState::Removing).await?;
         self.teardown(id, &sb.dir, sb.record().net_slot).await?;
         self.sandboxes
             .lock()
@@ -896,7 +851,7 @@ impl Manager {
         let _life = sb.lifecycle.lock().await;
         self.check_running(&sb)?;
         self.runtime.pause(id).await?;
-        sb.set(|r| r.state = SandboxState::Paused)?;
+        sb.set(|r| r.state = SandboxState::Paused).await?;
         Ok(sb.info())
     }
 
@@ -1347,31 +1302,6 @@ fn du(dir: &Path) -> u64 {
         }
     }
     total
-}
-
-/// Mount a small tmpfs at `dir` and write one file per secret (mode 0400).
-fn mount_secrets(dir: &Path, secrets: &[(String, String)]) -> Result<()> {
-    let total: usize = secrets.iter().map(|(_, v)| v.len()).sum();
-    if total > 512 << 10 {
-        return Err(Error::Limit("secrets are more than 512 KiB in all".into()));
-    }
-    rustix::mount::mount(
-        "strata-secrets",
-        dir,
-        "tmpfs",
-        rustix::mount::MountFlags::NOSUID
-            | rustix::mount::MountFlags::NODEV
-            | rustix::mount::MountFlags::NOEXEC,
-        c"size=1m,mode=0700",
-    )
-    .map_err(|e| Error::io(format!("mount a tmpfs on {}", dir.display()), e.into()))?;
-    for (name, value) in secrets {
-        let p = dir.join(name);
-        std::fs::write(&p, value).map_err(|e| Error::io(format!("write {}", p.display()), e))?;
-        std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o400))
-            .map_err(|e| Error::io(format!("chmod {}", p.display()), e))?;
-    }
-    Ok(())
 }
 
 /// What the extension answers an exec with: the stream of its lines.

@@ -246,7 +246,7 @@ impl Manager {
             while let Some(id) = self.pools.take_layers(&req.layers) {
                 // Removed meanwhile (an idle timeout, an rm by id): the next one.
                 let Ok(sb) = self.get(&id) else { continue };
-                if sb.set(|r| r.pool = None).is_err() {
+                if sb.set(|r| r.pool = None).await.is_err() {
                     continue;
                 }
                 sb.touch();

@@ -437,14 +437,14 @@ impl Manager {
         let done = tokio::task::spawn_blocking(job)
             .await
             .map_err(|e| Error::Runtime(format!("suspend task: {e}")));
-        let saved = done.and_then(|(res, rec, record_ms, reclaim_ms)| {
+        let saved = async {
+            let (res, rec, record_ms, reclaim_ms) = done?;
             let bytes = serde_json::to_vec(&res).map_err(|e| Error::Spec(e.to_string()))?;
-            let p = record_path(&sb);
-            fs_cache::write_atomic(&p, &bytes)
-                .map_err(|e| Error::io(format!("write {}", p.display()), e))?;
-            sb.set(|r| r.state = SandboxState::Suspended)?;
+            crate::bundle::write_file(record_path(&sb), bytes).await?;
+            sb.set(|r| r.state = SandboxState::Suspended).await?;
             Ok((res, rec, record_ms, reclaim_ms))
-        });
+        }
+        .await;
         let (res, rec, record_ms, reclaim_ms) = match saved {
             Ok(v) => v,
             Err(e) => {
@@ -492,7 +492,7 @@ impl Manager {
         };
         let t = Instant::now();
         self.runtime.resume(id).await?;
-        sb.set(|r| r.state = SandboxState::Running)?;
+        sb.set(|r| r.state = SandboxState::Running).await?;
         sb.touch();
         let _ = std::fs::remove_file(record_path(&sb));
         let prefetch = prefetch.map(|mut p| {
