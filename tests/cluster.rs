@@ -10,7 +10,6 @@
 
 mod common;
 
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -47,24 +46,9 @@ fn wait_for_file(path: &Path, child: &mut Child, what: &str, log: &Path) -> Stri
     }
 }
 
-/// `GET path` with the API key, HTTP/1.0: the status and the body.
+/// `GET path` with the cluster's API key: the status and the body.
 fn http_get(addr: &str, path: &str) -> (u16, String) {
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.0\r\nHost: {addr}\r\nX-API-KEY: {API_KEY}\r\n\r\n"
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    let status = out
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = out.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
-    (status, body)
+    common::api_get(addr, path, API_KEY)
 }
 
 struct NodeProc {

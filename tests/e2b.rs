@@ -415,30 +415,6 @@ fn a_template_with_a_pool_hands_out_ready_sandboxes() {
     assert!(!node.ok(&["sandbox", "pool", "ls"]).contains("2 wanted"));
 }
 
-/// `METHOD path` on the node's API with the test key, over a connection of its own (closed
-/// after the answer): the status code and the body.
-fn api_call(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nX-API-KEY: {API_KEY}\r\nConnection: close\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    let code = out
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = out.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
-    (code, body)
-}
-
 #[test]
 fn a_create_outlives_its_client() {
     if !common::e2b_ready("a_create_outlives_its_client") {
@@ -483,7 +459,7 @@ fn a_create_outlives_its_client() {
         std::thread::sleep(Duration::from_millis(200));
     };
     // The API knows it too (its record was written): listed, and it runs a command.
-    let (code, list) = api_call(&node.addr, "GET", "/sandboxes", "");
+    let (code, list) = common::api_get(&node.addr, "/sandboxes", API_KEY);
     assert_eq!(code, 200, "{list}");
     assert!(list.contains(&running), "{running} not in {list}");
     let out = node.ok(&["sandbox", "exec", &running, "--", "echo", "made whole"]);

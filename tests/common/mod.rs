@@ -126,3 +126,26 @@ pub fn script_passed(
     }
     teardown
 }
+
+/// `GET path` on an E2B API at `addr` with API key `key`, HTTP/1.0 (one connection, closed
+/// by the answer): the status and the body.
+pub fn api_get(addr: &str, path: &str, key: &str) -> (u16, String) {
+    use std::io::Read;
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.0\r\nHost: {addr}\r\nX-API-KEY: {key}\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let status = out
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = out.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
+    (status, body)
+}
