@@ -334,3 +334,141 @@ fn faults_through_s3_proxy_fuse_and_erofs() {
         assert_eq!(m.get(&k).copied(), Some(n(v)), "{k}");
     }
 }
+
+/// Removes the sandboxes a test made (they outlive their daemon), however the test ends.
+struct Sandboxes<'a> {
+    node: &'a bench::node::LocalNode,
+    ids: std::sync::Mutex<Vec<String>>,
+}
+
+impl Drop for Sandboxes<'_> {
+    fn drop(&mut self) {
+        let ids = std::mem::take(&mut *self.ids.lock().unwrap_or_else(|p| p.into_inner()));
+        for id in ids {
+            let _ = self
+                .node
+                .cmd()
+                .args(["sandbox", "rm", &id])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .status();
+        }
+    }
+}
+
+/// A create whose stack waits on a stalled store gives its turn back
+/// (`sandbox-runtime/src/manager.rs`, `TURN_KEPT_WHILE_MOUNTING`): more such creates than the
+/// node composes at once, stalled on a layer's meta image, do not hold up a create of a stack
+/// the node already has. Before, that create waited for the store's deadline.
+#[test]
+fn a_stalled_stack_holds_up_no_create_of_a_stack_already_here() {
+    const NAME: &str = "a_stalled_stack_holds_up_no_create_of_a_stack_already_here";
+    const STORE_DEADLINE: Duration = Duration::from_secs(30);
+    if !common::require_root(NAME) {
+        return;
+    }
+    let runc = std::process::Command::new("sh")
+        .args(["-c", "command -v runc"])
+        .stdout(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !runc {
+        println!("\n*** SKIPPED {NAME}: runc not installed ***\n");
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "{NAME}: runc not installed (scripts/install-test-deps.sh installs it under CI)"
+        );
+        return;
+    }
+    let setup = Setup {
+        layers: 1,
+        files: 8,
+        seed: 0x57a11,
+        attempt_timeout: Duration::from_secs(2),
+        deadline: STORE_DEADLINE,
+        bin: Some(env!("CARGO_BIN_EXE_strata").into()),
+    };
+    let Some(c) = Campaign::start_or_skip(&std::env::temp_dir(), &setup, NAME) else {
+        return;
+    };
+    // A second stack, in the store but not yet on the node.
+    let src = c.node.dir.path().join("stalled-src");
+    std::fs::create_dir_all(src.join("etc")).unwrap();
+    std::fs::write(src.join("etc/stalled"), "a layer behind a stalled store\n").unwrap();
+    let out = c
+        .node
+        .cmd()
+        .args(["layer", "build", "--quiet"])
+        .arg(&src)
+        .args(["--name", "base/stalled:1"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let sandboxes = Sandboxes {
+        node: &c.node,
+        ids: Default::default(),
+    };
+    let create = |id: &str, layer: &str| {
+        sandboxes.ids.lock().unwrap().push(id.to_owned());
+        c.node
+            .cmd()
+            .args(["sandbox", "create", "--layer", layer, "--id", id])
+            .output()
+            .unwrap()
+    };
+    let here = "base/faults0:1";
+    let out = create("here-0", here);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Every ranged GET (the meta image's and the chunks') now waits longer than an attempt:
+    // the stalled stack's activation retries until the store's deadline.
+    c.proxy.set_plan(FaultPlan {
+        latency: STORE_DEADLINE * 2,
+        ..FaultPlan::default()
+    });
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let stalled = 2 * cpus + 2;
+    let took = std::thread::scope(|s| {
+        let threads: Vec<_> = (0..stalled)
+            .map(|i| {
+                let create = &create;
+                s.spawn(move || create(&format!("stalled-{i}"), "base/stalled:1"))
+            })
+            .collect();
+        // Long enough for every stalled create to have taken a turn and begun its mount.
+        std::thread::sleep(Duration::from_secs(3));
+        let t = Instant::now();
+        let out = create("here-1", here);
+        let took = t.elapsed();
+        let waiting = threads.iter().filter(|t| !t.is_finished()).count();
+        c.proxy.end_plan();
+        for t in threads {
+            let _ = t.join();
+        }
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            took < Duration::from_secs(10),
+            "a create of a stack already here took {took:?} behind {stalled} stalled creates"
+        );
+        assert_eq!(
+            waiting, stalled,
+            "stalled creates ended before the check: the test tested nothing"
+        );
+        took
+    });
+    println!(
+        "{NAME}: a create of a stack already here took {took:?} beside {stalled} stalled ones"
+    );
+}

@@ -270,6 +270,12 @@ fn creates_at_once() -> usize {
         .max(1)
 }
 
+/// How long a create's mount keeps its turn ([`creates_at_once`]) before giving it back. A
+/// mount of active layers takes milliseconds; one that activates a layer waits for its meta
+/// image from the store, and behind a stalled store it would keep the turn for the store's
+/// whole deadline, so that the creates of stacks already here waited too.
+const TURN_KEPT_WHILE_MOUNTING: Duration = Duration::from_secs(1);
+
 /// `n` random bytes from the kernel, as hex.
 pub(crate) fn random_hex(n: usize) -> String {
     let mut b = vec![0u8; n];
@@ -663,8 +669,8 @@ impl Manager {
             all.insert(id.clone(), sb.clone());
         }
         let composed = {
-            let _turn = self.composing.acquire().await;
-            self.compose_and_start(&sb, &record, &secrets).await
+            let turn = self.composing.acquire().await.ok();
+            self.compose_and_start(&sb, &record, &secrets, turn).await
         };
         match composed {
             Ok(pid) => {
@@ -695,11 +701,16 @@ impl Manager {
         }
     }
 
+    /// Compose `sb`'s root and start its init, holding `turn` (a permit of
+    /// [`Manager::composing`]) throughout, except while a mount waits on the store: a mount
+    /// still running after [`TURN_KEPT_WHILE_MOUNTING`] gives its turn back (it is waiting for
+    /// a layer's activation, not using the node) and takes a new one when it is done.
     async fn compose_and_start(
         &self,
         sb: &Sandbox,
         record: &Record,
         secrets: &[(String, String)],
+        turn: Option<tokio::sync::SemaphorePermit<'_>>,
     ) -> Result<u32> {
         let dir = &sb.dir;
         let crate::bundle::Prepared {
@@ -709,15 +720,23 @@ impl Manager {
             work,
             secrets: secrets_dir,
         } = crate::bundle::prepare(&sb.dir, &sb.id, record, self.uppers.clone(), secrets).await?;
-        self.node
-            .handle(NodeRequest::Mount {
-                layers: record.layers.clone(),
-                mountpoint: rootfs.clone(),
-                upper: Some(upper),
-                work: Some(work),
-            })
-            .await
-            .map_err(Error::Node)?;
+        let mount = self.node.handle(NodeRequest::Mount {
+            layers: record.layers.clone(),
+            mountpoint: rootfs.clone(),
+            upper: Some(upper),
+            work: Some(work),
+        });
+        tokio::pin!(mount);
+        let (mounted, _turn) = tokio::select! {
+            r = &mut mount => (r, turn),
+            () = tokio::time::sleep(TURN_KEPT_WHILE_MOUNTING) => {
+                drop(turn);
+                tracing::debug!("sandbox {}: its mount waits on the store; turn given back", sb.id);
+                let r = mount.await;
+                (r, self.composing.acquire().await.ok())
+            }
+        };
+        mounted.map_err(Error::Node)?;
         let netns = match (&record.net, record.net_slot) {
             (Network::Allow(rules), Some(slot)) => {
                 let (run_dir, id, rules) = (self.run_dir(), sb.id.clone(), rules.clone());
