@@ -1204,3 +1204,138 @@ fn a_mounted_layers_meta_image_stays_in_memory() {
         assert_eq!(st["node"]["file_bounds_blobs"], 0, "{st}");
     }
 }
+
+/// A layer in the store format written before compression, dedup and tails existed (before
+/// `fe8314f`): a manifest whose blobs are `{digest, size}` only, with the old manifest's keys
+/// and no others; one plain data blob; a version-1 chunk table (`fs-cache/src/chunk/table.rs`).
+/// `layer build --compress none --no-dedup --tail-chunk-size 0 --inline-max 0` still writes
+/// exactly that; the manifest is then written again by hand as the old `Manifest` struct
+/// serialized it, and a node mounts the layer (kernel EROFS over its FUSE blob file) and reads
+/// every byte as it was.
+#[test]
+fn a_layer_in_the_format_before_compression_still_mounts_and_reads_exactly() {
+    if !common::require_root(
+        "a_layer_in_the_format_before_compression_still_mounts_and_reads_exactly",
+    ) {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("store");
+    let home = tmp.path().join("home");
+    let run_dir = tmp.path().join("run");
+    let mnt = tmp.path().join("mnt");
+    std::fs::create_dir_all(&mnt).unwrap();
+    let _guard = DaemonGuard {
+        run_dir: run_dir.clone(),
+        child: None,
+        mountpoints: vec![mnt.clone()],
+    };
+    let cmd = || {
+        let mut c = strata_cmd(&home, &store);
+        c.env("STRATA_RUN_DIR", &run_dir);
+        c
+    };
+    // Files of several chunks, a short one, an empty one, a symlink, a nested directory.
+    let src = tmp.path().join("src");
+    std::fs::create_dir_all(src.join("usr/lib/deep")).unwrap();
+    let mut x = 0x9e37_79b9_u32;
+    let mut bytes = |len: usize| -> Vec<u8> {
+        (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                x as u8
+            })
+            .collect()
+    };
+    std::fs::write(src.join("usr/lib/big"), bytes(3 * (256 << 10) + 4321)).unwrap();
+    std::fs::write(src.join("usr/lib/deep/small"), bytes(700)).unwrap();
+    std::fs::write(src.join("usr/lib/empty"), b"").unwrap();
+    std::fs::write(src.join("usr/README"), b"an old layer\n").unwrap();
+    std::os::unix::fs::symlink("lib/big", src.join("usr/link")).unwrap();
+    let built = json(
+        cmd()
+            .args(["--json", "layer", "build"])
+            .arg(&src)
+            .args(["--name", "base/old:1", "--compress", "none", "--no-dedup"])
+            .args(["--tail-chunk-size", "0", "--inline-max", "0"])
+            .output()
+            .unwrap(),
+    );
+
+    // The manifest: the old keys only, each blob `{digest, size}`, one data blob.
+    let r: fs_cache::LayerRef = "base/old:1".parse().unwrap();
+    let key = store.join(r.manifest_key());
+    let m: serde_json::Value = serde_json::from_slice(&std::fs::read(&key).unwrap()).unwrap();
+    let old_keys = [
+        "schema_version",
+        "layer",
+        "meta",
+        "blobs",
+        "parents",
+        "created",
+        "source",
+        "builder",
+    ];
+    for k in m.as_object().unwrap().keys() {
+        assert!(
+            old_keys.contains(&k.as_str()),
+            "a key the old manifest had not: {k} in {m}"
+        );
+    }
+    let blobs = m["blobs"].as_array().unwrap();
+    assert_eq!(blobs.len(), 1, "one data blob: {m}");
+    for b in blobs.iter().chain([&m["meta"]]) {
+        let keys: Vec<&str> = b.as_object().unwrap().keys().map(String::as_str).collect();
+        assert_eq!(keys, ["digest", "size"], "{m}");
+    }
+    assert_eq!(blobs[0]["digest"], built["blob_digest"], "{built}");
+    // Its chunk table: version 1, stored size = blob size, no entry flagged compressed.
+    let digest: fs_cache::Digest = blobs[0]["digest"].as_str().unwrap().parse().unwrap();
+    let size = blobs[0]["size"].as_u64().unwrap();
+    let table = std::fs::read(store.join(fs_cache::store::sidecar_key(
+        &digest,
+        fs_cache::store::CHUNKS_SUFFIX,
+    )))
+    .unwrap();
+    let u32_at = |o: usize| u32::from_le_bytes(table[o..o + 4].try_into().unwrap());
+    let u64_at = |o: usize| u64::from_le_bytes(table[o..o + 8].try_into().unwrap());
+    assert_eq!(&table[..8], b"STRATACT");
+    assert_eq!(u32_at(8), 1, "a version-1 table");
+    assert_eq!(
+        (u64_at(24), u64_at(32)),
+        (size, size),
+        "plain: stored = blob size"
+    );
+    let chunks = (table.len() - 80 - 32) / 48;
+    assert_eq!(chunks as u64, size.div_ceil(256 << 10));
+    for i in 0..chunks {
+        assert_eq!(u32_at(80 + 48 * i + 44), 0, "chunk {i} flagged");
+    }
+    // The manifest again, as the old struct serialized it (its field order, every field).
+    let old = serde_json::json!({
+        "schema_version": m["schema_version"],
+        "layer": m["layer"],
+        "meta": {"digest": m["meta"]["digest"], "size": m["meta"]["size"]},
+        "blobs": [{"digest": blobs[0]["digest"], "size": blobs[0]["size"]}],
+        "parents": [],
+        "created": m["created"],
+        "source": m["source"],
+        "builder": m["builder"],
+    });
+    std::fs::write(&key, serde_json::to_vec_pretty(&old).unwrap()).unwrap();
+
+    ok(cmd()
+        .args(["mount", "base/old:1"])
+        .arg(&mnt)
+        .output()
+        .unwrap());
+    // Four files and the symlink (read through).
+    assert_eq!(same_files(&src, &mnt), 5);
+    assert_eq!(
+        std::fs::read_link(mnt.join("usr/link")).unwrap(),
+        Path::new("lib/big")
+    );
+    ok(cmd().arg("umount").arg(&mnt).output().unwrap());
+}
