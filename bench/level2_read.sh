@@ -9,14 +9,16 @@
 # daemon's hit counters and read-latency histogram (bucket i: reads that took < 2^i µs).
 # Run as root; STRATA_BIN picks the binary (default: target/release/strata of
 # $CARGO_TARGET_DIR); PERF_CMD profiles the daemon during the read (the script appends
-# `-p <daemon pid>`). Everything it made goes at the end, also when it fails.
+# `-p <daemon pid>`); LEVEL2_BUILD_ARGS adds `layer build` options (e.g. `--compress none`).
+# Everything it made goes at the end, also when it fails.
 # Figures: bench/README.md, "peers".
 set -euo pipefail
 # shellcheck source=bench/lib.sh
 source "$(dirname "$0")/lib.sh"
 bench_setup level2-read "${1:-}"
 largest="${2:-}"
-"$bin" "${store[@]}" layer build "$tree" --name base/level2:1 --quiet >/dev/null
+# shellcheck disable=SC2086 # a list of options
+"$bin" "${store[@]}" layer build "$tree" --name base/level2:1 --quiet ${LEVEL2_BUILD_ARGS:-} >/dev/null
 if [[ "$largest" == --largest ]]; then
     (cd "$tree" && find . -type f -printf '%s %p\n' | sort -n | tail -1 | cut -d' ' -f2-) >"$work/list"
 else
