@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use common::cli::*;
@@ -553,6 +553,59 @@ fn blob_cat_goes_through_a_running_daemon() {
     stop_daemon(&guard);
 }
 
+/// One node for a test: a store, home (caches) and run directory under a fresh temporary
+/// directory, and a mountpoint; the guard stops its daemon and unmounts, however the test
+/// ends (declared before `tmp`, so it goes first).
+struct OneNode {
+    _guard: DaemonGuard,
+    store: PathBuf,
+    home: PathBuf,
+    run_dir: PathBuf,
+    mnt: PathBuf,
+    tmp: tempfile::TempDir,
+}
+
+impl OneNode {
+    fn new() -> OneNode {
+        let tmp = tempfile::tempdir().unwrap();
+        let run_dir = tmp.path().join("run");
+        let mnt = tmp.path().join("mnt");
+        std::fs::create_dir_all(&mnt).unwrap();
+        OneNode {
+            _guard: DaemonGuard {
+                run_dir: run_dir.clone(),
+                child: None,
+                mountpoints: vec![mnt.clone()],
+            },
+            store: tmp.path().join("store"),
+            home: tmp.path().join("home"),
+            run_dir,
+            mnt,
+            tmp,
+        }
+    }
+
+    /// `strata` on this node.
+    fn cmd(&self) -> Command {
+        let mut c = strata_cmd(&self.home, &self.store);
+        c.env("STRATA_RUN_DIR", &self.run_dir);
+        c
+    }
+}
+
+/// `len` pseudo-random bytes, the same for the same `seed` (xorshift32).
+fn noise(seed: u32, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(2_654_435_761) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x as u8
+        })
+        .collect()
+}
+
 #[test]
 fn a_deduped_layer_reads_exactly_after_its_sources_and_unrelated_layers_are_gone() {
     if !common::require_root(
@@ -560,39 +613,15 @@ fn a_deduped_layer_reads_exactly_after_its_sources_and_unrelated_layers_are_gone
     ) {
         return;
     }
-    let tmp = tempfile::tempdir().unwrap();
-    let store = tmp.path().join("store");
-    let home = tmp.path().join("home");
-    let run_dir = tmp.path().join("run");
-    let mnt = tmp.path().join("mnt");
-    std::fs::create_dir_all(&mnt).unwrap();
-    let _guard = DaemonGuard {
-        run_dir: run_dir.clone(),
-        child: None,
-        mountpoints: vec![mnt.clone()],
-    };
-    let cmd = || {
-        let mut c = strata_cmd(&home, &store);
-        c.env("STRATA_RUN_DIR", &run_dir);
-        c
-    };
+    let node = OneNode::new();
+    let (tmp, mnt) = (&node.tmp, &node.mnt);
+    let cmd = || node.cmd();
     let chunk = 256 << 10;
-    let file = |seed: u32, len: usize| -> Vec<u8> {
-        let mut x = seed.wrapping_mul(2_654_435_761) | 1;
-        (0..len)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 17;
-                x ^= x << 5;
-                x as u8
-            })
-            .collect()
-    };
     // v1: ten files of four chunks and a tail; an unrelated layer of another kind.
     let v1 = tmp.path().join("v1");
     std::fs::create_dir_all(v1.join("lib")).unwrap();
     for i in 0..10 {
-        std::fs::write(v1.join(format!("lib/f{i}")), file(i, 4 * chunk + 100)).unwrap();
+        std::fs::write(v1.join(format!("lib/f{i}")), noise(i, 4 * chunk + 100)).unwrap();
     }
     let build = |src: &Path, name: &str, extra: &[&str]| {
         json(
@@ -609,19 +638,19 @@ fn a_deduped_layer_reads_exactly_after_its_sources_and_unrelated_layers_are_gone
     assert_eq!(b1["dedup_chunks"], 0, "{b1}");
     let other = tmp.path().join("other");
     std::fs::create_dir_all(&other).unwrap();
-    std::fs::write(other.join("x"), file(99, 3 * chunk)).unwrap();
+    std::fs::write(other.join("x"), noise(99, 3 * chunk)).unwrap();
     build(&other, "workspace/unrelated:1", &[]);
     // v2: one file changed in one chunk, one removed, one added.
     let v2 = tmp.path().join("v2");
     std::fs::create_dir_all(v2.join("lib")).unwrap();
     for i in 0..9 {
-        let mut d = file(i, 4 * chunk + 100);
+        let mut d = noise(i, 4 * chunk + 100);
         if i == 3 {
             d[2 * chunk + 7] ^= 1;
         }
         std::fs::write(v2.join(format!("lib/f{i}")), d).unwrap();
     }
-    std::fs::write(v2.join("lib/new"), file(50, 2 * chunk)).unwrap();
+    std::fs::write(v2.join("lib/new"), noise(50, 2 * chunk)).unwrap();
     let b2 = build(&v2, "toolkit/t:2", &[]);
     // 9 files × 4 chunks, one changed: 35 in v1's main blob; stored: 1 + 2 new chunks + one
     // tail. v1's ten 100-byte tails fill its tails blob's 16 KiB chunks four to a chunk: v2's
@@ -687,11 +716,11 @@ fn a_deduped_layer_reads_exactly_after_its_sources_and_unrelated_layers_are_gone
     // Mounted by the node (EROFS with both blobs as devices): every byte as built.
     ok(cmd()
         .args(["mount", "toolkit/t:2"])
-        .arg(&mnt)
+        .arg(mnt)
         .output()
         .unwrap());
-    assert_eq!(same_files(&v2, &mnt), 10);
-    ok(cmd().arg("umount").arg(&mnt).output().unwrap());
+    assert_eq!(same_files(&v2, mnt), 10);
+    ok(cmd().arg("umount").arg(mnt).output().unwrap());
     // `layer export` reads it through the cache, both blobs.
     let out = tmp.path().join("t2.erofs");
     ok(cmd()
@@ -712,21 +741,11 @@ fn small_files_of_a_base_layer_are_inline_and_read_without_a_fetch() {
     if !common::require_root("small_files_of_a_base_layer_are_inline_and_read_without_a_fetch") {
         return;
     }
-    let tmp = tempfile::tempdir().unwrap();
-    let store = tmp.path().join("store");
-    let home = tmp.path().join("home");
-    let run_dir = tmp.path().join("run");
-    let mnt = tmp.path().join("mnt");
-    std::fs::create_dir_all(&mnt).unwrap();
-    let _guard = DaemonGuard {
-        run_dir: run_dir.clone(),
-        child: None,
-        mountpoints: vec![mnt.clone()],
-    };
+    let node = OneNode::new();
+    let (tmp, mnt) = (&node.tmp, &node.mnt);
     let cmd = || {
-        let mut c = strata_cmd(&home, &store);
-        c.env("STRATA_RUN_DIR", &run_dir)
-            .env_remove("STRATA_INLINE_MAX");
+        let mut c = node.cmd();
+        c.env_remove("STRATA_INLINE_MAX");
         c
     };
     // 40 small files of 1..=3,901 bytes, one empty, and two that are not small.
@@ -773,7 +792,7 @@ fn small_files_of_a_base_layer_are_inline_and_read_without_a_fetch() {
     // The small files first: read exactly, and nothing fetched for them.
     ok(cmd()
         .args(["mount", "base/small:1"])
-        .arg(&mnt)
+        .arg(mnt)
         .output()
         .unwrap());
     assert_eq!(same_files(&src.join("small"), &mnt.join("small")), 41);
@@ -781,18 +800,18 @@ fn small_files_of_a_base_layer_are_inline_and_read_without_a_fetch() {
     assert_eq!(cache["bytes_fetched"], 0, "{cache}");
     assert_eq!(cache["misses"], 0, "{cache}");
     // The others come from the blobs.
-    assert_eq!(same_files(&src, &mnt), 43);
+    assert_eq!(same_files(&src, mnt), 43);
     let cache = json(cmd().args(["--json", "status"]).output().unwrap())["cache"].clone();
     assert!(cache["bytes_fetched"].as_u64().unwrap() > 0, "{cache}");
-    ok(cmd().arg("umount").arg(&mnt).output().unwrap());
+    ok(cmd().arg("umount").arg(mnt).output().unwrap());
     // The workspace (no inline files) reads the same.
     ok(cmd()
         .args(["mount", "workspace/small:1"])
-        .arg(&mnt)
+        .arg(mnt)
         .output()
         .unwrap());
-    assert_eq!(same_files(&src, &mnt), 43);
-    ok(cmd().arg("umount").arg(&mnt).output().unwrap());
+    assert_eq!(same_files(&src, mnt), 43);
+    ok(cmd().arg("umount").arg(mnt).output().unwrap());
 }
 
 /// A layer's access trace: recorded by the first node that mounts it, stored beside its meta
@@ -1219,38 +1238,14 @@ fn a_layer_in_the_format_before_compression_still_mounts_and_reads_exactly() {
     ) {
         return;
     }
-    let tmp = tempfile::tempdir().unwrap();
-    let store = tmp.path().join("store");
-    let home = tmp.path().join("home");
-    let run_dir = tmp.path().join("run");
-    let mnt = tmp.path().join("mnt");
-    std::fs::create_dir_all(&mnt).unwrap();
-    let _guard = DaemonGuard {
-        run_dir: run_dir.clone(),
-        child: None,
-        mountpoints: vec![mnt.clone()],
-    };
-    let cmd = || {
-        let mut c = strata_cmd(&home, &store);
-        c.env("STRATA_RUN_DIR", &run_dir);
-        c
-    };
+    let node = OneNode::new();
+    let (tmp, store, mnt) = (&node.tmp, &node.store, &node.mnt);
+    let cmd = || node.cmd();
     // Files of several chunks, a short one, an empty one, a symlink, a nested directory.
     let src = tmp.path().join("src");
     std::fs::create_dir_all(src.join("usr/lib/deep")).unwrap();
-    let mut x = 0x9e37_79b9_u32;
-    let mut bytes = |len: usize| -> Vec<u8> {
-        (0..len)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 17;
-                x ^= x << 5;
-                x as u8
-            })
-            .collect()
-    };
-    std::fs::write(src.join("usr/lib/big"), bytes(3 * (256 << 10) + 4321)).unwrap();
-    std::fs::write(src.join("usr/lib/deep/small"), bytes(700)).unwrap();
+    std::fs::write(src.join("usr/lib/big"), noise(1, 3 * (256 << 10) + 4321)).unwrap();
+    std::fs::write(src.join("usr/lib/deep/small"), noise(2, 700)).unwrap();
     std::fs::write(src.join("usr/lib/empty"), b"").unwrap();
     std::fs::write(src.join("usr/README"), b"an old layer\n").unwrap();
     std::os::unix::fs::symlink("lib/big", src.join("usr/link")).unwrap();
@@ -1328,14 +1323,14 @@ fn a_layer_in_the_format_before_compression_still_mounts_and_reads_exactly() {
 
     ok(cmd()
         .args(["mount", "base/old:1"])
-        .arg(&mnt)
+        .arg(mnt)
         .output()
         .unwrap());
     // Four files and the symlink (read through).
-    assert_eq!(same_files(&src, &mnt), 5);
+    assert_eq!(same_files(&src, mnt), 5);
     assert_eq!(
         std::fs::read_link(mnt.join("usr/link")).unwrap(),
         Path::new("lib/big")
     );
-    ok(cmd().arg("umount").arg(&mnt).output().unwrap());
+    ok(cmd().arg("umount").arg(mnt).output().unwrap());
 }

@@ -364,20 +364,7 @@ impl Drop for Sandboxes<'_> {
 fn a_stalled_stack_holds_up_no_create_of_a_stack_already_here() {
     const NAME: &str = "a_stalled_stack_holds_up_no_create_of_a_stack_already_here";
     const STORE_DEADLINE: Duration = Duration::from_secs(30);
-    if !common::require_root(NAME) {
-        return;
-    }
-    let runc = std::process::Command::new("sh")
-        .args(["-c", "command -v runc"])
-        .stdout(std::process::Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if !runc {
-        println!("\n*** SKIPPED {NAME}: runc not installed ***\n");
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "{NAME}: runc not installed (scripts/install-test-deps.sh installs it under CI)"
-        );
+    if !common::runc_ready(NAME) {
         return;
     }
     let setup = Setup {
@@ -395,19 +382,14 @@ fn a_stalled_stack_holds_up_no_create_of_a_stack_already_here() {
     let src = c.node.dir.path().join("stalled-src");
     std::fs::create_dir_all(src.join("etc")).unwrap();
     std::fs::write(src.join("etc/stalled"), "a layer behind a stalled store\n").unwrap();
-    let out = c
-        .node
-        .cmd()
-        .args(["layer", "build", "--quiet"])
-        .arg(&src)
-        .args(["--name", "base/stalled:1"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    c.node.ok(&[
+        "layer",
+        "build",
+        "--quiet",
+        src.to_str().unwrap(),
+        "--name",
+        "base/stalled:1",
+    ]);
     let sandboxes = Sandboxes {
         node: &c.node,
         ids: Default::default(),

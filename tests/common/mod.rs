@@ -63,18 +63,44 @@ fn e2b_sdk_version() -> Option<String> {
         .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
 
+/// Whether `program` is on the PATH.
+pub fn installed(program: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {program}")])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Say loudly that `test` is skipped and why; under `CI=true` that is a failure.
+pub fn skipped(test: &str, why: &str) {
+    println!("\n*** SKIPPED {test}: {why} ***\n");
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "{test}: {why} (scripts/install-test-deps.sh installs it under CI)"
+    );
+}
+
+/// Whether sandboxes can run here (root and runc); otherwise a loud SKIPPED (a failure
+/// under CI).
+pub fn runc_ready(test: &str) -> bool {
+    if !require_root(test) {
+        return false;
+    }
+    if !installed("runc") {
+        skipped(test, "runc not installed");
+        return false;
+    }
+    true
+}
+
 /// Whether the SDK can drive a node here (root, runc, the pinned SDK, the Debian base);
 /// otherwise a loud SKIPPED (a failure under CI).
 pub fn e2b_ready(test: &str) -> bool {
     if !require_root(test) {
         return false;
     }
-    let runc = Command::new("sh")
-        .args(["-c", "command -v runc"])
-        .stdout(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    let why = if !runc {
+    let why = if !installed("runc") {
         Some("runc not installed".to_owned())
     } else if e2b_sdk_version().as_deref() != Some("2.63.0") {
         Some(format!(
@@ -87,11 +113,7 @@ pub fn e2b_ready(test: &str) -> bool {
         None
     };
     if let Some(why) = why {
-        println!("\n*** SKIPPED {test}: {why} ***\n");
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "{test}: {why} (scripts/install-test-deps.sh installs it under CI)"
-        );
+        skipped(test, &why);
         return false;
     }
     true
