@@ -1,22 +1,45 @@
-//! One command run in a sandbox: its captured output, its end, and the clients that follow
-//! it.
+//! One command run in a sandbox: its kept output, its end, and the clients that follow it.
 //!
-//! Output is read from the runtime's pipes as it comes and kept in memory up to the exec's
-//! cap per stream; past the cap it is still read (the command never blocks on a full pipe)
-//! but only counted. Every follower (the client that started it, clients that reattach)
-//! reads from an offset of the captured bytes, so a reattached client gets what it missed.
-//! A watch channel wakes followers when bytes arrive or the exec ends.
+//! Output lives in files beside the sandbox on the host, one directory per exec
+//! (`<sandbox dir>/execs/<exec id>/`), nothing of it visible inside the sandbox:
+//!
+//! | file | what |
+//! | --- | --- |
+//! | `exec.json` | [`ExecMeta`]: the command, its key (the init's name for it), its pid, its deadline, what its end is classified against |
+//! | `stdout`, `stderr` | what it wrote, up to its cap per stream; past the cap output is read, counted and dropped |
+//! | `status` | `<wait status> <stdout total> <stderr total>`, written by the sandbox's init once the command has ended and its pipes are drained |
+//! | `timed-out` | present once the daemon killed it for its timeout |
+//! | `result.json` | the [`ExecResult`], once the daemon has classified its end |
+//!
+//! For a command started through the sandbox's init (`crate::agent`), the init holds its
+//! pipes and writes the two output files (the daemon hands it their descriptors): a daemon
+//! that dies, restarts or hands over loses nothing, the command never sees `EPIPE`, and its
+//! status lands in `status` even if it ends while no daemon runs. The next daemon finds the
+//! directory ([`Exec::load`]) and attaches again by the key (`crate::reattach`). A `runc
+//! exec` (a sandbox older than the init's socket) is pumped into the same files by the
+//! daemon ([`Exec::push`]).
+//!
+//! Every follower (the client that started it, clients that reattach, on any daemon) reads
+//! from byte offsets of the kept output, so a reattached client gets what it missed. A watch
+//! channel wakes followers when the files grow ([`Exec::refresh`]) or the exec ends.
+//!
+//! Bounds: per exec its two caps (`max_output`, at most [`MAX_MAX_OUTPUT`]); per sandbox the
+//! last 64 execs (older ended ones go with their files); so per node 64 × 2 × the cap per
+//! sandbox at most, on the node's disk, never in the daemon's memory.
 //!
 //! While it runs, an exec can be driven ([`Exec::write_stdin`], [`Exec::close_stdin`],
-//! [`Exec::signal`], [`Exec::resize`]) through its [`Control`], which the code that started it
-//! (`crate::run`) installs: a channel to the task that owns its stdin, and how to signal it
-//! (through the sandbox's init, or the host pid of a `runc exec`'s command).
+//! [`Exec::signal`], [`Exec::resize`]) through its [`Control`], which the code that started
+//! it (`crate::run`) installs.
 
-use std::os::fd::OwnedFd;
+use std::fs::File;
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use base64::Engine as _;
+use serde::{Deserialize, Serialize};
 use tokio::io::AsyncReadExt;
 use tokio::sync::{mpsc, watch};
 use ublk_daemon::node::proto::ResponseLine;
@@ -24,7 +47,7 @@ use ublk_daemon::node::proto::ResponseLine;
 use crate::proto::{ExecEvent, ExecResult, ExecSummary, PtySize, Stream};
 use crate::{Error, Result};
 
-/// The default cap on captured output per stream.
+/// The default cap on kept output per stream.
 pub const DEFAULT_MAX_OUTPUT: u64 = 16 << 20;
 
 /// The largest cap a request may ask for.
@@ -33,17 +56,49 @@ pub const MAX_MAX_OUTPUT: u64 = 256 << 20;
 /// Bytes per output event (before base64).
 const EVENT_BYTES: usize = 64 << 10;
 
-#[derive(Debug, Default)]
-struct Captured {
-    bytes: Vec<u8>,
-    /// Everything the command wrote, captured or not.
-    total: u64,
+/// The directory of a sandbox's execs, in its directory.
+pub const EXECS_DIR: &str = "execs";
+
+/// What is known of an exec when it starts: `exec.json`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecMeta {
+    pub id: String,
+    /// The init's name for it (a random number), for an attach after a restart.
+    pub key: u64,
+    pub args: Vec<String>,
+    /// The environment the request added (not the sandbox's, not its secrets).
+    #[serde(default)]
+    pub env: Vec<String>,
+    #[serde(default)]
+    pub cwd: Option<String>,
+    #[serde(default)]
+    pub tag: Option<String>,
+    #[serde(default)]
+    pub pty: bool,
+    pub max_output: u64,
+    /// Wall-clock start, ms since the epoch.
+    pub started_ms: u64,
+    /// Its pid inside the sandbox, once the init reported it.
+    #[serde(default)]
+    pub pid: Option<i32>,
+    /// When its timeout kills it, ms since the epoch.
+    #[serde(default)]
+    pub deadline_ms: Option<u64>,
+    /// The sandbox's OOM-kill count before it started (an end by SIGKILL after a new one is
+    /// an OOM).
+    #[serde(default)]
+    pub oom_before: u64,
+    /// Whether its stdin takes later input.
+    #[serde(default)]
+    pub stdin_open: bool,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct ExecState {
-    stdout: Captured,
-    stderr: Captured,
+    /// Bytes kept in each file.
+    kept: [u64; 2],
+    /// Everything written to each stream, kept or not, as known so far.
+    total: [u64; 2],
     result: Option<ExecResult>,
 }
 
@@ -53,16 +108,48 @@ pub struct Exec {
     pub id: String,
     pub sandbox: String,
     pub args: Vec<String>,
+    /// The environment the request added.
+    pub env: Vec<String>,
+    pub cwd: Option<String>,
     pub started: Instant,
     pub max_output: u64,
     /// The caller's name for it.
     pub tag: Option<String>,
     /// Whether it runs under a pseudo-terminal (its output is all `stdout`).
     pub pty: bool,
+    /// Its directory (module docs).
+    pub dir: PathBuf,
+    meta: Mutex<ExecMeta>,
+    files: [File; 2],
     state: Mutex<ExecState>,
     /// Bumped on every change.
     changed: watch::Sender<u64>,
     control: Mutex<Control>,
+}
+
+fn stream_index(s: Stream) -> usize {
+    match s {
+        Stream::Stdout => 0,
+        Stream::Stderr => 1,
+    }
+}
+
+/// Write `bytes` as `dir/name`, renamed into place (not synced: the files it describes are
+/// not either, and a node that crashes loses its sandboxes anyway).
+fn put(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = dir.join(format!(".{name}.tmp"));
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, dir.join(name))
+}
+
+/// A status file's content (the init's): the wait status and both streams' totals.
+pub fn read_status(dir: &Path) -> Option<(i32, u64, u64)> {
+    let s = std::fs::read_to_string(dir.join("status")).ok()?;
+    let mut it = s.split_whitespace();
+    let status = it.next()?.parse().ok()?;
+    let out = it.next()?.parse().ok()?;
+    let err = it.next()?.parse().ok()?;
+    Some((status, out, err))
 }
 
 /// How a running exec is driven; installed by whoever started it.
@@ -72,10 +159,8 @@ pub struct Control {
     pub pid: Option<i32>,
     /// Bytes for its stdin (`None`: close it), to the task that owns the write end.
     pub stdin: Option<mpsc::Sender<Option<Vec<u8>>>>,
-    /// Where signals go.
+    /// Where signals (and, with a terminal, resizes) go.
     pub signal: Option<Signaller>,
-    /// Its terminal's master, for resizes.
-    pub pty_master: Option<Arc<OwnedFd>>,
 }
 
 /// Where an exec's signals go.
@@ -92,7 +177,7 @@ pub enum Signaller {
 pub enum ExecUpdate {
     Output {
         stream: Stream,
-        /// Where `data` starts in the stream's captured output.
+        /// Where `data` starts in the stream's kept output.
         offset: u64,
         data: Vec<u8>,
     },
@@ -100,34 +185,116 @@ pub enum ExecUpdate {
 }
 
 impl Exec {
-    pub fn new(id: String, sandbox: String, args: Vec<String>, max_output: u64) -> Arc<Self> {
-        Self::with_tag(id, sandbox, args, max_output, None, false)
+    /// A new exec's directory `dir` (its files created empty, `exec.json` written): the
+    /// exec, and its status file for the init. Blocking: off the async threads.
+    pub fn create(
+        dir: PathBuf,
+        sandbox: String,
+        meta: ExecMeta,
+    ) -> std::io::Result<(Arc<Self>, File)> {
+        std::fs::create_dir_all(&dir)?;
+        let open = |name: &str| {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(dir.join(name))
+        };
+        let files = [open("stdout")?, open("stderr")?];
+        let status = open("status")?;
+        put(&dir, "exec.json", &serde_json::to_vec(&meta)?)?;
+        let e = Self::with(dir, sandbox, meta, files, ExecState::default());
+        Ok((e, status))
     }
 
-    pub fn with_tag(
-        id: String,
-        sandbox: String,
-        args: Vec<String>,
-        max_output: u64,
-        tag: Option<String>,
-        pty: bool,
-    ) -> Arc<Self> {
-        Arc::new(Self {
-            id,
+    /// The exec in directory `dir`, as a daemon that did not start it finds it (its result
+    /// read back if it has one). Blocking.
+    pub fn load(dir: PathBuf, sandbox: String) -> std::io::Result<Arc<Self>> {
+        let meta: ExecMeta = serde_json::from_slice(&std::fs::read(dir.join("exec.json"))?)?;
+        let open = |name: &str| {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(dir.join(name))
+        };
+        let files = [open("stdout")?, open("stderr")?];
+        let kept = [files[0].metadata()?.len(), files[1].metadata()?.len()];
+        let result: Option<ExecResult> = std::fs::read(dir.join("result.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok());
+        let total = match &result {
+            Some(r) => [r.stdout_bytes, r.stderr_bytes],
+            None => kept,
+        };
+        let pid = meta.pid;
+        let e = Self::with(
+            dir,
             sandbox,
-            args,
-            started: Instant::now(),
-            max_output,
-            tag,
-            pty,
+            meta,
+            files,
+            ExecState {
+                kept,
+                total,
+                result,
+            },
+        );
+        e.control().pid = pid;
+        Ok(e)
+    }
+
+    fn with(
+        dir: PathBuf,
+        sandbox: String,
+        meta: ExecMeta,
+        files: [File; 2],
+        state: ExecState,
+    ) -> Arc<Self> {
+        let age = crate::manager::now_ms().saturating_sub(meta.started_ms);
+        let started = Instant::now()
+            .checked_sub(Duration::from_millis(age))
+            .unwrap_or_else(Instant::now);
+        Arc::new(Self {
+            id: meta.id.clone(),
+            sandbox,
+            args: meta.args.clone(),
+            env: meta.env.clone(),
+            cwd: meta.cwd.clone(),
+            started,
+            max_output: meta.max_output,
+            tag: meta.tag.clone(),
+            pty: meta.pty,
+            dir,
+            meta: Mutex::new(meta),
+            files,
+            state: Mutex::new(state),
             control: Mutex::new(Control::default()),
-            state: Mutex::new(ExecState {
-                stdout: Captured::default(),
-                stderr: Captured::default(),
-                result: None,
-            }),
             changed: watch::channel(0).0,
         })
+    }
+
+    /// The file `stream` is kept in, for the init to write.
+    pub fn file(&self, stream: Stream) -> &File {
+        &self.files[stream_index(stream)]
+    }
+
+    pub fn meta(&self) -> ExecMeta {
+        self.meta.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Change `exec.json` (a small local write).
+    pub fn set_meta(&self, f: impl FnOnce(&mut ExecMeta)) {
+        let meta = {
+            let mut m = self.meta.lock().unwrap_or_else(|p| p.into_inner());
+            f(&mut m);
+            m.clone()
+        };
+        let written = serde_json::to_vec(&meta)
+            .map_err(std::io::Error::from)
+            .and_then(|b| put(&self.dir, "exec.json", &b));
+        if let Err(e) = written {
+            tracing::warn!("exec {}: write its record: {e}", self.id);
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, ExecState> {
@@ -138,38 +305,86 @@ impl Exec {
         self.changed.send_modify(|n| *n += 1);
     }
 
-    /// Take in `data` written to `stream`.
+    /// Take in `data` written to `stream` (output the daemon reads itself: a `runc exec`).
     pub fn push(&self, stream: Stream, data: &[u8]) {
         {
             let mut s = self.lock();
-            let c = match stream {
-                Stream::Stdout => &mut s.stdout,
-                Stream::Stderr => &mut s.stderr,
-            };
-            c.total += data.len() as u64;
-            let room = self.max_output.saturating_sub(c.bytes.len() as u64) as usize;
-            c.bytes.extend_from_slice(&data[..data.len().min(room)]);
-        }
-        self.bump();
-    }
-
-    /// Bytes written so far to each stream (captured or not), and whether any was dropped.
-    pub fn totals(&self) -> (u64, u64, bool) {
-        let s = self.lock();
-        let dropped = s.stdout.total > s.stdout.bytes.len() as u64
-            || s.stderr.total > s.stderr.bytes.len() as u64;
-        (s.stdout.total, s.stderr.total, dropped)
-    }
-
-    /// Record the end (once).
-    pub fn finish(&self, result: ExecResult) {
-        {
-            let mut s = self.lock();
-            if s.result.is_none() {
-                s.result = Some(result);
+            let i = stream_index(stream);
+            s.total[i] += data.len() as u64;
+            let room = self.max_output.saturating_sub(s.kept[i]) as usize;
+            let keep = &data[..data.len().min(room)];
+            if !keep.is_empty() {
+                match (&self.files[i]).write_all(keep) {
+                    Ok(()) => s.kept[i] += keep.len() as u64,
+                    Err(e) => tracing::warn!("exec {}: keep its output: {e}", self.id),
+                }
             }
         }
         self.bump();
+    }
+
+    /// Take in what the files hold now (the init wrote more).
+    pub fn refresh(&self) {
+        let sizes = [0, 1].map(|i| self.files[i].metadata().map(|m| m.len()).unwrap_or(0));
+        let grew = {
+            let mut s = self.lock();
+            let mut grew = false;
+            for (i, size) in sizes.into_iter().enumerate() {
+                if size > s.kept[i] {
+                    s.kept[i] = size;
+                    grew = true;
+                }
+                s.total[i] = s.total[i].max(s.kept[i]);
+            }
+            grew
+        };
+        if grew {
+            self.bump();
+        }
+    }
+
+    /// The totals the init counted (kept or not), from its status file.
+    pub fn set_totals(&self, out: u64, err: u64) {
+        let mut s = self.lock();
+        s.total = [out.max(s.kept[0]), err.max(s.kept[1])];
+    }
+
+    /// Bytes written so far to each stream (kept or not), and whether any was dropped.
+    pub fn totals(&self) -> (u64, u64, bool) {
+        let s = self.lock();
+        let dropped = s.total[0] > s.kept[0] || s.total[1] > s.kept[1];
+        (s.total[0], s.total[1], dropped)
+    }
+
+    /// Bytes kept so far in each stream.
+    pub fn kept(&self) -> [u64; 2] {
+        self.lock().kept
+    }
+
+    /// Record the end (once), in memory and as `result.json`.
+    pub fn finish(&self, result: ExecResult) {
+        let first = {
+            let mut s = self.lock();
+            let first = s.result.is_none();
+            if first {
+                s.result = Some(result.clone());
+            }
+            first
+        };
+        if first {
+            let written = serde_json::to_vec(&result)
+                .map_err(std::io::Error::from)
+                .and_then(|b| put(&self.dir, "result.json", &b));
+            if let Err(e) = written {
+                tracing::warn!("exec {}: write its result: {e}", self.id);
+            }
+        }
+        self.bump();
+    }
+
+    /// Remove its directory (it has ended and is no longer remembered).
+    pub fn remove_files(&self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 
     /// Wait until the exec has ended; its result.
@@ -191,7 +406,7 @@ impl Exec {
         let mut changes = self.changed.subscribe();
         let active = |me: &Self| {
             let s = me.lock();
-            s.stdout.total > 0 || s.stderr.total > 0 || s.result.is_some()
+            s.total[0] > 0 || s.total[1] > 0 || s.result.is_some()
         };
         let _ = tokio::time::timeout(limit, async {
             while !active(self) {
@@ -299,14 +514,16 @@ impl Exec {
 
     /// Resize its terminal.
     pub fn resize(&self, size: PtySize) -> Result<()> {
-        let master = self.control().pty_master.clone();
-        let Some(master) = master else {
-            return Err(Error::InvalidSpec(format!(
-                "exec {} has no terminal",
-                self.id
-            )));
+        let init = match &self.control().signal {
+            Some(Signaller::Init(r)) if self.pty => r.clone(),
+            _ => {
+                return Err(Error::InvalidSpec(format!(
+                    "exec {} has no terminal",
+                    self.id
+                )))
+            }
         };
-        crate::pty::resize(&master, size)
+        init.resize(size.rows, size.cols)
             .map_err(|e| Error::io(format!("resize the terminal of exec {}", self.id), e))
     }
 
@@ -315,7 +532,6 @@ impl Exec {
         let mut c = self.control();
         c.stdin = None;
         c.signal = None;
-        c.pty_master = None;
     }
 
     /// Follow this exec from the given offsets: its output as it comes, in bounded pieces,
@@ -325,32 +541,31 @@ impl Exec {
         let me = self.clone();
         tokio::spawn(async move {
             let mut changes = me.changed.subscribe();
+            let mut buf = vec![0u8; EVENT_BYTES];
             loop {
                 changes.borrow_and_update();
-                let (chunks, result) = {
+                // Read together: once the result is there, the files hold everything.
+                let (kept, result) = {
                     let s = me.lock();
-                    let mut chunks = Vec::new();
-                    for (i, (stream, c)) in
-                        [(Stream::Stdout, &s.stdout), (Stream::Stderr, &s.stderr)]
-                            .into_iter()
-                            .enumerate()
-                    {
-                        let start = (from[i] as usize).min(c.bytes.len());
-                        for piece in c.bytes[start..].chunks(EVENT_BYTES) {
-                            chunks.push((stream, from[i], piece.to_vec()));
-                            from[i] += piece.len() as u64;
-                        }
-                    }
-                    (chunks, s.result.clone())
+                    (s.kept, s.result.clone())
                 };
-                for (stream, offset, data) in chunks {
-                    let u = ExecUpdate::Output {
-                        stream,
-                        offset,
-                        data,
-                    };
-                    if tx.send(u).await.is_err() {
-                        return;
+                for (i, stream) in [Stream::Stdout, Stream::Stderr].into_iter().enumerate() {
+                    while from[i] < kept[i] {
+                        let want = ((kept[i] - from[i]) as usize).min(EVENT_BYTES);
+                        // A page-cache read of what was just written: local and short.
+                        let n = match me.files[i].read_at(&mut buf[..want], from[i]) {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        let u = ExecUpdate::Output {
+                            stream,
+                            offset: from[i],
+                            data: buf[..n].to_vec(),
+                        };
+                        from[i] += n as u64;
+                        if tx.send(u).await.is_err() {
+                            return;
+                        }
                     }
                 }
                 if let Some(r) = result {
@@ -430,21 +645,42 @@ mod tests {
     use super::*;
     use crate::proto::ExitReason;
 
+    fn exec_in(dir: &Path, cap: u64) -> Arc<Exec> {
+        let meta = ExecMeta {
+            id: "e".into(),
+            key: 7,
+            args: vec!["true".into()],
+            max_output: cap,
+            started_ms: crate::manager::now_ms(),
+            ..ExecMeta::default()
+        };
+        Exec::create(dir.join("e"), "s".into(), meta).unwrap().0
+    }
+
     #[test]
     fn output_past_the_cap_is_counted_not_kept() {
-        let e = Exec::new("e".into(), "s".into(), vec![], 10);
+        let d = tempfile::tempdir().unwrap();
+        let e = exec_in(d.path(), 10);
         e.push(Stream::Stdout, b"0123456789abcdef");
         e.push(Stream::Stdout, b"more");
         e.push(Stream::Stderr, b"err");
         let (out, err, dropped) = e.totals();
         assert_eq!((out, err, dropped), (20, 3, true));
-        assert_eq!(e.lock().stdout.bytes, b"0123456789");
+        assert_eq!(std::fs::read(e.dir.join("stdout")).unwrap(), b"0123456789");
     }
 
     #[tokio::test]
-    async fn a_follower_from_an_offset_gets_the_rest_and_the_end() {
-        let e = Exec::new("e".into(), "s".into(), vec![], 1 << 20);
-        e.push(Stream::Stdout, b"hello world");
+    async fn a_follower_from_an_offset_gets_the_rest_and_the_end_and_so_does_a_later_daemon() {
+        let d = tempfile::tempdir().unwrap();
+        let e = exec_in(d.path(), 1 << 20);
+        // As the init writes it: into the file, then a refresh.
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(e.dir.join("stdout"))
+            .unwrap()
+            .write_all(b"hello world")
+            .unwrap();
+        e.refresh();
         let mut rx = e.follow([6, 0]);
         let first = rx.recv().await.unwrap();
         assert!(first.event.unwrap()["type"] == "started");
@@ -469,5 +705,10 @@ mod tests {
         let end = rx.recv().await.unwrap();
         assert!(end.event.is_none() && end.ok);
         assert_eq!(end.result.unwrap()["exit_code"], 0);
+        // A daemon that did not start it finds the same output and end in its directory.
+        let again = Exec::load(e.dir.clone(), "s".into()).unwrap();
+        assert_eq!(again.kept(), [11, 0]);
+        assert_eq!(again.result().unwrap().exit_code, Some(0));
+        assert_eq!(again.meta().key, 7);
     }
 }

@@ -18,6 +18,8 @@
 //! <dir>/<id>/pack/           a pack in progress (`pack`): the stack's lower view, the build
 //! <dir>/<id>/suspend.json  while suspended: what it had resident (`resident::Residency`)
 //! <dir>/<id>/secrets/        a 1 MiB tmpfs, one file per secret, bound at /run/secrets
+//! <dir>/<id>/ctl             the init's control socket (bound here, listened on by the init)
+//! <dir>/<id>/execs/<exec>/   an exec's record, output, status and result (`exec`)
 //! <run-dir>/runc/            runc's state (--root)
 //! ```
 //! ## Invariants
@@ -25,8 +27,12 @@
 //!   dies at any point finds every sandbox, or the leftovers of one, and `rm` finishes it.
 //! - Nothing of the node is in a sandbox's mount namespace (runc pivots into the overlay);
 //!   the sandbox reaches the host only through the daemon's operations.
-//! - Captured exec output never exceeds the exec's cap; past it, output is read, counted
-//!   and dropped, so a writer can fill neither memory nor disk.
+//! - Kept exec output never exceeds the exec's cap; past it, output is read, counted and
+//!   dropped, so a writer can fill neither memory nor disk. It is kept in files beside the
+//!   sandbox (`<dir>/<id>/execs/<exec>/`, `exec`), written by the sandbox's init, so execs
+//!   outlive the daemon (`reattach`).
+//! - The init (PID 1) is out of the sandbox's reach: non-dumpable, its control socket only
+//!   on the host (`agent`), and the daemon never waits on it without a deadline.
 //! - Paths given to `cp` resolve inside the sandbox's root (`openat2(RESOLVE_IN_ROOT)`): a
 //!   symlink inside never reaches the host.
 
@@ -45,6 +51,7 @@ pub mod proto;
 pub mod pty;
 pub mod qos;
 pub mod quota;
+mod reattach;
 pub mod resident;
 mod run;
 pub mod runc;

@@ -204,13 +204,16 @@ impl Sandbox {
             .cloned()
     }
 
-    fn add_exec(&self, e: Arc<Exec>) {
+    pub(crate) fn add_exec(&self, e: Arc<Exec>) {
         let mut execs = self.execs.lock().unwrap_or_else(|p| p.into_inner());
         execs.push_back(e);
         while execs.len() > KEPT_EXECS {
             match execs.iter().position(|x| x.result().is_some()) {
                 Some(i) => {
-                    execs.remove(i);
+                    if let Some(gone) = execs.remove(i) {
+                        // A few small files on local disk.
+                        gone.remove_files();
+                    }
                 }
                 None => break,
             }
@@ -305,7 +308,7 @@ pub struct Manager {
     /// Expanded stacks (`pack::expand_stack`): a layer → the layers under it.
     pub(crate) stacks: Mutex<HashMap<String, Vec<String>>>,
     sandboxes: Mutex<HashMap<String, Arc<Sandbox>>>,
-    next_exec: AtomicU64,
+    pub(crate) next_exec: AtomicU64,
     pub(crate) pools: crate::pool::Pools,
     /// The uppers filesystem, if configured.
     uppers: Option<Arc<crate::quota::UpperFs>>,
@@ -457,7 +460,9 @@ impl Manager {
             m.sandboxes
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .insert(id, sb);
+                .insert(id, sb.clone());
+            let top = crate::reattach::execs(&m, &sb).await;
+            m.next_exec.fetch_max(top + 1, Ordering::Relaxed);
         }
         for (id, dir, slot) in leftovers {
             if let Err(e) = m.teardown(&id, &dir, slot).await {
@@ -764,10 +769,14 @@ impl Manager {
         let bytes = serde_json::to_vec(&config).map_err(|e| Error::Spec(e.to_string()))?;
         let cfg = bundle.join("config.json");
         crate::bundle::write_file(cfg, bytes).await?;
+        let ctl = crate::agent::bind_ctl(dir)
+            .map_err(|e| Error::io(format!("bind {}", dir.join(crate::agent::CTL).display()), e))?;
         let pid = self
             .runtime
-            .run_detached(&sb.id, &bundle, &dir.join("runc.log"))
+            .run_detached(&sb.id, &bundle, &dir.join("runc.log"), &ctl)
             .await?;
+        // Only the init holds the socket now.
+        drop(ctl);
         // The init has started nothing yet: what it starts inherits its class.
         crate::qos::apply(pid, record.limits.class, self.core_sched)
             .and_then(|()| match record.limits.class {
@@ -1092,49 +1101,76 @@ impl Manager {
             };
             let n = self.next_exec.fetch_add(1, Ordering::Relaxed);
             let exec_id = format!("e{n}-{}", now_ms() % 1_000_000);
-            let exec = Exec::with_tag(
-                exec_id,
-                sb.id.clone(),
-                req.args.clone(),
+            let cgroups = sb.record().pid.map(cgroup::of_pid).unwrap_or_default();
+            let mut key = [0u8; 8];
+            rustix::rand::getrandom(&mut key, rustix::rand::GetRandomFlags::empty())
+                .map_err(|e| Error::io("a random exec key", e.into()))?;
+            let started_ms = now_ms();
+            let meta = exec::ExecMeta {
+                id: exec_id.clone(),
+                key: u64::from_le_bytes(key),
+                args: req.args.clone(),
+                env: req.env.clone(),
+                cwd: req.cwd.clone(),
+                tag: req.tag.clone(),
+                pty: req.pty.is_some(),
                 max_output,
-                req.tag.clone(),
-                req.pty.is_some(),
-            );
+                started_ms,
+                pid: None,
+                deadline_ms: req.timeout_ms.map(|t| started_ms + t),
+                oom_before: cgroup::oom_kills(&cgroups),
+                stdin_open: req.stdin_open || req.pty.is_some(),
+            };
+            let (dir, sandbox) = (sb.dir.join(exec::EXECS_DIR).join(&exec_id), sb.id.clone());
+            let (exec, status) =
+                tokio::task::spawn_blocking(move || Exec::create(dir, sandbox, meta))
+                    .await
+                    .map_err(|e| Error::Runtime(format!("exec task: {e}")))?
+                    .map_err(|e| Error::io(format!("the files of exec {exec_id}"), e))?;
             let with_stdin = stdin.is_some() || req.stdin_open;
-            let started = match self.start_with_init(&sb, &req, user, with_stdin).await {
+            let started = match self
+                .start_with_init(&sb, &exec, status, &req, user, with_stdin)
+                .await
+            {
                 Some(s) => s,
                 None if req.pty.is_some() => {
+                    exec.remove_files();
                     return Err(Error::Conflict(format!(
-                        "sandbox {} was started without Strata's init: no terminals in it",
+                        "sandbox {} was started without Strata's init socket: no terminals in it",
                         sb.id
-                    )))
+                    )));
                 }
                 None => self.start_with_runtime(&sb, &exec, &req, user, with_stdin)?,
             };
             sb.running_execs.fetch_add(1, Ordering::SeqCst);
             sb.add_exec(exec.clone());
-            (started, exec)
+            (started, (exec, cgroups))
         };
-        let cgroups = sb.record().pid.map(cgroup::of_pid).unwrap_or_default();
-        let oom_before = cgroup::oom_kills(&cgroups);
+        let (exec, cgroups) = exec;
+        let meta = exec.meta();
         tokio::spawn(crate::run::run(crate::run::Job {
             sb,
             exec: exec.clone(),
             started,
             stdin,
             stdin_open: req.stdin_open,
-            timeout: req.timeout_ms.map(Duration::from_millis),
-            oom_before,
+            deadline: req
+                .timeout_ms
+                .map(|t| tokio::time::Instant::now() + Duration::from_millis(t)),
+            oom_before: meta.oom_before,
             cgroups,
         }));
         Ok(exec)
     }
 
-    /// Start the exec through the sandbox's init (`crate::agent`); `None` if no init of
-    /// ours answers there (a sandbox started before it existed): the runtime starts it.
+    /// Start the exec through the sandbox's init (`crate::agent`); `None` if the sandbox has
+    /// no init socket (it was made before it): the runtime starts it. An init that does not
+    /// answer is a failed exec, never a fallback.
     async fn start_with_init(
         &self,
         sb: &Sandbox,
+        exec: &Arc<Exec>,
+        status: std::fs::File,
         req: &ExecRequest,
         user: Option<(u32, u32)>,
         with_stdin: bool,
@@ -1155,7 +1191,10 @@ impl Manager {
         }
         let (uid, gid) = user.unwrap_or((0, 0));
         let spawn = crate::run::InitSpawn {
+            dir: sb.dir.clone(),
             init_pid,
+            exec: exec.clone(),
+            status,
             args: req.args.clone(),
             env,
             cwd: req.cwd.clone().unwrap_or_else(|| "/".to_owned()),
@@ -1169,11 +1208,8 @@ impl Manager {
             .ok()?;
         match r {
             Ok(s) => Some(s),
-            Err(crate::agent::SpawnError::Unreachable(e)) => {
-                tracing::debug!(
-                    "sandbox {}: its init does not answer ({e}): runc exec",
-                    sb.id
-                );
+            Err(crate::agent::SpawnError::NoSocket) => {
+                tracing::debug!("sandbox {}: no init socket: runc exec", sb.id);
                 None
             }
             Err(e) => Some(crate::run::Started::Failed(match e {
@@ -1182,8 +1218,7 @@ impl Manager {
                     req.args[0],
                     std::io::Error::from_raw_os_error(errno)
                 ),
-                crate::agent::SpawnError::Invalid(m) => m,
-                crate::agent::SpawnError::Unreachable(e) => e.to_string(),
+                e => format!("sandbox {}: {e}", sb.id),
             })),
         }
     }
@@ -1192,7 +1227,7 @@ impl Manager {
     fn start_with_runtime(
         &self,
         sb: &Sandbox,
-        exec: &Exec,
+        exec: &Arc<Exec>,
         req: &ExecRequest,
         user: Option<(u32, u32)>,
         with_stdin: bool,

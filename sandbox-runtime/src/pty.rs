@@ -1,23 +1,19 @@
 //! Pseudo-terminals for execs that ask for one (`ExecRequest::pty`).
 //!
-//! The daemon opens the pair on the host's devpts: the slave becomes the command's stdin,
-//! stdout and stderr (sent to the sandbox's init with the spawn, which makes it the
-//! controlling terminal of the command's new session); the master stays with the daemon,
-//! which reads everything the command writes from it (one stream, reported as `stdout`),
-//! writes the caller's input to it and resizes it. The master is non-blocking and driven by
-//! tokio's reactor; once every holder of the slave has closed it, reading the master fails
-//! with `EIO`, which is the end of output.
+//! The daemon opens the pair on the host's devpts and hands both ends to the sandbox's init
+//! with the spawn (`crate::agent`): the slave becomes the command's stdin, stdout and
+//! stderr and the controlling terminal of its new session; the init keeps the master, copies
+//! everything the command writes into the exec's stdout file (one stream), writes the
+//! caller's input to it and resizes it (`W`), so that a terminal, like a pipe, outlives the
+//! daemon. Once every holder of the slave has closed it, reading the master fails with `EIO`,
+//! which is the end of output.
 
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::Arc;
 
 use rustix::pty::OpenptFlags;
-use tokio::io::unix::AsyncFd;
-use tokio::io::Interest;
 
-use crate::exec::Exec;
-use crate::proto::{PtySize, Stream};
+use crate::proto::PtySize;
 
 /// A new pair sized `size`: (master, slave), both close-on-exec.
 pub fn open(size: PtySize) -> io::Result<(OwnedFd, OwnedFd)> {
@@ -45,55 +41,6 @@ pub fn resize(master: &impl AsFd, size: PtySize) -> io::Result<()> {
         ws_ypixel: 0,
     };
     rustix::termios::tcsetwinsize(master, ws).map_err(io::Error::from)
-}
-
-/// The daemon's end of a terminal, registered with tokio.
-#[derive(Debug)]
-pub struct Master(AsyncFd<Arc<OwnedFd>>);
-
-impl Master {
-    pub fn new(fd: Arc<OwnedFd>) -> io::Result<Self> {
-        // SAFETY: the AsyncFd owns the Arc, and every other holder of the Arc only resizes
-        // through it: the descriptor stays open and names the same terminal for as long as
-        // the AsyncFd lives.
-        let fd =
-            unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE | Interest::WRITABLE) }
-                .map_err(io::Error::from)?;
-        Ok(Self(fd))
-    }
-
-    /// Read what the command writes into `exec` (as stdout) until the terminal hangs up.
-    pub async fn pump(&self, exec: Arc<Exec>) {
-        let mut buf = vec![0u8; 64 << 10];
-        loop {
-            let Ok(mut guard) = self.0.readable().await else {
-                return;
-            };
-            match guard.try_io(|fd| {
-                rustix::io::read(fd.get_ref().as_fd(), &mut buf).map_err(io::Error::from)
-            }) {
-                Ok(Ok(0)) | Ok(Err(_)) => return,
-                Ok(Ok(n)) => exec.push(Stream::Stdout, &buf[..n]),
-                Err(_would_block) => continue,
-            }
-        }
-    }
-
-    /// Write all of `data` (the command's input), waiting while the terminal's buffer is
-    /// full.
-    pub async fn write_all(&self, mut data: &[u8]) -> io::Result<()> {
-        while !data.is_empty() {
-            let mut guard = self.0.writable().await?;
-            match guard
-                .try_io(|fd| rustix::io::write(fd.get_ref().as_fd(), data).map_err(io::Error::from))
-            {
-                Ok(Ok(n)) => data = &data[n..],
-                Ok(Err(e)) => return Err(e),
-                Err(_would_block) => continue,
-            }
-        }
-        Ok(())
-    }
 }
 
 #[cfg(test)]

@@ -1,9 +1,9 @@
-//! Running one exec to its end: through the sandbox's init (`crate::agent`) or a `runc exec`
-//! process; its output pumped into the exec's capped buffers, its timeout enforced, its end
-//! classified (`ExitReason`).
+//! Running one exec to its end: through the sandbox's init (`crate::agent`), which keeps its
+//! output in the exec's files, or a `runc exec` process, whose output the daemon pumps into
+//! them; its timeout enforced, its end classified (`ExitReason`) and recorded.
 
 use std::collections::{BTreeMap, HashMap};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -20,11 +20,11 @@ use crate::pty;
 
 /// How an exec was started.
 pub(crate) enum Started {
-    /// By the sandbox's init: our ends of its pipes.
+    /// By the sandbox's init (or found running there by a later daemon): the connection
+    /// that drives it. The init keeps its output.
     Init {
         running: Arc<agent::Running>,
         init_pid: u32,
-        io: InitIo,
     },
     /// By `runc exec`, which lives as long as the command.
     Runtime {
@@ -33,17 +33,9 @@ pub(crate) enum Started {
     },
     /// Not at all: why.
     Failed(String),
-}
-
-/// Our ends of an init-started command's stdio.
-pub(crate) enum InitIo {
-    Pipes {
-        stdout: tokio::net::unix::pipe::Receiver,
-        stderr: tokio::net::unix::pipe::Receiver,
-        stdin: Option<tokio::net::unix::pipe::Sender>,
-    },
-    /// A terminal: the master carries output and input.
-    Pty(Arc<OwnedFd>),
+    /// Started by an earlier daemon and no longer running: its status file says how it
+    /// ended, if the init wrote one.
+    Ended,
 }
 
 /// What `run` needs.
@@ -54,93 +46,96 @@ pub(crate) struct Job {
     pub stdin: Option<Vec<u8>>,
     /// Keep stdin open for `Exec::write_stdin` after `stdin`'s bytes.
     pub stdin_open: bool,
-    pub timeout: Option<Duration>,
+    /// When its timeout kills it.
+    pub deadline: Option<tokio::time::Instant>,
     pub oom_before: u64,
     pub cgroups: BTreeMap<String, PathBuf>,
 }
 
 /// What `spawn_in_init` starts.
 pub(crate) struct InitSpawn {
+    pub dir: PathBuf,
     pub init_pid: u32,
+    pub exec: Arc<Exec>,
+    pub status: std::fs::File,
     pub args: Vec<String>,
     pub env: Vec<String>,
     pub cwd: String,
     pub uid: u32,
     pub gid: u32,
-    /// A pipe for stdin (else `/dev/null`), unless there is a terminal.
+    /// A pipe for stdin that later input goes to (else `/dev/null`), unless a terminal.
     pub with_stdin: bool,
     pub pty: Option<PtySize>,
 }
 
-/// Make the pipes (or the terminal) and ask the init to start the command (blocking: off
+/// Ask the init to start the command, its output kept in the exec's files (blocking: off
 /// the async threads).
 pub(crate) fn spawn_in_init(s: InitSpawn) -> Result<Started, SpawnError> {
-    let io = |e: std::io::Error| SpawnError::Unreachable(e);
-    let spawn = |stdio: [std::os::fd::BorrowedFd<'_>; 3], tty: bool| {
-        agent::spawn(
-            s.init_pid,
-            &agent::Spawn {
-                args: &s.args,
-                env: &s.env,
-                cwd: &s.cwd,
-                uid: s.uid,
-                gid: s.gid,
-                tty,
-            },
-            stdio,
-        )
+    let io = |e: std::io::Error| SpawnError::Unresponsive(e.to_string());
+    let spawn = agent::Spawn {
+        args: &s.args,
+        env: &s.env,
+        cwd: &s.cwd,
+        uid: s.uid,
+        gid: s.gid,
+        cap: s.exec.max_output,
+        key: s.exec.meta().key,
+        stdin_pipe: s.with_stdin && s.pty.is_none(),
     };
-    if let Some(size) = s.pty {
-        let (master, slave) = pty::open(size).map_err(io)?;
-        let running = spawn([slave.as_fd(), slave.as_fd(), slave.as_fd()], true)?;
-        // Only the command holds the slave now: its end (and its children's) hangs it up.
-        drop(slave);
-        return Ok(Started::Init {
-            running: Arc::new(running),
-            init_pid: s.init_pid,
-            io: InitIo::Pty(Arc::new(master)),
-        });
-    }
-    let (out_r, out_w) = agent::pipe().map_err(io)?;
-    let (err_r, err_w) = agent::pipe().map_err(io)?;
-    let (in_r, in_w) = if s.with_stdin {
-        let (r, w) = agent::pipe().map_err(io)?;
-        (r, Some(w))
-    } else {
-        let null = std::fs::File::open("/dev/null").map_err(io)?;
-        (OwnedFd::from(null), None)
+    let (out, err) = (s.exec.file(Stream::Stdout), s.exec.file(Stream::Stderr));
+    let running = match s.pty {
+        Some(size) => {
+            let (master, slave) = pty::open(size).map_err(io)?;
+            // The init keeps the master; only the command keeps the slave.
+            let fds = agent::SpawnFds {
+                stdin: slave.as_fd(),
+                stdout: out.as_fd(),
+                stderr: err.as_fd(),
+                status: s.status.as_fd(),
+                master: Some(master.as_fd()),
+            };
+            agent::spawn(&s.dir, s.init_pid, &spawn, &fds)?
+        }
+        None => {
+            let null = std::fs::File::open("/dev/null").map_err(io)?;
+            let fds = agent::SpawnFds {
+                stdin: null.as_fd(),
+                stdout: out.as_fd(),
+                stderr: err.as_fd(),
+                status: s.status.as_fd(),
+                master: None,
+            };
+            agent::spawn(&s.dir, s.init_pid, &spawn, &fds)?
+        }
     };
-    let running = spawn([in_r.as_fd(), out_w.as_fd(), err_w.as_fd()], false)?;
-    // Only the command holds the write ends now: its end (and its children's) closes them.
-    drop((in_r, out_w, err_w));
-    let recv = |fd| tokio::net::unix::pipe::Receiver::from_owned_fd(fd).map_err(io);
+    s.exec.set_meta(|m| m.pid = Some(running.pid));
     Ok(Started::Init {
         running: Arc::new(running),
         init_pid: s.init_pid,
-        io: InitIo::Pipes {
-            stdout: recv(out_r)?,
-            stderr: recv(err_r)?,
-            stdin: match in_w {
-                Some(w) => Some(tokio::net::unix::pipe::Sender::from_owned_fd(w).map_err(io)?),
-                None => None,
-            },
-        },
     })
 }
 
 /// Where an exec's input goes.
 enum Sink {
-    Pipe(tokio::net::unix::pipe::Sender),
+    Init(Arc<agent::Running>),
     Child(tokio::process::ChildStdin),
-    Pty(Arc<pty::Master>),
 }
 
 impl Sink {
     async fn write(&mut self, data: &[u8]) -> std::io::Result<()> {
         match self {
-            Sink::Pipe(w) => w.write_all(data).await,
+            Sink::Init(r) => r.input(data).await,
             Sink::Child(w) => w.write_all(data).await,
-            Sink::Pty(m) => m.write_all(data).await,
+        }
+    }
+
+    async fn close(self) {
+        match self {
+            Sink::Init(r) => {
+                let _ = r.close_stdin().await;
+            }
+            // A pipe's reader sees EOF when the write end goes.
+            Sink::Child(w) => drop(w),
         }
     }
 }
@@ -161,18 +156,14 @@ fn feed_stdin(mut sink: Sink, first: Option<Vec<u8>>, open: bool, control: &mut 
                 return;
             }
         }
-        let Some(mut rx) = rx else {
-            return;
-        };
-        while let Some(Some(b)) = rx.recv().await {
-            if sink.write(&b).await.is_err() {
-                return;
+        if let Some(mut rx) = rx {
+            while let Some(Some(b)) = rx.recv().await {
+                if sink.write(&b).await.is_err() {
+                    return;
+                }
             }
         }
-        // Closed: a pipe's reader sees EOF when the write end goes; a terminal's on ^D.
-        if let Sink::Pty(m) = &sink {
-            let _ = m.write_all(&[4]).await;
-        }
+        sink.close().await;
     });
 }
 
@@ -193,77 +184,76 @@ pub(crate) async fn run(job: Job) {
         started,
         stdin,
         stdin_open,
-        timeout,
+        deadline,
         oom_before,
         cgroups,
     } = job;
-    let mut timed_out = false;
+    // A later daemon's run of an exec its predecessor had already timed out.
+    let mut timed_out = exec.dir.join("timed-out").exists();
     let mut pumps = Vec::new();
     let ended = match started {
         Started::Failed(message) => {
             finish(&sb, &exec, ExitReason::Failed, None, None, Some(message));
             return;
         }
-        Started::Init {
-            running,
-            init_pid,
-            io,
-        } => {
+        Started::Ended => match final_status(&exec) {
+            Some(s) => Ended::Status(s),
+            None => Ended::Lost("it ended while no daemon ran, and no status was kept".into()),
+        },
+        Started::Init { running, init_pid } => {
             let mut control = Control {
                 pid: Some(running.pid),
                 signal: Some(Signaller::Init(running.clone())),
                 ..Default::default()
             };
-            match io {
-                InitIo::Pipes {
-                    stdout,
-                    stderr,
-                    stdin: w,
-                } => {
-                    if let Some(w) = w {
-                        feed_stdin(Sink::Pipe(w), stdin, stdin_open, &mut control);
-                    }
-                    pumps.push(tokio::spawn(exec::pump(
-                        exec.clone(),
-                        Stream::Stdout,
-                        stdout,
-                    )));
-                    pumps.push(tokio::spawn(exec::pump(
-                        exec.clone(),
-                        Stream::Stderr,
-                        stderr,
-                    )));
-                }
-                InitIo::Pty(fd) => match pty::Master::new(fd.clone()) {
-                    Ok(m) => {
-                        let m = Arc::new(m);
-                        control.pty_master = Some(fd);
-                        feed_stdin(Sink::Pty(m.clone()), stdin, true, &mut control);
-                        let e = exec.clone();
-                        pumps.push(tokio::spawn(async move { m.pump(e).await }));
-                    }
-                    Err(e) => tracing::warn!("exec {}: its terminal: {e}", exec.id),
-                },
+            if stdin.is_some() || stdin_open || exec.pty {
+                feed_stdin(
+                    Sink::Init(running.clone()),
+                    stdin,
+                    stdin_open || exec.pty,
+                    &mut control,
+                );
             }
             exec.set_control(control);
-            let status = match timeout {
-                Some(t) => match tokio::time::timeout(t, running.wait()).await {
-                    Ok(s) => s,
-                    Err(_) => {
+            exec.refresh();
+            loop {
+                let armed = if timed_out { None } else { deadline };
+                let timer = async move {
+                    match armed {
+                        Some(d) => tokio::time::sleep_until(d).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                let event = tokio::select! {
+                    e = running.next() => e,
+                    () = timer => {
                         timed_out = true;
+                        let _ = std::fs::write(exec.dir.join("timed-out"), b"");
                         let _ = running.kill(libc::SIGKILL);
                         if let Some(p) = agent::host_pid(init_pid, running.pid) {
                             kill_tree(p);
                         }
-                        running.wait().await
+                        continue;
                     }
-                },
-                None => running.wait().await,
-            };
-            match status {
-                Ok(Some(s)) => Ended::Status(s),
-                Ok(None) => Ended::Lost("the sandbox's init went away".into()),
-                Err(e) => Ended::Lost(format!("waiting for the sandbox's init: {e}")),
+                };
+                match event {
+                    Ok(agent::Event::Output) => {
+                        exec.refresh();
+                        let _ = running.ready().await;
+                    }
+                    Ok(agent::Event::Ended(s)) => {
+                        final_status(&exec);
+                        break Ended::Status(s);
+                    }
+                    Ok(agent::Event::Closed) | Err(_) => {
+                        // The init wrote the status before it went, or it died with its
+                        // sandbox.
+                        break match final_status(&exec) {
+                            Some(s) => Ended::Status(s),
+                            None => Ended::Lost("the sandbox's init went away".into()),
+                        };
+                    }
+                }
             }
         }
         Started::Runtime {
@@ -284,8 +274,8 @@ pub(crate) async fn run(job: Job) {
             if let Some(p) = child.stderr.take() {
                 pumps.push(tokio::spawn(exec::pump(exec.clone(), Stream::Stderr, p)));
             }
-            let status = match timeout {
-                Some(t) => match tokio::time::timeout(t, child.wait()).await {
+            let status = match deadline {
+                Some(t) => match tokio::time::timeout_at(t, child.wait()).await {
                     Ok(s) => s,
                     Err(_) => {
                         timed_out = true;
@@ -341,6 +331,14 @@ pub(crate) async fn run(job: Job) {
         Ended::Lost(m) => (ExitReason::Killed, None, None, Some(m)),
     };
     finish(&sb, &exec, reason, code, signal, message);
+}
+
+/// Take in an init-kept exec's final files and status file: its wait status, if written.
+fn final_status(exec: &Exec) -> Option<i32> {
+    exec.refresh();
+    let (status, out, err) = exec::read_status(&exec.dir)?;
+    exec.set_totals(out, err);
+    Some(status)
 }
 
 fn finish(

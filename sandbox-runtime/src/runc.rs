@@ -71,18 +71,41 @@ impl Runtime {
         )))
     }
 
-    /// `run -d`: create and start the container of `bundle`; its init's host pid.
-    pub async fn run_detached(&self, id: &str, bundle: &Path, log: &Path) -> Result<u32> {
+    /// `run -d`: create and start the container of `bundle`; its init's host pid. `ctl`,
+    /// the init's control socket (`crate::agent::bind_ctl`), is its descriptor 3
+    /// (`--preserve-fds 1`).
+    pub async fn run_detached(
+        &self,
+        id: &str,
+        bundle: &Path,
+        log: &Path,
+        ctl: &std::os::fd::OwnedFd,
+    ) -> Result<u32> {
         let pid_file = bundle.join("init.pid");
         let mut c = self.command(Some(log));
         c.arg("run")
             .arg("--detach")
             .arg("--no-new-keyring")
+            .arg("--preserve-fds")
+            .arg("1")
             .arg("--bundle")
             .arg(bundle)
             .arg("--pid-file")
             .arg(&pid_file)
             .arg(id);
+        let raw = std::os::fd::AsRawFd::as_raw_fd(ctl);
+        // SAFETY: between fork and exec the closure calls only dup2(2), which is
+        // async-signal-safe, on a descriptor that `ctl` keeps open for the whole call; dup2
+        // leaves the new descriptor 3 without close-on-exec, so runc (and through
+        // `--preserve-fds`, the init) gets it.
+        unsafe {
+            c.pre_exec(move || {
+                if libc::dup2(raw, 3) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
         // Detached: the init inherits these, so they must be nothing of the daemon's.
         let out = c
             .stdout(Stdio::null())

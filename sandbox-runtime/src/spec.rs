@@ -375,6 +375,32 @@ pub const DENIED_SYSCALLS: &[&str] = &[
 /// kernel code paths that need capabilities).
 const CLONE_NEWUSER: u64 = 0x1000_0000;
 
+/// Calls refused when their arguments name the init: each rule is (argument index, value)
+/// pairs that must all match. pid 1 is the init; its process group is 1 (it leads its
+/// session); `PRIO_USER`/`IOPRIO_WHO_USER` with 0 is the caller's own uid, root's for root.
+const INIT_TARGETING: &[(&[&str], &[&[(usize, u64)]])] = &[
+    (
+        &[
+            "prlimit64",
+            "sched_setscheduler",
+            "sched_setparam",
+            "sched_setattr",
+            "sched_setaffinity",
+        ],
+        &[&[(0, 1)]],
+    ),
+    // setpriority(which, who, prio): PRIO_PROCESS 0, PRIO_PGRP 1, PRIO_USER 2.
+    (
+        &["setpriority"],
+        &[&[(0, 0), (1, 1)], &[(0, 1), (1, 1)], &[(0, 2), (1, 0)]],
+    ),
+    // ioprio_set(which, who, prio): IOPRIO_WHO_PROCESS 1, _PGRP 2, _USER 3.
+    (
+        &["ioprio_set"],
+        &[&[(0, 1), (1, 1)], &[(0, 2), (1, 1)], &[(0, 3), (1, 0)]],
+    ),
+];
+
 /// The seccomp profile (see the module docs).
 pub fn seccomp() -> Result<LinuxSeccomp> {
     let eperm = libc::EPERM as u32;
@@ -424,6 +450,35 @@ pub fn seccomp() -> Result<LinuxSeccomp> {
                 .build()
                 .map_err(oci)?,
         );
+    }
+    // The init (PID 1) runs as root: root inside could reach it by uid alone through the
+    // calls that change another process's limits or scheduling (no ptrace check there).
+    // Refused when they name pid 1, its process group or (setpriority/ioprio_set's "user"
+    // forms) all of root's processes; the init's memory, descriptors and signals are out of
+    // reach because it is non-dumpable and the namespace's init (docs/sandbox.md).
+    for (names, rules) in INIT_TARGETING {
+        for rule in *rules {
+            let args = rule
+                .iter()
+                .map(|(index, value)| {
+                    LinuxSeccompArgBuilder::default()
+                        .index(*index)
+                        .value(*value)
+                        .op(LinuxSeccompOperator::ScmpCmpEq)
+                        .build()
+                        .map_err(oci)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            syscalls.push(
+                LinuxSyscallBuilder::default()
+                    .names(names.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+                    .action(LinuxSeccompAction::ScmpActErrno)
+                    .errno_ret(eperm)
+                    .args(args)
+                    .build()
+                    .map_err(oci)?,
+            );
+        }
     }
     syscalls.push(
         LinuxSyscallBuilder::default()
