@@ -44,7 +44,9 @@
  *                   file, sends 'X' on the connection bound to it (if any) and forgets it.
  *                   The daemon keeps the files on the host beside the sandbox.
  *                   'A' attach: u8 op, u8[3] 0, u32 0, u64 key: bind this connection to a
- *                   running command (a new daemon after a restart); 'P' or 'E' ESRCH.
+ *                   command not yet told ended (a new daemon after a restart): 'P' (its pid,
+ *                   0 once reaped: 'X' follows when its pipes are drained) or 'E' ESRCH (its
+ *                   status file is written).
  *                   'I' input: u8 op, u8[3] 0, bytes: to the command's stdin (pipe or
  *                   terminal); the init reads no more from the connection until they are in.
  *                   'C' close stdin: the pipe's write end closed, or ^D on a terminal.
@@ -440,6 +442,10 @@ static void on_message(int ci) {
     ssize_t n = recvmsg(c->fd, &mh, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
     if (n < 0 && (errno == EAGAIN || errno == EINTR))
         return;
+    /* A failed receive leaves the control buffer as the last one left it: its descriptor
+     * numbers are not this message's (they may name a running command's files now). */
+    if (n < 0)
+        mh.msg_controllen = 0;
     int fds[5] = {-1, -1, -1, -1, -1}, nfds = 0;
     for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm; cm = CMSG_NXTHDR(&mh, cm)) {
         if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
@@ -467,7 +473,7 @@ static void on_message(int ci) {
         memcpy(&key, buf + 8, 8);
         int found = -1;
         for (int i = 0; i < MAX_EXECS && found < 0; i++)
-            if (execs[i].used && execs[i].key == key && execs[i].pid != 0)
+            if (execs[i].used && execs[i].key == key)
                 found = i;
         if (found < 0) {
             reply(c->fd, 'E', ESRCH);
@@ -486,6 +492,11 @@ static void on_message(int ci) {
             if (f->pending)
                 watch(c->fd, EPOLLRDHUP, KEY(K_CONN, ci));
             reply(c->fd, 'P', f->pid);
+            /* Output may have grown since the last daemon took it. */
+            if (f->kept[0] + f->kept[1] > 0) {
+                reply(c->fd, 'O', 0);
+                f->notified = 1;
+            }
         }
     } else if (buf[0] == 'K' && n >= 8 && x && x->pid > 0) {
         int32_t sig;

@@ -80,7 +80,12 @@ async fn follow(m: Arc<Manager>, sb: Arc<Sandbox>, e: Arc<Exec>) {
                 continue;
             }
             (SandboxState::Running, Some(pid)) => pid,
-            _ => break Started::Ended,
+            (state, _) => {
+                break Started::Ended(format!(
+                    "the sandbox is {} and its init did not report the end",
+                    crate::proto::state_name(state)
+                ))
+            }
         };
         let dir = sb.dir.clone();
         let r = tokio::task::spawn_blocking(move || agent::attach(&dir, pid, meta.key))
@@ -94,12 +99,14 @@ async fn follow(m: Arc<Manager>, sb: Arc<Sandbox>, e: Arc<Exec>) {
                 }
             }
             // The init no longer has it: it ended (its status file says how).
-            Err(SpawnError::Refused(_)) | Err(SpawnError::NoSocket) => break Started::Ended,
+            Err(err @ (SpawnError::Refused(_) | SpawnError::NoSocket)) => {
+                break Started::Ended(format!("the sandbox's init no longer has it ({err})"))
+            }
             Err(err) => {
                 tries += 1;
                 if tries >= ATTEMPTS {
                     tracing::warn!("exec {}: cannot attach again: {err}", e.id);
-                    break Started::Ended;
+                    break Started::Ended(format!("cannot attach to it again: {err}"));
                 }
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }

@@ -34,8 +34,8 @@ pub(crate) enum Started {
     /// Not at all: why.
     Failed(String),
     /// Started by an earlier daemon and no longer running: its status file says how it
-    /// ended, if the init wrote one.
-    Ended,
+    /// ended, if the init wrote one; else why it is lost.
+    Ended(String),
 }
 
 /// What `run` needs.
@@ -196,9 +196,9 @@ pub(crate) async fn run(job: Job) {
             finish(&sb, &exec, ExitReason::Failed, None, None, Some(message));
             return;
         }
-        Started::Ended => match final_status(&exec) {
+        Started::Ended(why) => match final_status(&exec) {
             Some(s) => Ended::Status(s),
-            None => Ended::Lost("it ended while no daemon ran, and no status was kept".into()),
+            None => Ended::Lost(why),
         },
         Started::Init { running, init_pid } => {
             let mut control = Control {
@@ -216,8 +216,11 @@ pub(crate) async fn run(job: Job) {
             }
             exec.set_control(control);
             exec.refresh();
+            // After a timeout kill, how long the init has to report the end: one that does
+            // not (stopped, hung) leaves no exec waiting for ever.
+            let mut grace: Option<tokio::time::Instant> = None;
             loop {
-                let armed = if timed_out { None } else { deadline };
+                let armed = if timed_out { grace } else { deadline };
                 let timer = async move {
                     match armed {
                         Some(d) => tokio::time::sleep_until(d).await,
@@ -227,7 +230,15 @@ pub(crate) async fn run(job: Job) {
                 let event = tokio::select! {
                     e = running.next() => e,
                     () = timer => {
+                        if timed_out {
+                            break Ended::Lost(format!(
+                                "killed for its timeout; the sandbox's init did not report its \
+                                 end within {} s",
+                                agent::ANSWER_WITHIN.as_secs()
+                            ));
+                        }
                         timed_out = true;
+                        grace = Some(tokio::time::Instant::now() + agent::ANSWER_WITHIN);
                         let _ = std::fs::write(exec.dir.join("timed-out"), b"");
                         let _ = running.kill(libc::SIGKILL);
                         if let Some(p) = agent::host_pid(init_pid, running.pid) {
@@ -306,6 +317,7 @@ pub(crate) async fn run(job: Job) {
     let removed = sb.record().state != SandboxState::Running;
     let kill = libc::SIGKILL;
     let (reason, code, signal, message) = match ended {
+        Ended::Lost(m) if timed_out => (ExitReason::Timeout, None, Some(kill), Some(m)),
         _ if timed_out => (ExitReason::Timeout, None, Some(kill), None),
         Ended::Status(s) if libc::WIFEXITED(s) => {
             (ExitReason::Exited, Some(libc::WEXITSTATUS(s)), None, None)

@@ -1,0 +1,123 @@
+//! Execs outlive the daemon: commands streaming output across `kill -9` of the daemon and a
+//! `--takeover` keep every byte, never see SIGPIPE, and their exact exit status is served by
+//! the next daemon — one of them ending while no daemon runs at all.
+
+use std::time::Duration;
+
+use super::{ready, text, Node};
+
+/// Lines each streaming command writes, one per stream every 50 ms.
+const LINES: usize = 120;
+
+fn kill9(node: &Node) {
+    let pid = node.daemon_pid().expect("a daemon runs");
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    // Gone before the next one starts.
+    for _ in 0..200 {
+        if rustix::process::test_kill_process(rustix::process::Pid::from_raw(pid).unwrap()).is_err()
+        {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Start `script` detached in `id`; its exec id.
+fn start(node: &Node, id: &str, script: &str) -> String {
+    node.ok(&["sandbox", "exec", id, "--detach", "--", "sh", "-c", script])
+        .trim()
+        .to_owned()
+}
+
+#[test]
+fn eight_streaming_execs_lose_nothing_across_three_kill9_and_a_takeover() {
+    if !ready("eight_streaming_execs_lose_nothing_across_three_kill9_and_a_takeover") {
+        return;
+    }
+    let node = Node::new("outlive");
+    let id = node.create("outlive", &[]);
+
+    // Seven long commands; the seventh writes through `tee`, which a closed pipe would kill.
+    let mut execs = Vec::new();
+    for k in 0..7usize {
+        let body = format!(
+            "i=0; while [ $i -lt {LINES} ]; do echo \"c{k} out $i\"; echo \"c{k} err $i\" >&2; \
+             echo $i > /tmp/c{k}.last; i=$((i+1)); sleep 0.05; done"
+        );
+        let script = if k == 6 {
+            format!("({body}) | tee /tmp/c6.tee; exit {}", 10 + k)
+        } else {
+            format!("{body}; exit {}", 10 + k)
+        };
+        execs.push((k, start(&node, &id, &script), LINES));
+    }
+    std::thread::sleep(Duration::from_millis(700));
+    // The eighth ends while no daemon runs.
+    let short = 20;
+    let e = start(
+        &node,
+        &id,
+        &format!(
+            "i=0; while [ $i -lt {short} ]; do echo \"c7 out $i\"; echo \"c7 err $i\" >&2; \
+             echo $i > /tmp/c7.last; i=$((i+1)); sleep 0.05; done; exit 17"
+        ),
+    );
+    execs.push((7, e, short));
+    kill9(&node);
+    std::thread::sleep(Duration::from_millis(1500));
+    node.start_daemon();
+    for _ in 0..2 {
+        std::thread::sleep(Duration::from_millis(700));
+        kill9(&node);
+        std::thread::sleep(Duration::from_millis(300));
+        node.start_daemon();
+    }
+    std::thread::sleep(Duration::from_millis(700));
+    node.start_daemon_with(&["--takeover"]);
+    // Every exec, through the daemon that took over: every line of both streams in order,
+    // the exact status.
+    for (k, e, lines) in &execs {
+        let r = node.json_any(&["sandbox", "attach", &id, e]);
+        let want =
+            |what: &str| -> String { (0..*lines).map(|i| format!("c{k} {what} {i}\n")).collect() };
+        assert_eq!(r["reason"], "exited", "exec {k}: {r}");
+        assert_eq!(r["exit_code"], 10 + *k as u64, "exec {k}: {r}");
+        assert_eq!(
+            r["stdout"].as_str().unwrap(),
+            want("out"),
+            "exec {k}'s stdout"
+        );
+        assert_eq!(
+            r["stderr"].as_str().unwrap(),
+            want("err"),
+            "exec {k}'s stderr"
+        );
+        // It wrote all its lines (none died of SIGPIPE).
+        assert_eq!(
+            node.sh_ok(&id, &format!("cat /tmp/c{k}.last")),
+            format!("{}\n", lines - 1)
+        );
+    }
+    assert_eq!(
+        node.sh_ok(&id, "wc -l < /tmp/c6.tee"),
+        format!("{LINES}\n"),
+        "tee did not write every line"
+    );
+    // What the daemon that took over lists: the same execs, with their pids.
+    let d = node.json(&["sandbox", "inspect", &id]);
+    for (_, e, _) in &execs {
+        assert!(
+            d["execs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|x| x["exec"] == *e),
+            "{e} not listed: {d}"
+        );
+    }
+    println!("{}", text(node.ok(&["sandbox", "ls"]).as_bytes()));
+}
