@@ -1074,7 +1074,12 @@ fn main() {
             std::process::exit(1);
         }
     };
-    if let Err(e) = runtime.block_on(run(cli)) {
+    let result = runtime.block_on(run(cli));
+    // Never wait for ever on blocking work left behind (a read of a sandbox's files stuck on
+    // a mount whose FUSE workers have stopped, a call into a sandbox whose init is stopped):
+    // a daemon that stops hands its mounts and sandboxes over, and the process exits.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(2));
+    if let Err(e) = result {
         // A reader that went away (`strata ... | head`) is not an error worth a message.
         let broken_pipe = e.chain().any(|c| {
             c.downcast_ref::<std::io::Error>()

@@ -94,6 +94,14 @@ impl Node {
     }
 
     /// Stop the daemon (SIGTERM: the sandboxes stay) and wait for its end.
+    /// SIGKILL the daemon (what a crash or an OOM kill does).
+    fn kill9_daemon(&mut self) {
+        if let Some(mut d) = self.daemon.take() {
+            let _ = d.kill();
+            let _ = d.wait();
+        }
+    }
+
     fn stop_daemon(&mut self) {
         if let Some(mut d) = self.daemon.take() {
             if let Some(pid) = rustix::process::Pid::from_raw(d.id() as i32) {
@@ -381,6 +389,23 @@ fn templates_and_sandboxes_outlive_a_daemon_restart() {
     node.python_args("restart.py", &["after"]);
     node.ok(&["template", "rm", "other"]);
     assert!(!node.ok(&["template", "ls"]).contains("other"));
+}
+
+#[test]
+fn commands_outlive_kill9_of_the_daemon_with_the_same_pids() {
+    if !common::e2b_ready("commands_outlive_kill9_of_the_daemon_with_the_same_pids") {
+        return;
+    }
+    let mut node = Node::start("cmdrestart");
+    node.python_args("commands_restart.py", &["start"]);
+    node.kill9_daemon();
+    // The short command (1 s) ends while no daemon runs.
+    std::thread::sleep(Duration::from_millis(2500));
+    node.spawn_daemon();
+    node.python_args("commands_restart.py", &["middle"]);
+    node.kill9_daemon();
+    node.spawn_daemon();
+    node.python_args("commands_restart.py", &["end"]);
 }
 
 #[test]

@@ -178,13 +178,15 @@ impl Procs {
         self.lock().remove(sandbox);
     }
 
-    /// Take in the running execs of the sandbox that other clients started (`strata sandbox
-    /// exec`, the socket): they are listed, signalled and connected to like the API's own.
+    /// Take in the execs of the sandbox that other clients started (`strata sandbox exec`,
+    /// the socket) or an earlier daemon did (the node keeps them across restarts, with their
+    /// pids): they are listed, signalled and connected to like the API's own, and an ended
+    /// one answers `Connect` with its end.
     fn adopt(&self, sandbox: &str, execs: Vec<Arc<sandbox_runtime::Exec>>) {
         let mut m = self.lock();
         let known = m.entry(sandbox.to_owned()).or_default();
         for e in execs {
-            if e.result().is_some() || known.iter().any(|p| Arc::ptr_eq(&p.exec, &e)) {
+            if known.iter().any(|p| Arc::ptr_eq(&p.exec, &e)) {
                 continue;
             }
             let Some(pid) = e.pid().and_then(|p| u32::try_from(p).ok()) else {
@@ -202,7 +204,13 @@ impl Procs {
                 config: ProcessConfig {
                     cmd,
                     args,
-                    ..Default::default()
+                    envs: e
+                        .env
+                        .iter()
+                        .filter_map(|kv| kv.split_once('='))
+                        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                        .collect(),
+                    cwd: e.cwd.clone(),
                 },
                 pty: e.pty,
                 exec: e,

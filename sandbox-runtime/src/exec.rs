@@ -432,7 +432,7 @@ impl Exec {
         }
     }
 
-    fn control(&self) -> std::sync::MutexGuard<'_, Control> {
+    pub(crate) fn control(&self) -> std::sync::MutexGuard<'_, Control> {
         self.control.lock().unwrap_or_else(|p| p.into_inner())
     }
 

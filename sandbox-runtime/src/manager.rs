@@ -1310,7 +1310,7 @@ pub(crate) fn start_time(pid: u32) -> Option<u64> {
 }
 
 /// Whether process `pid` has ended (gone, or a zombie waiting for its parent).
-fn pid_gone(pid: u32) -> bool {
+pub(crate) fn pid_gone(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Err(_) => true,
         Ok(stat) => stat

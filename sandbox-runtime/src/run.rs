@@ -108,6 +108,8 @@ pub(crate) fn spawn_in_init(s: InitSpawn) -> Result<Started, SpawnError> {
             agent::spawn(&s.dir, s.init_pid, &spawn, &fds)?
         }
     };
+    // Known before the exec is handed back (the E2B API names processes by it).
+    s.exec.control().pid = Some(running.pid);
     s.exec.set_meta(|m| m.pid = Some(running.pid));
     Ok(Started::Init {
         running: Arc::new(running),
@@ -258,7 +260,16 @@ pub(crate) async fn run(job: Job) {
                     }
                     Ok(agent::Event::Closed) | Err(_) => {
                         // The init wrote the status before it went, or it died with its
-                        // sandbox.
+                        // sandbox, or another daemon (a takeover) attached to the command:
+                        // the init gives a command's connection up only for that.
+                        if let Some(s) = final_status(&exec) {
+                            break Ended::Status(s);
+                        }
+                        if init_lives_on(&sb, init_pid).await {
+                            tracing::debug!("exec {}: followed by another daemon now", exec.id);
+                            exec.clear_control();
+                            return;
+                        }
                         break match final_status(&exec) {
                             Some(s) => Ended::Status(s),
                             None => Ended::Lost("the sandbox's init went away".into()),
@@ -343,6 +354,19 @@ pub(crate) async fn run(job: Job) {
         Ended::Lost(m) => (ExitReason::Killed, None, None, Some(m)),
     };
     finish(&sb, &exec, reason, code, signal, message);
+}
+
+/// Whether the sandbox's init still runs a second after it dropped a command's connection
+/// (a dying init drops its connections before it is gone from `/proc`), and the sandbox is
+/// not being removed.
+async fn init_lives_on(sb: &Sandbox, init_pid: u32) -> bool {
+    for _ in 0..10 {
+        if sb.record().state == SandboxState::Removing || crate::manager::pid_gone(init_pid) {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    true
 }
 
 /// Take in an init-kept exec's final files and status file: its wait status, if written.
