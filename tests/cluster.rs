@@ -452,6 +452,13 @@ fn two_nodes_behind_a_front_serve_the_sdk_flows() {
     c.python("sync_flow.py", &[]);
     c.python("async_flow.py", &[]);
     c.python("protocol.py", &[]);
+    // A front restarted while a command streams through it: the SDK reconnects by pid
+    // through the restarted front and loses nothing the node kept.
+    let mut c = c;
+    c.python("front_restart.py", &["start"]);
+    c.kill_front(0);
+    c.spawn_front(0);
+    c.python("front_restart.py", &["end"]);
     for i in 0..2 {
         assert!(c.ids(i).is_empty(), "the flows leave no sandbox behind");
     }

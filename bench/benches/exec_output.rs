@@ -47,10 +47,10 @@ fn runnable() -> Result<(), String> {
 }
 
 /// A node running `bin`, with the base layer built and one sandbox made.
-fn node(bin: &PathBuf, tag: &str) -> LocalNode {
+fn node(bin: &std::path::Path, tag: &str) -> LocalNode {
     let target_tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
     let mut n = LocalNode::new(&target_tmp, &format!("exec-output-{tag}-"));
-    n.bin = bin.clone();
+    n.bin = bin.to_owned();
     let tree = bench::node::debian_tree();
     n.ok(&[
         "layer",
@@ -60,7 +60,14 @@ fn node(bin: &PathBuf, tag: &str) -> LocalNode {
         "base/debian:12",
     ]);
     n.start_daemon(&[]);
-    n.ok(&["sandbox", "create", "--layer", "base/debian:12", "--id", "out"]);
+    n.ok(&[
+        "sandbox",
+        "create",
+        "--layer",
+        "base/debian:12",
+        "--id",
+        "out",
+    ]);
     n
 }
 
@@ -86,7 +93,14 @@ fn creates(n: &LocalNode, count: u64) -> f64 {
     let t = Instant::now();
     for i in 0..count {
         let id = format!("c{i}");
-        n.ok(&["sandbox", "create", "--layer", "base/debian:12", "--id", &id]);
+        n.ok(&[
+            "sandbox",
+            "create",
+            "--layer",
+            "base/debian:12",
+            "--id",
+            &id,
+        ]);
         n.ok(&["sandbox", "exec", &id, "--", "true"]);
         n.ok(&["sandbox", "rm", &id]);
     }
@@ -108,7 +122,9 @@ fn across_kills(n: &mut LocalNode, kills: u64) -> Gap {
         wanted - 1
     );
     let exec = n
-        .ok(&["sandbox", "exec", "out", "--detach", "--", "sh", "-c", &script])
+        .ok(&[
+            "sandbox", "exec", "out", "--detach", "--", "sh", "-c", &script,
+        ])
         .trim()
         .to_owned();
     let arrivals: Arc<Mutex<Vec<Instant>>> = Arc::default();
@@ -120,14 +136,15 @@ fn across_kills(n: &mut LocalNode, kills: u64) -> Gap {
         let deadline = Instant::now() + Duration::from_secs(60 + kills * 10);
         std::thread::spawn(move || {
             while Instant::now() < deadline {
-                let Ok(mut child) = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn()
-                else {
+                let Ok(mut child) = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn() else {
                     return;
                 };
                 let out = child.stdout.take().expect("piped");
                 for line in BufReader::new(out).lines() {
                     let Ok(line) = line else { break };
-                    let Ok(i) = line.trim().parse::<usize>() else { continue };
+                    let Ok(i) = line.trim().parse::<usize>() else {
+                        continue;
+                    };
                     let mut a = arrivals.lock().unwrap();
                     // attach replays from the start: only lines not seen yet count.
                     if i == a.len() {
@@ -145,7 +162,10 @@ fn across_kills(n: &mut LocalNode, kills: u64) -> Gap {
     };
     for _ in 0..kills {
         std::thread::sleep(Duration::from_millis(700));
-        if let Some(pid) = n.daemon_pid().and_then(|p| rustix::process::Pid::from_raw(p as i32)) {
+        if let Some(pid) = n
+            .daemon_pid()
+            .and_then(|p| rustix::process::Pid::from_raw(p as i32))
+        {
             let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
         }
         std::thread::sleep(Duration::from_millis(50));
@@ -153,11 +173,7 @@ fn across_kills(n: &mut LocalNode, kills: u64) -> Gap {
     }
     let _ = reader.join();
     let a = arrivals.lock().unwrap();
-    let longest = a
-        .windows(2)
-        .map(|w| w[1] - w[0])
-        .max()
-        .unwrap_or_default();
+    let longest = a.windows(2).map(|w| w[1] - w[0]).max().unwrap_or_default();
     let exit = *exit.lock().unwrap();
     Gap {
         longest,
@@ -177,7 +193,10 @@ fn main() {
         return;
     }
     let full = bench::full_run();
-    let yes = env_u64("STRATA_BENCH_YES_BYTES", if full { 1 << 30 } else { 64 << 20 });
+    let yes = env_u64(
+        "STRATA_BENCH_YES_BYTES",
+        if full { 1 << 30 } else { 64 << 20 },
+    );
     let count = env_u64("STRATA_BENCH_CREATES", if full { 40 } else { 4 });
     let kills = env_u64("STRATA_BENCH_KILLS", if full { 5 } else { 1 });
     let rounds = env_u64("STRATA_BENCH_ROUNDS", if full { 3 } else { 1 });

@@ -444,17 +444,19 @@ mod tests {
     fn spawn_messages_are_as_the_init_reads_them() {
         let args = ["sh".to_owned(), "-c".to_owned(), "echo hi".to_owned()];
         let env = ["A=1".to_owned()];
-        let spawn = |args: &[String], stdin_pipe| Spawn {
-            args,
-            env: &env,
-            cwd: "/w",
-            uid: 65534,
-            gid: 7,
-            cap: 16 << 20,
-            key: 0x0102_0304_0506_0708,
-            stdin_pipe,
-        };
-        let m = encode(&spawn(&args, true), true).unwrap();
+        fn spawn<'a>(args: &'a [String], env: &'a [String], stdin_pipe: bool) -> Spawn<'a> {
+            Spawn {
+                args,
+                env,
+                cwd: "/w",
+                uid: 65534,
+                gid: 7,
+                cap: 16 << 20,
+                key: 0x0102_0304_0506_0708,
+                stdin_pipe,
+            }
+        }
+        let m = encode(&spawn(&args, &env, true), true).unwrap();
         assert_eq!(&m[..4], b"S\0\0\0");
         let u32_at = |o: usize| u32::from_le_bytes(m[o..o + 4].try_into().unwrap());
         assert_eq!(u32_at(4), 65534);
@@ -470,7 +472,7 @@ mod tests {
         assert_eq!(&m[40..], b"/w\0sh\0-c\0echo hi\0A=1\0");
         assert_eq!(
             u32::from_le_bytes(
-                encode(&spawn(&args, false), false).unwrap()[20..24]
+                encode(&spawn(&args, &env, false), false).unwrap()[20..24]
                     .try_into()
                     .unwrap()
             ),
@@ -478,7 +480,7 @@ mod tests {
         );
         let bad = ["a\0b".to_owned()];
         assert!(matches!(
-            encode(&spawn(&bad, false), false),
+            encode(&spawn(&bad, &env, false), false),
             Err(SpawnError::Invalid(_))
         ));
         assert!(!INIT_BINARY.is_empty());

@@ -144,12 +144,26 @@ fn put(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
 
 /// A status file's content (the init's): the wait status and both streams' totals.
 pub fn read_status(dir: &Path) -> Option<(i32, u64, u64)> {
-    let s = std::fs::read_to_string(dir.join("status")).ok()?;
+    parse_status(&std::fs::read(dir.join("status")).ok()?)
+}
+
+/// `<wait status> <stdout total> <stderr total>`; anything else (empty: not written yet) is
+/// `None`.
+pub fn parse_status(bytes: &[u8]) -> Option<(i32, u64, u64)> {
+    let s = std::str::from_utf8(bytes).ok()?;
     let mut it = s.split_whitespace();
     let status = it.next()?.parse().ok()?;
     let out = it.next()?.parse().ok()?;
     let err = it.next()?.parse().ok()?;
-    Some((status, out, err))
+    it.next().is_none().then_some((status, out, err))
+}
+
+impl ExecMeta {
+    /// An `exec.json` (written by a daemon of this node; a bad one is an error, never a
+    /// panic, and its exec is dropped at load).
+    pub fn parse(bytes: &[u8]) -> std::io::Result<Self> {
+        Ok(serde_json::from_slice(bytes)?)
+    }
 }
 
 /// How a running exec is driven; installed by whoever started it.
@@ -211,7 +225,7 @@ impl Exec {
     /// The exec in directory `dir`, as a daemon that did not start it finds it (its result
     /// read back if it has one). Blocking.
     pub fn load(dir: PathBuf, sandbox: String) -> std::io::Result<Arc<Self>> {
-        let meta: ExecMeta = serde_json::from_slice(&std::fs::read(dir.join("exec.json"))?)?;
+        let meta = ExecMeta::parse(&std::fs::read(dir.join("exec.json"))?)?;
         let open = |name: &str| {
             std::fs::OpenOptions::new()
                 .read(true)

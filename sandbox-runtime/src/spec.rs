@@ -375,10 +375,13 @@ pub const DENIED_SYSCALLS: &[&str] = &[
 /// kernel code paths that need capabilities).
 const CLONE_NEWUSER: u64 = 0x1000_0000;
 
+/// (argument index, value) pairs a seccomp rule matches, all of them.
+type ArgsEq = &'static [(usize, u64)];
+
 /// Calls refused when their arguments name the init: each rule is (argument index, value)
 /// pairs that must all match. pid 1 is the init; its process group is 1 (it leads its
 /// session); `PRIO_USER`/`IOPRIO_WHO_USER` with 0 is the caller's own uid, root's for root.
-const INIT_TARGETING: &[(&[&str], &[&[(usize, u64)]])] = &[
+const INIT_TARGETING: &[(&[&str], &[ArgsEq])] = &[
     (
         &[
             "prlimit64",
