@@ -17,61 +17,103 @@ use super::{ready, text, Node};
 /// sched_setscheduler 144.
 const PROBE: &str = r#"
 use strict;
-my $t = $ARGV[0] + 0;
-my @r;
-sub res { my ($n, $v) = @_; push @r, "$n=" . ($v == -1 ? ($! + 0) : "ok"); }
-res("attach", syscall(101, 16, $t, 0, 0));
-res("seize", syscall(101, 0x4206, $t, 0, 0));
-my $pfd = syscall(434, $t, 0);
-my $got = 0;
-if ($pfd >= 0) { for my $fd (0 .. 200) { $got++ if syscall(438, $pfd, $fd, 0) >= 0; } }
-push @r, "getfd=$got";
-my $buf = "\0" x 64;
-my $local = pack("P Q", $buf, 64);
-my $remote = pack("Q Q", 0x400000, 64);
-res("vm_readv", syscall(310, $t, $local, 1, $remote, 1, 0));
-for my $f ("mem", "environ", "maps") {
-    if (open(my $h, "<", "/proc/$t/$f")) { my $n = sysread($h, my $b, 64); res($f, defined $n ? 0 : -1); }
-    else { res($f, -1); }
+my ($t, $what) = ($ARGV[0] + 0, $ARGV[1]);
+sub res { my ($v) = @_; print "$what=" . ($v == -1 ? ($! + 0) : "ok") . "\n"; }
+sub readable { my ($f) = @_; open(my $h, "<", $f) or return -1; my $n = sysread($h, my $b, 64); return defined $n ? 0 : -1; }
+if ($what eq "attach") { res(syscall(101, 16, $t, 0, 0)); }
+elsif ($what eq "seize") { res(syscall(101, 0x4206, $t, 0, 0)); }
+elsif ($what eq "getfd") {
+    my $pfd = syscall(434, $t, 0);
+    my $got = 0;
+    if ($pfd >= 0) { for my $fd (0 .. 200) { $got++ if syscall(438, $pfd, $fd, 0) >= 0; } }
+    print "getfd=$got\n";
 }
-res("fd0", defined(readlink("/proc/$t/fd/0")) ? 0 : -1);
-res("root", defined(readlink("/proc/$t/root")) ? 0 : -1);
-my $lim = pack("Q Q", 0, 0);
-res("prlimit", syscall(302, $t, 7, $lim, 0));
-res("setpriority", syscall(141, 0, $t, 19));
-my $mask = pack("Q", 1);
-res("affinity", syscall(203, $t, 8, $mask));
-my $param = pack("i", 0);
-res("scheduler", syscall(144, $t, 5, $param));
-for my $s (19, 15, 9, 11, 2) { kill($s, $t); }
-# The sandbox's own processes stay traceable.
-my $child = fork();
-if ($child == 0) { sleep 30; exit 0; }
-my $own = syscall(101, 16, $child, 0, 0);
-push @r, "own=" . ($own == -1 ? ($! + 0) : "ok");
-kill(9, $child); waitpid($child, 0);
-print join(" ", @r), "\n";
+elsif ($what eq "vm_readv") {
+    my $buf = "\0" x 64;
+    my ($local, $remote) = (pack("P Q", $buf, 64), pack("Q Q", 0x400000, 64));
+    res(syscall(310, $t, $local, 1, $remote, 1, 0));
+}
+elsif ($what eq "mem" || $what eq "environ" || $what eq "maps") { res(readable("/proc/$t/$what")); }
+elsif ($what eq "fd0") { res(defined(readlink("/proc/$t/fd/0")) ? 0 : -1); }
+elsif ($what eq "root") { res(defined(readlink("/proc/$t/root")) ? 0 : -1); }
+elsif ($what eq "prlimit") { my $l = pack("Q Q", 0, 0); res(syscall(302, $t, 7, $l, 0)); }
+elsif ($what eq "setpriority") { res(syscall(141, 0, $t, 19)); }
+elsif ($what eq "affinity") { my $m = pack("Q", 1); res(syscall(203, $t, 8, $m)); }
+elsif ($what eq "scheduler") { my $p = pack("i", 0); res(syscall(144, $t, 5, $p)); }
+elsif ($what =~ /^signal(\d+)$/) { kill($1, $t); sleep 0.2; print "$what=sent\n"; }
+elsif ($what eq "own") {
+    # The sandbox's own processes stay traceable.
+    my $child = fork();
+    if ($child == 0) { sleep 30; exit 0; }
+    res(syscall(101, 16, $child, 0, 0));
+    kill(9, $child); waitpid($child, 0);
+}
 "#;
 
-/// Run the probe against `target` in `id` as `user` (None: root); its results by name.
-fn probe(node: &Node, id: &str, user: Option<&str>, target: &str) -> Vec<(String, String)> {
+/// The attempts, each its own exec.
+const ATTEMPTS: &[&str] = &[
+    "attach",
+    "seize",
+    "getfd",
+    "vm_readv",
+    "mem",
+    "environ",
+    "maps",
+    "fd0",
+    "root",
+    "prlimit",
+    "setpriority",
+    "affinity",
+    "scheduler",
+    "signal19",
+    "signal15",
+    "signal9",
+    "signal11",
+    "own",
+];
+
+/// Run attempt `what` against `target` in `id` as `user` (None: root); its result (`ok` or
+/// an errno; for signals `sent`). After it, an exec must still work.
+fn attempt(node: &Node, id: &str, user: Option<&str>, target: &str, what: &str) -> String {
     let mut opts = vec!["--timeout", "60"];
     if let Some(u) = user {
         opts.extend(["--user", u]);
     }
-    let script = format!("perl -e '{}' {target}", PROBE.replace('\'', "'\\''"));
+    let script = format!("perl -e '{}' {target} {what}", PROBE.replace('\'', "'\\''"));
     let o = node.exec(id, &opts, &script);
     let out = text(&o.stdout);
-    assert!(
-        out.contains("own="),
-        "the probe did not finish ({}): {out}{}",
-        o.status,
-        text(&o.stderr)
+    let result = out
+        .trim()
+        .strip_prefix(&format!("{what}="))
+        .unwrap_or_else(|| panic!("{what}: no result ({}): {out}{}", o.status, text(&o.stderr)))
+        .to_owned();
+    assert_eq!(
+        node.sh_ok(id, "echo still"),
+        "still\n",
+        "no exec right after {what}"
     );
-    out.split_whitespace()
-        .filter_map(|kv| kv.split_once('='))
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-        .collect()
+    result
+}
+
+/// Every attempt against `target` as `user`: the refused ones refused, the reads failed,
+/// the sandbox's own child traceable.
+fn attack(node: &Node, id: &str, user: Option<&str>, target: &str) {
+    let who = user.unwrap_or("root");
+    for what in ATTEMPTS {
+        let r = attempt(node, id, user, target, what);
+        match *what {
+            "getfd" => assert_eq!(r, "0", "{who}: copied descriptors of {target}"),
+            "mem" | "environ" | "maps" | "fd0" | "root" => {
+                assert_ne!(r, "ok", "{who}: read /proc/{target}/{what}")
+            }
+            "own" => assert_eq!(r, "ok", "{who}: cannot trace its own child"),
+            w if w.starts_with("signal") => assert_eq!(r, "sent"),
+            _ => assert_eq!(
+                r, "1",
+                "{who}: {what} on {target} was not refused with EPERM"
+            ),
+        }
+    }
 }
 
 /// The host's view of a process: its state letter in `/proc/<pid>/stat`.
@@ -98,44 +140,10 @@ fn the_init_is_out_of_reach_of_root_and_of_users_inside() {
     );
     for user in [None, Some("nobody")] {
         let who = user.unwrap_or("root");
-        let r = probe(&node, &id, user, "1");
-        let get = |k: &str| {
-            r.iter()
-                .find(|(n, _)| n == k)
-                .map(|(_, v)| v.clone())
-                .unwrap_or_else(|| panic!("{who}: no {k} in {r:?}"))
-        };
-        for k in [
-            "attach",
-            "seize",
-            "vm_readv",
-            "prlimit",
-            "setpriority",
-            "affinity",
-            "scheduler",
-        ] {
-            assert_eq!(
-                get(k),
-                "1",
-                "{who}: {k} on the init was not refused with EPERM: {r:?}"
-            );
-        }
-        assert_eq!(
-            get("getfd"),
-            "0",
-            "{who}: copied the init's descriptors: {r:?}"
-        );
-        for k in ["mem", "environ", "maps", "fd0", "root"] {
-            assert_ne!(get(k), "ok", "{who}: read the init's /proc/1/{k}: {r:?}");
-        }
-        assert_eq!(get("own"), "ok", "{who}: cannot trace its own child: {r:?}");
-        // After every attempt (SIGSTOP and SIGKILL among them): the init runs, and answers.
+        attack(&node, &id, user, "1");
+        // After every attempt (SIGSTOP and SIGKILL among them): the init runs, is the same
+        // process, and answers.
         assert_ne!(state(init), 'T', "{who}: the init is stopped");
-        assert_eq!(
-            node.sh_ok(&id, "echo still"),
-            "still\n",
-            "{who}: no exec after the probe"
-        );
         assert_eq!(
             node.json(&["sandbox", "inspect", &id])["pid"].as_u64(),
             Some(init)
@@ -156,24 +164,7 @@ fn the_harness_commands_are_out_of_reach_of_the_policy_user() {
         "nohup sh -c 'echo $$ > /tmp/harness.pid; exec sleep 300' > /dev/null 2>&1 & sleep 0.3; cat /tmp/harness.pid",
     );
     let target = node.sh_ok(&id, "cat /tmp/harness.pid").trim().to_owned();
-    let r = probe(&node, &id, Some("nobody"), &target);
-    let get = |k: &str| r.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
-    for k in [
-        "attach",
-        "seize",
-        "vm_readv",
-        "prlimit",
-        "setpriority",
-        "affinity",
-        "scheduler",
-    ] {
-        assert_eq!(get(k), Some("1"), "{k} on root's command: {r:?}");
-    }
-    assert_eq!(get("getfd"), Some("0"), "{r:?}");
-    for k in ["mem", "environ", "maps", "fd0", "root"] {
-        assert_ne!(get(k), Some("ok"), "read root's /proc/PID/{k}: {r:?}");
-    }
-    assert_eq!(get("own"), Some("ok"), "{r:?}");
+    attack(&node, &id, Some("nobody"), &target);
     // Its signals did not reach it: it still runs.
     assert_eq!(
         node.sh_ok(&id, &format!("kill -0 {target} && echo alive")),
