@@ -32,7 +32,7 @@
  *                   SPAWN_TTY a fifth, the terminal's master (the first is then its slave).
  *                   flags: SPAWN_TTY (1) stdin is a terminal's slave, made the controlling
  *                   terminal of the command's session; SPAWN_STDIN (2) stdin is a pipe the
- *                   init makes and keeps the write end of (for 'I'); other bits zero.
+ *                   init makes and keeps the write end of; other bits zero.
  *                   cap: bytes kept per stream; past it output is read, counted, dropped.
  *                   key: the daemon's name for the exec ('A' finds it again).
  *                   The init keeps the command's output pipes (or the master): it copies
@@ -47,13 +47,14 @@
  *                   command not yet told ended (a new daemon after a restart): 'P' (its pid,
  *                   0 once reaped: 'X' follows when its pipes are drained) or 'E' ESRCH (its
  *                   status file is written).
- *                   'I' input: u8 op, u8[3] 0, bytes: to the command's stdin (pipe or
- *                   terminal); the init reads no more from the connection until they are in.
- *                   'C' close stdin: the pipe's write end closed, or ^D on a terminal.
+ *                   'C' close stdin: the init closes its write end of the stdin pipe (the
+ *                   daemon closes its own: the command reads EOF).
  *                   'K' kill: u8 op, u8[3] 0, i32 signal, to the command's process group.
- *                   'W' resize: u8 op, u8[3] 0, u16 rows, u16 cols (TIOCSWINSZ).
  *                   'R' ready: the daemon has taken the last 'O'; the next output sends one.
- *   init -> daemon  'P' started: u8 op, u8[3] 0, i32 pid (in the sandbox's namespace)
+ *   init -> daemon  'P' started: u8 op, u8[3] 0, i32 pid (in the sandbox's namespace); with a
+ *                   stdin pipe or a terminal, a duplicate of the write end (or of the
+ *                   master) in SCM_RIGHTS: the daemon writes input and resizes through it, so
+ *                   that input never shares this connection with the control messages.
  *                   'E' failed:  u8 op, u8[3] 0, i32 errno (chdir, setuid, exec, …)
  *                   'O' output:  u8 op, u8[3] 0, i32 0: the files grew (one until 'R')
  *                   'X' ended:   u8 op, u8[3] 0, i32 wait status; then it closes
@@ -89,7 +90,7 @@
 #define DRAIN_MS 2000
 
 /* epoll keys: kind in the high 32 bits, slot in the low. */
-enum { K_SIGNAL = 1, K_LISTEN, K_CONN, K_OUT, K_ERR, K_IN };
+enum { K_SIGNAL = 1, K_LISTEN, K_CONN, K_OUT, K_ERR };
 #define KEY(k, i) (((uint64_t)(k) << 32) | (uint32_t)(i))
 
 extern char **environ;
@@ -114,8 +115,6 @@ struct exec {
     int notified;      /* an 'O' is out, no 'R' yet */
     int draining;      /* counted in `draining` */
     long long drain_until; /* ms (CLOCK_MONOTONIC) after which it is finished whole */
-    char *pending;     /* input not yet in stdin */
-    size_t pending_len, pending_off;
 };
 
 static struct conn conns[MAX_CONNS];
@@ -134,6 +133,33 @@ static void reply(int fd, char op, int32_t value) {
     unsigned char m[8] = {(unsigned char)op, 0, 0, 0};
     memcpy(m + 4, &value, 4);
     (void)send(fd, m, sizeof m, MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
+/* reply, with descriptor fd (if >= 0) in SCM_RIGHTS. */
+static void reply_fd(int sock, char op, int32_t value, int fd) {
+    if (fd < 0) {
+        reply(sock, op, value);
+        return;
+    }
+    unsigned char m[8] = {(unsigned char)op, 0, 0, 0};
+    memcpy(m + 4, &value, 4);
+    struct iovec iov = {m, sizeof m};
+    union {
+        char raw[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } ctl;
+    memset(&ctl, 0, sizeof ctl);
+    struct msghdr mh = {0};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = ctl.raw;
+    mh.msg_controllen = sizeof ctl.raw;
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(cm), &fd, sizeof fd);
+    (void)sendmsg(sock, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
 }
 
 static void watch(int fd, uint32_t events, uint64_t key) {
@@ -182,7 +208,6 @@ static void maybe_finish(int xi) {
     }
     close(x->status_fd);
     unwatch_close(&x->in);
-    free(x->pending);
     if (x->draining)
         draining--;
     memset(x, 0, sizeof *x);
@@ -381,7 +406,7 @@ static void spawn(int ci, char *msg, size_t len, int *fds, int nfds) {
     if (x->in >= 0)
         fcntl(x->in, F_SETFL, O_NONBLOCK | O_CLOEXEC);
     conns[ci].exec = xi;
-    reply(cfd, 'P', pid);
+    reply_fd(cfd, 'P', pid, x->in);
     goto out;
 bad:
     reply(cfd, 'E', EINVAL);
@@ -398,32 +423,6 @@ out:
     }
     free(argv);
     free(envp);
-}
-
-/* Write what is pending for exec xi's stdin; while some is left, its connection is not
- * read (the daemon's sends wait: back-pressure) and stdin is watched for room. */
-static void push_input(int xi) {
-    struct exec *x = &execs[xi];
-    while (x->pending && x->pending_off < x->pending_len && x->in >= 0) {
-        ssize_t w = write(x->in, x->pending + x->pending_off, x->pending_len - x->pending_off);
-        if (w < 0 && errno == EINTR)
-            continue;
-        if (w < 0 && errno == EAGAIN) {
-            watch(x->in, EPOLLOUT, KEY(K_IN, xi));
-            if (x->conn >= 0)
-                watch(conns[x->conn].fd, EPOLLRDHUP, KEY(K_CONN, x->conn));
-            return;
-        }
-        if (w <= 0)
-            break; /* the reader is gone: the input is dropped */
-        x->pending_off += (size_t)w;
-    }
-    free(x->pending);
-    x->pending = NULL;
-    if (x->in >= 0)
-        epoll_ctl(ep, EPOLL_CTL_DEL, x->in, NULL);
-    if (x->conn >= 0)
-        watch(conns[x->conn].fd, EPOLLIN | EPOLLRDHUP, KEY(K_CONN, x->conn));
 }
 
 /* One message from the daemon on connection ci. */
@@ -489,9 +488,7 @@ static void on_message(int ci) {
             f->conn = ci;
             f->notified = 0;
             c->exec = found;
-            if (f->pending)
-                watch(c->fd, EPOLLRDHUP, KEY(K_CONN, ci));
-            reply(c->fd, 'P', f->pid);
+            reply_fd(c->fd, 'P', f->pid, f->in);
             /* Output may have grown since the last daemon took it. */
             if (f->kept[0] + f->kept[1] > 0) {
                 reply(c->fd, 'O', 0);
@@ -503,26 +500,9 @@ static void on_message(int ci) {
         memcpy(&sig, buf + 4, 4);
         if (sig > 0 && sig < 65)
             kill(-x->pid, sig);
-    } else if (buf[0] == 'I' && x && !x->pending) {
-        if (x->in >= 0 && n > 4) {
-            x->pending = malloc((size_t)n - 4);
-            if (x->pending) {
-                memcpy(x->pending, buf + 4, (size_t)n - 4);
-                x->pending_len = (size_t)n - 4;
-                x->pending_off = 0;
-                push_input(c->exec);
-            }
-        }
-    } else if (buf[0] == 'C' && x && !x->pending) {
-        if (x->tty && x->in >= 0)
-            (void)!write(x->in, "\x04", 1);
-        else
+    } else if (buf[0] == 'C' && x) {
+        if (!x->tty)
             unwatch_close(&x->in);
-    } else if (buf[0] == 'W' && n >= 8 && x && x->tty && x->in >= 0) {
-        uint16_t rc[2];
-        memcpy(rc, buf + 4, 4);
-        struct winsize ws = {.ws_row = rc[0], .ws_col = rc[1]};
-        ioctl(x->in, TIOCSWINSZ, &ws);
     } else if (buf[0] == 'R' && x) {
         x->notified = 0;
     } else {
@@ -659,8 +639,6 @@ int main(void) {
             } else if ((kind == K_OUT || kind == K_ERR) && slot < MAX_EXECS && execs[slot].used) {
                 relay(slot, kind == K_OUT ? 0 : 1);
                 maybe_finish(slot);
-            } else if (kind == K_IN && slot < MAX_EXECS && execs[slot].used) {
-                push_input(slot);
             }
         }
     }

@@ -18,11 +18,12 @@
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use rustix::net::{
-    AddressFamily, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketAddrUnix,
-    SocketFlags, SocketType,
+    AddressFamily, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags, SocketAddrUnix, SocketFlags, SocketType,
 };
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
@@ -165,6 +166,11 @@ pub struct Running {
     fd: AsyncFd<OwnedFd>,
     /// Its pid inside the sandbox.
     pub pid: i32,
+    /// Where its input goes, as the init handed it over with `P`: the write end of its
+    /// stdin pipe, or its terminal's master (also what resizes go to). Input never shares
+    /// the connection with the control messages, so a command that does not read its stdin
+    /// holds up nothing but the writer of that input.
+    input: std::sync::Mutex<Option<Arc<AsyncFd<OwnedFd>>>>,
 }
 
 fn encode(s: &Spawn<'_>, tty: bool) -> Result<Vec<u8>, SpawnError> {
@@ -248,20 +254,66 @@ fn connect(dir: &Path, init_pid: u32) -> Result<OwnedFd, SpawnError> {
 }
 
 /// The init's answer to a spawn or attach: the command's pid, as a [`Running`].
+/// One 8-byte answer and the descriptor it may carry.
+fn reply_with_fd(fd: BorrowedFd<'_>) -> io::Result<(Option<(u8, i32)>, Option<OwnedFd>)> {
+    let mut b = [0u8; 8];
+    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut anc = RecvAncillaryBuffer::new(&mut space);
+    let mut iov = [io::IoSliceMut::new(&mut b)];
+    let r = rustix::net::recvmsg(fd, &mut iov, &mut anc, RecvFlags::CMSG_CLOEXEC)
+        .map_err(io::Error::from)?;
+    let mut passed = None;
+    for m in anc.drain() {
+        if let RecvAncillaryMessage::ScmRights(fds) = m {
+            for f in fds {
+                passed.get_or_insert(f);
+            }
+        }
+    }
+    let n = r.bytes;
+    if n == 0 {
+        return Ok((None, passed));
+    }
+    if n != 8 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("a {n}-byte message from the sandbox's init"),
+        ));
+    }
+    Ok((
+        Some((b[0], i32::from_le_bytes([b[4], b[5], b[6], b[7]]))),
+        passed,
+    ))
+}
+
 fn answer(fd: OwnedFd) -> Result<Running, SpawnError> {
-    match reply(fd.as_fd(), RecvFlags::empty()) {
-        Ok(Some((b'P', pid))) => {
-            rustix::io::ioctl_fionbio(&fd, true)
-                .map_err(|e| SpawnError::Unresponsive(e.to_string()))?;
+    let unresponsive = |e: io::Error| SpawnError::Unresponsive(e.to_string());
+    match reply_with_fd(fd.as_fd()) {
+        Ok((Some((b'P', pid)), input)) => {
+            rustix::io::ioctl_fionbio(&fd, true).map_err(|e| unresponsive(e.into()))?;
             // SAFETY: the AsyncFd owns the OwnedFd, so the descriptor stays open and names
             // the same socket for as long as the AsyncFd lives.
             let fd = unsafe {
                 AsyncFd::register_with_interest(fd, Interest::READABLE | Interest::WRITABLE)
             }
-            .map_err(|e| SpawnError::Unresponsive(io::Error::from(e).to_string()))?;
-            Ok(Running { fd, pid })
+            .map_err(|e| unresponsive(io::Error::from(e)))?;
+            let input = match input {
+                Some(i) => {
+                    rustix::io::ioctl_fionbio(&i, true).map_err(|e| unresponsive(e.into()))?;
+                    // SAFETY: as above: the AsyncFd owns the descriptor for its whole life.
+                    let i = unsafe { AsyncFd::register_with_interest(i, Interest::WRITABLE) }
+                        .map_err(|e| unresponsive(io::Error::from(e)))?;
+                    Some(Arc::new(i))
+                }
+                None => None,
+            };
+            Ok(Running {
+                fd,
+                pid,
+                input: std::sync::Mutex::new(input),
+            })
         }
-        Ok(Some((b'E', errno))) => Err(SpawnError::Refused(errno)),
+        Ok((Some((b'E', errno)), _)) => Err(SpawnError::Refused(errno)),
         Ok(_) => Err(SpawnError::Unresponsive(
             "the sandbox's init closed the connection without an answer".into(),
         )),
@@ -361,28 +413,45 @@ impl Running {
         self.send(&[b'R', 0, 0, 0]).await
     }
 
-    /// Bytes for the command's stdin, in pieces of at most 64 KiB.
-    pub async fn input(&self, data: &[u8]) -> io::Result<()> {
-        for piece in data.chunks(64 << 10) {
-            let mut m = Vec::with_capacity(4 + piece.len());
-            m.extend_from_slice(&[b'I', 0, 0, 0]);
-            m.extend_from_slice(piece);
-            self.send(&m).await?;
+    fn input_fd(&self) -> Option<Arc<AsyncFd<OwnedFd>>> {
+        self.input.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Bytes for the command's stdin (or its terminal), waiting while it does not read.
+    pub async fn input(&self, mut data: &[u8]) -> io::Result<()> {
+        let Some(fd) = self.input_fd() else {
+            return Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "the command's stdin is closed",
+            ));
+        };
+        while !data.is_empty() {
+            let mut guard = fd.writable().await?;
+            match guard.try_io(|f| rustix::io::write(f.get_ref(), data).map_err(io::Error::from)) {
+                Ok(Ok(n)) => data = &data[n..],
+                Ok(Err(e)) => return Err(e),
+                Err(_would_block) => continue,
+            }
         }
         Ok(())
     }
 
-    /// Close the command's stdin (^D on a terminal).
-    pub async fn close_stdin(&self) -> io::Result<()> {
+    /// Close the command's stdin: a pipe's reader sees its end once both the daemon's and the
+    /// init's write ends are closed; a terminal gets ^D.
+    pub async fn close_stdin(&self, tty: bool) -> io::Result<()> {
+        if tty {
+            return self.input(&[4]).await;
+        }
+        self.input.lock().unwrap_or_else(|p| p.into_inner()).take();
         self.send(&[b'C', 0, 0, 0]).await
     }
 
-    /// Resize the command's terminal.
+    /// Resize the command's terminal (it gets `SIGWINCH`).
     pub fn resize(&self, rows: u16, cols: u16) -> io::Result<()> {
-        let mut m = vec![b'W', 0, 0, 0];
-        m.extend_from_slice(&rows.to_le_bytes());
-        m.extend_from_slice(&cols.to_le_bytes());
-        self.send_now(&m)
+        let fd = self.input_fd().ok_or_else(|| {
+            io::Error::new(io::ErrorKind::NotFound, "the command has no terminal")
+        })?;
+        crate::pty::resize(fd.get_ref(), crate::proto::PtySize { cols, rows })
     }
 
     /// Send `signal` to the command's process group.
@@ -392,7 +461,8 @@ impl Running {
         self.send_now(&m)
     }
 
-    /// Send a short control message without waiting (a full socket is an error).
+    /// Send a short control message without waiting (a full socket is an error: only `R`
+    /// and `C`, one at a time, and `K` travel this way).
     fn send_now(&self, m: &[u8]) -> io::Result<()> {
         rustix::net::send(
             self.fd.get_ref(),
@@ -429,11 +499,6 @@ pub fn host_pid(init_pid: u32, ns_pid: i32) -> Option<i32> {
         }
     }
     None
-}
-
-/// A pipe: (read end, write end), both close-on-exec.
-pub fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
-    rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).map_err(io::Error::from)
 }
 
 #[cfg(test)]

@@ -119,22 +119,23 @@ pub(crate) fn spawn_in_init(s: InitSpawn) -> Result<Started, SpawnError> {
 
 /// Where an exec's input goes.
 enum Sink {
-    Init(Arc<agent::Running>),
+    /// Through the descriptor the init handed over (`tty`: a terminal's master).
+    Init(Arc<agent::Running>, bool),
     Child(tokio::process::ChildStdin),
 }
 
 impl Sink {
     async fn write(&mut self, data: &[u8]) -> std::io::Result<()> {
         match self {
-            Sink::Init(r) => r.input(data).await,
+            Sink::Init(r, _) => r.input(data).await,
             Sink::Child(w) => w.write_all(data).await,
         }
     }
 
     async fn close(self) {
         match self {
-            Sink::Init(r) => {
-                let _ = r.close_stdin().await;
+            Sink::Init(r, tty) => {
+                let _ = r.close_stdin(tty).await;
             }
             // A pipe's reader sees EOF when the write end goes.
             Sink::Child(w) => drop(w),
@@ -210,7 +211,7 @@ pub(crate) async fn run(job: Job) {
             };
             if stdin.is_some() || stdin_open || exec.pty {
                 feed_stdin(
-                    Sink::Init(running.clone()),
+                    Sink::Init(running.clone(), exec.pty),
                     stdin,
                     stdin_open || exec.pty,
                     &mut control,

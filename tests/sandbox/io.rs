@@ -10,16 +10,16 @@ use ublk_daemon::node::client::Client;
 
 use super::{ready, text, Node};
 
-fn client(node: &Node) -> Client {
+pub(super) fn client(node: &Node) -> Client {
     Client::connect(&ublk_daemon::node::socket_path(&node.run)).expect("the daemon's socket")
 }
 
-fn b64(s: &str) -> String {
+pub(super) fn b64(s: &str) -> String {
     base64::engine::general_purpose::STANDARD.encode(s)
 }
 
 /// Start a detached exec; its id.
-fn start(node: &Node, req: Value) -> String {
+pub(super) fn start(node: &Node, req: Value) -> String {
     let mut req = req;
     req["op"] = "sandbox_exec".into();
     req["detach"] = true.into();
@@ -30,7 +30,7 @@ fn start(node: &Node, req: Value) -> String {
     r["exec"].as_str().expect("the exec's id").to_owned()
 }
 
-fn input(node: &Node, req: Value) -> Result<Value, String> {
+pub(super) fn input(node: &Node, req: Value) -> Result<Value, String> {
     let mut req = req;
     req["op"] = "sandbox_input".into();
     client(node)
@@ -39,7 +39,7 @@ fn input(node: &Node, req: Value) -> Result<Value, String> {
 }
 
 /// Follow exec `exec` to its end: (stdout, the result).
-fn attach(node: &Node, id: &str, exec: &str) -> (String, Value) {
+pub(super) fn attach(node: &Node, id: &str, exec: &str) -> (String, Value) {
     let mut out = Vec::new();
     let r: Value = client(node)
         .call_streaming(

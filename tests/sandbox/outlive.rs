@@ -121,3 +121,61 @@ fn eight_streaming_execs_lose_nothing_across_three_kill9_and_a_takeover() {
     }
     println!("{}", text(node.ok(&["sandbox", "ls"]).as_bytes()));
 }
+
+#[test]
+fn input_a_terminal_and_signals_reach_a_running_exec_through_the_next_daemon() {
+    if !ready("input_a_terminal_and_signals_reach_a_running_exec_through_the_next_daemon") {
+        return;
+    }
+    use super::io::{attach, b64, input, start};
+    use serde_json::json;
+    let node = Node::new("outlive-io");
+    let id = node.create("outlive-io", &[]);
+    let cat = start(
+        &node,
+        json!({"id": id, "args": ["sh", "-c", "cat; echo end"], "stdin_open": true,
+               "stdin": b64("first\n")}),
+    );
+    let script = "read line; stty size; echo got:$line";
+    let tty = start(
+        &node,
+        json!({"id": id, "args": ["sh", "-c", script], "pty": {"cols": 100, "rows": 30}}),
+    );
+    let group = start(
+        &node,
+        json!({"id": id, "args": ["sh", "-c", "sleep 60 & sleep 60; echo never"]}),
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    kill9(&node);
+    node.start_daemon();
+    // Through the daemon that did not start them: more input and the end of it, a resize
+    // and a line typed at the terminal, a signal to a process group.
+    input(
+        &node,
+        json!({"id": id, "exec": cat, "data": b64("second\n")}),
+    )
+    .unwrap();
+    input(&node, json!({"id": id, "exec": cat, "close": true})).unwrap();
+    let (out, r) = attach(&node, &id, &cat);
+    assert_eq!(out, "first\nsecond\nend\n");
+    assert_eq!(r["exit_code"], 0, "{r}");
+    input(
+        &node,
+        json!({"id": id, "exec": tty, "pty": {"cols": 90, "rows": 20}}),
+    )
+    .unwrap();
+    input(
+        &node,
+        json!({"id": id, "exec": tty, "data": b64("hello\n")}),
+    )
+    .unwrap();
+    let (out, r) = attach(&node, &id, &tty);
+    assert_eq!(r["exit_code"], 0, "{out}");
+    let lines: Vec<&str> = out.lines().map(|l| l.trim_end_matches('\r')).collect();
+    assert!(lines.contains(&"20 90"), "{out:?}");
+    assert!(lines.contains(&"got:hello"), "{out:?}");
+    input(&node, json!({"id": id, "exec": group, "signal": 15})).unwrap();
+    let (out, r) = attach(&node, &id, &group);
+    assert_eq!(out, "");
+    assert_eq!(r["signal"], 15, "{r}");
+}
