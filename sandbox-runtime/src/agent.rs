@@ -200,7 +200,7 @@ fn encode(s: &Spawn<'_>, tty: bool) -> Result<Vec<u8>, SpawnError> {
     Ok(m)
 }
 
-fn reply(fd: BorrowedFd<'_>, flags: RecvFlags) -> io::Result<Option<(u8, i32)>> {
+fn reply(fd: BorrowedFd<'_>, flags: RecvFlags) -> io::Result<Answer> {
     let mut b = [0u8; 8];
     let (n, _) = rustix::net::recv(fd, &mut b, flags).map_err(io::Error::from)?;
     if n == 0 {
@@ -254,8 +254,11 @@ fn connect(dir: &Path, init_pid: u32) -> Result<OwnedFd, SpawnError> {
 }
 
 /// The init's answer to a spawn or attach: the command's pid, as a [`Running`].
+/// An answer of the init (op, value); `None`: the connection closed.
+type Answer = Option<(u8, i32)>;
+
 /// One 8-byte answer and the descriptor it may carry.
-fn reply_with_fd(fd: BorrowedFd<'_>) -> io::Result<(Option<(u8, i32)>, Option<OwnedFd>)> {
+fn reply_with_fd(fd: BorrowedFd<'_>) -> io::Result<(Answer, Option<OwnedFd>)> {
     let mut b = [0u8; 8];
     let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut anc = RecvAncillaryBuffer::new(&mut space);
