@@ -23,9 +23,9 @@
 //! from byte offsets of the kept output, so a reattached client gets what it missed. A watch
 //! channel wakes followers when the files grow ([`Exec::refresh`]) or the exec ends.
 //!
-//! Bounds: per exec its two caps (`max_output`, at most [`MAX_MAX_OUTPUT`]); per sandbox the
-//! last 64 execs (older ended ones go with their files); so per node 64 × 2 × the cap per
-//! sandbox at most, on the node's disk, never in the daemon's memory.
+//! Bounds, all on the node's disk, never in the daemon's memory: per exec its two caps
+//! (`max_output`, at most [`MAX_MAX_OUTPUT`]); per sandbox the last 64 execs (older ended
+//! ones go with their files); per node, what ended execs keep (`crate::retention`).
 //!
 //! While it runs, an exec can be driven ([`Exec::write_stdin`], [`Exec::close_stdin`],
 //! [`Exec::signal`], [`Exec::resize`]) through its [`Control`], which the code that started

@@ -53,6 +53,7 @@ pub mod qos;
 pub mod quota;
 mod reattach;
 pub mod resident;
+mod retention;
 mod run;
 pub mod runc;
 pub mod spec;

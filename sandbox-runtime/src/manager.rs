@@ -204,6 +204,27 @@ impl Sandbox {
             .cloned()
     }
 
+    /// Its execs, running and remembered.
+    pub(crate) fn execs_snapshot(&self) -> Vec<Arc<Exec>> {
+        let execs = self.execs.lock().unwrap_or_else(|p| p.into_inner());
+        execs.iter().cloned().collect()
+    }
+
+    /// Forget ended exec `id` and remove its files (`crate::retention`); whether it was here.
+    pub(crate) fn forget_exec(&self, id: &str) -> bool {
+        let gone = {
+            let mut execs = self.execs.lock().unwrap_or_else(|p| p.into_inner());
+            match execs
+                .iter()
+                .position(|e| e.id == id && e.result().is_some())
+            {
+                Some(i) => execs.remove(i),
+                None => None,
+            }
+        };
+        gone.map(|e| e.remove_files()).is_some()
+    }
+
     pub(crate) fn add_exec(&self, e: Arc<Exec>) {
         let mut execs = self.execs.lock().unwrap_or_else(|p| p.into_inner());
         execs.push_back(e);
@@ -472,11 +493,18 @@ impl Manager {
         m.pools.adopt(&m);
         let weak = Arc::downgrade(&m);
         tokio::spawn(async move {
-            loop {
+            for tick in 0u64.. {
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 let Some(m) = weak.upgrade() else { return };
                 m.reap_idle().await;
                 m.pools.refill(&m);
+                if tick % 10 == 0 {
+                    let all = m.all();
+                    // Removing files: off the async threads.
+                    tokio::task::spawn_blocking(move || {
+                        crate::retention::trim(&all, crate::retention::budget())
+                    });
+                }
             }
         });
         Ok(m)

@@ -179,3 +179,50 @@ fn input_a_terminal_and_signals_reach_a_running_exec_through_the_next_daemon() {
     assert_eq!(out, "");
     assert_eq!(r["signal"], 15, "{r}");
 }
+
+#[test]
+fn what_ended_execs_keep_on_the_node_is_bounded() {
+    if !ready("what_ended_execs_keep_on_the_node_is_bounded") {
+        return;
+    }
+    let mut node = Node::new("outlive-budget");
+    node.env
+        .push(("STRATA_EXEC_OUTPUT_BUDGET", (250 * 1000).to_string()));
+    let id = node.create("outlive-budget", &[]);
+    let execs: Vec<String> = (0..5)
+        .map(|_| {
+            let e = start(&node, &id, "head -c 100000 /dev/zero");
+            let r = node.json_any(&["sandbox", "attach", &id, &e]);
+            assert_eq!(r["stdout_bytes"], 100000, "{r}");
+            e
+        })
+        .collect();
+    // The node trims every 10 s: the execs that ended first go, the last ones stay.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let attachable = |e: &str| {
+        node.cmd()
+            .args(["sandbox", "attach", &id, e])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .unwrap()
+            .success()
+    };
+    while attachable(&execs[0]) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "nothing was trimmed in 30 s"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let kept: Vec<bool> = execs.iter().map(|e| attachable(e)).collect();
+    assert_eq!(
+        kept,
+        [false, false, false, true, true],
+        "which execs stayed"
+    );
+    let dir = node.home.join("sandboxes").join(&id).join("execs");
+    for e in &execs[..3] {
+        assert!(!dir.join(e).exists(), "{e}'s files are still there");
+    }
+}
