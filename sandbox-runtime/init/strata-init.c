@@ -44,9 +44,9 @@
  *                   file, sends 'X' on the connection bound to it (if any) and forgets it.
  *                   The daemon keeps the files on the host beside the sandbox.
  *                   'A' attach: u8 op, u8[3] 0, u32 0, u64 key: bind this connection to a
- *                   command not yet told ended (a new daemon after a restart): 'P' (its pid,
- *                   0 once reaped: 'X' follows when its pipes are drained) or 'E' ESRCH (its
- *                   status file is written).
+ *                   command not yet told ended (a new daemon after a restart): 'P' (its pid;
+ *                   if it has ended, 'X' follows once its pipes are drained) or 'E' ESRCH
+ *                   (its status file is written).
  *                   'C' close stdin: the init closes its write end of the stdin pipe (the
  *                   daemon closes its own: the command reads EOF).
  *                   'K' kill: u8 op, u8[3] 0, i32 signal, to the command's process group.
@@ -104,6 +104,7 @@ struct exec {
     int used;
     uint64_t key;
     pid_t pid;         /* 0 once reaped */
+    pid_t started;     /* its pid, as 'P' reports it */
     int status;        /* its wait status, once reaped */
     int src[2];        /* stdout/stderr pipes' read ends (src[0] the master with a tty), -1 closed */
     int dst[2];        /* the files they are kept in */
@@ -379,6 +380,7 @@ static void spawn(int ci, char *msg, size_t len, int *fds, int nfds) {
     x->used = 1;
     x->key = key;
     x->pid = pid;
+    x->started = pid;
     x->tty = tty;
     x->cap = cap;
     x->conn = ci;
@@ -488,7 +490,7 @@ static void on_message(int ci) {
             f->conn = ci;
             f->notified = 0;
             c->exec = found;
-            reply_fd(c->fd, 'P', f->pid, f->in);
+            reply_fd(c->fd, 'P', f->started, f->in);
             /* Output may have grown since the last daemon took it. */
             if (f->kept[0] + f->kept[1] > 0) {
                 reply(c->fd, 'O', 0);

@@ -94,13 +94,19 @@ impl Runtime {
             .arg(&pid_file)
             .arg(id);
         let raw = std::os::fd::AsRawFd::as_raw_fd(ctl);
-        // SAFETY: between fork and exec the closure calls only dup2(2), which is
-        // async-signal-safe, on a descriptor that `ctl` keeps open for the whole call; dup2
-        // leaves the new descriptor 3 without close-on-exec, so runc (and through
-        // `--preserve-fds`, the init) gets it.
+        // SAFETY: between fork and exec the closure calls only dup2(2) and fcntl(2), which
+        // are async-signal-safe, on a descriptor that `ctl` keeps open for the whole call.
+        // dup2 leaves the new descriptor 3 without close-on-exec; when the socket already is
+        // descriptor 3, dup2 does nothing, so its close-on-exec flag is cleared instead.
+        // Either way runc (and through `--preserve-fds`, the init) gets it as 3.
         unsafe {
             c.pre_exec(move || {
-                if libc::dup2(raw, 3) < 0 {
+                let r = if raw == 3 {
+                    libc::fcntl(3, libc::F_SETFD, 0)
+                } else {
+                    libc::dup2(raw, 3)
+                };
+                if r < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
                 Ok(())
