@@ -40,7 +40,7 @@
  *                   writes depends on the daemon being alive (no EPIPE, no SIGPIPE).
  *                   When the command has ended and its pipes are drained (at most 2 s after
  *                   its end: a daemonised child keeping them is not waited for), the init
- *                   writes "<wait status> <stdout total> <stderr total>\n" to the status
+ *                   writes "<wait status> <stdout total> <stderr total> <pid>\n" to the status
  *                   file, sends 'X' on the connection bound to it (if any) and forgets it.
  *                   The daemon keeps the files on the host beside the sandbox.
  *                   'A' attach: u8 op, u8[3] 0, u32 0, u64 key: bind this connection to a
@@ -193,8 +193,8 @@ static void maybe_finish(int xi) {
     if (x->pid != 0 || x->src[0] >= 0 || x->src[1] >= 0)
         return;
     char line[96];
-    int n = snprintf(line, sizeof line, "%d %llu %llu\n", x->status, (unsigned long long)x->total[0],
-                     (unsigned long long)x->total[1]);
+    int n = snprintf(line, sizeof line, "%d %llu %llu %d\n", x->status, (unsigned long long)x->total[0],
+                     (unsigned long long)x->total[1], (int)x->started);
     (void)!pwrite(x->status_fd, line, (size_t)n, 0);
     if (x->conn >= 0) {
         reply(conns[x->conn].fd, 'X', x->status);

@@ -5,9 +5,9 @@
 //!
 //! | file | what |
 //! | --- | --- |
-//! | `exec.json` | [`ExecMeta`]: the command, its key (the init's name for it), its pid, its deadline, what its end is classified against |
+//! | `exec.json` | [`ExecMeta`]: the command, its key (the init's name for it), its deadline, what its end is classified against (written once, at the start) |
 //! | `stdout`, `stderr` | what it wrote, up to its cap per stream; past the cap output is read, counted and dropped |
-//! | `status` | `<wait status> <stdout total> <stderr total>`, written by the sandbox's init once the command has ended and its pipes are drained |
+//! | `status` | `<wait status> <stdout total> <stderr total> <pid>`, written by the sandbox's init once the command has ended and its pipes are drained ([`Status`]) |
 //! | `timed-out` | present once the daemon killed it for its timeout |
 //! | `result.json` | the [`ExecResult`], once the daemon has classified its end |
 //!
@@ -78,9 +78,6 @@ pub struct ExecMeta {
     pub max_output: u64,
     /// Wall-clock start, ms since the epoch.
     pub started_ms: u64,
-    /// Its pid inside the sandbox, once the init reported it.
-    #[serde(default)]
-    pub pid: Option<i32>,
     /// When its timeout kills it, ms since the epoch.
     #[serde(default)]
     pub deadline_ms: Option<u64>,
@@ -142,20 +139,37 @@ fn put(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
     std::fs::rename(&tmp, dir.join(name))
 }
 
-/// A status file's content (the init's): the wait status and both streams' totals.
-pub fn read_status(dir: &Path) -> Option<(i32, u64, u64)> {
-    parse_status(&std::fs::read(dir.join("status")).ok()?)
+/// What the init writes in an exec's `status` file once the command has ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Status {
+    /// The wait status (exact: a death by signal is a signal).
+    pub wait: i32,
+    /// Bytes written to each stream, kept or not.
+    pub stdout: u64,
+    pub stderr: u64,
+    /// Its pid inside the sandbox.
+    pub pid: i32,
 }
 
-/// `<wait status> <stdout total> <stderr total>`; anything else (empty: not written yet) is
-/// `None`.
-pub fn parse_status(bytes: &[u8]) -> Option<(i32, u64, u64)> {
-    let s = std::str::from_utf8(bytes).ok()?;
-    let mut it = s.split_whitespace();
-    let status = it.next()?.parse().ok()?;
-    let out = it.next()?.parse().ok()?;
-    let err = it.next()?.parse().ok()?;
-    it.next().is_none().then_some((status, out, err))
+impl Status {
+    /// `<wait status> <stdout total> <stderr total> <pid>`; anything else (empty: not
+    /// written yet) is `None`.
+    pub fn parse(bytes: &[u8]) -> Option<Status> {
+        let s = std::str::from_utf8(bytes).ok()?;
+        let mut it = s.split_whitespace();
+        let st = Status {
+            wait: it.next()?.parse().ok()?,
+            stdout: it.next()?.parse().ok()?,
+            stderr: it.next()?.parse().ok()?,
+            pid: it.next()?.parse().ok()?,
+        };
+        it.next().is_none().then_some(st)
+    }
+
+    /// The status file of the exec in `dir`, once written.
+    pub fn read(dir: &Path) -> Option<Status> {
+        Status::parse(&std::fs::read(dir.join("status")).ok()?)
+    }
 }
 
 impl ExecMeta {
@@ -241,7 +255,8 @@ impl Exec {
             Some(r) => [r.stdout_bytes, r.stderr_bytes],
             None => kept,
         };
-        let pid = meta.pid;
+        // A running one's pid comes with the attach; an ended one's is in its status file.
+        let pid = Status::read(&dir).map(|s| s.pid);
         let e = Self::with(
             dir,
             sandbox,
@@ -294,21 +309,6 @@ impl Exec {
 
     pub fn meta(&self) -> ExecMeta {
         self.meta.lock().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-
-    /// Change `exec.json` (a small local write).
-    pub fn set_meta(&self, f: impl FnOnce(&mut ExecMeta)) {
-        let meta = {
-            let mut m = self.meta.lock().unwrap_or_else(|p| p.into_inner());
-            f(&mut m);
-            m.clone()
-        };
-        let written = serde_json::to_vec(&meta)
-            .map_err(std::io::Error::from)
-            .and_then(|b| put(&self.dir, "exec.json", &b));
-        if let Err(e) = written {
-            tracing::warn!("exec {}: write its record: {e}", self.id);
-        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, ExecState> {

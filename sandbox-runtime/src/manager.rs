@@ -1144,7 +1144,6 @@ impl Manager {
                 pty: req.pty.is_some(),
                 max_output,
                 started_ms,
-                pid: None,
                 deadline_ms: req.timeout_ms.map(|t| started_ms + t),
                 oom_before: cgroup::oom_kills(&cgroups),
                 stdin_open: req.stdin_open || req.pty.is_some(),

@@ -110,7 +110,6 @@ pub(crate) fn spawn_in_init(s: InitSpawn) -> Result<Started, SpawnError> {
     };
     // Known before the exec is handed back (the E2B API names processes by it).
     s.exec.control().pid = Some(running.pid);
-    s.exec.set_meta(|m| m.pid = Some(running.pid));
     Ok(Started::Init {
         running: Arc::new(running),
         init_pid: s.init_pid,
@@ -373,9 +372,9 @@ async fn init_lives_on(sb: &Sandbox, init_pid: u32) -> bool {
 /// Take in an init-kept exec's final files and status file: its wait status, if written.
 fn final_status(exec: &Exec) -> Option<i32> {
     exec.refresh();
-    let (status, out, err) = exec::read_status(&exec.dir)?;
-    exec.set_totals(out, err);
-    Some(status)
+    let s = exec::Status::read(&exec.dir)?;
+    exec.set_totals(s.stdout, s.stderr);
+    Some(s.wait)
 }
 
 fn finish(
