@@ -482,7 +482,7 @@ impl Manager {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .insert(id, sb.clone());
-            let top = crate::reattach::execs(&m, &sb).await;
+            let top = crate::reattach::execs(&sb).await;
             m.next_exec.fetch_max(top + 1, Ordering::Relaxed);
         }
         for (id, dir, slot) in leftovers {

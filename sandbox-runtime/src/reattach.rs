@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use crate::agent::{self, SpawnError};
 use crate::exec::{self, Exec};
-use crate::manager::{now_ms, Manager, Sandbox};
+use crate::manager::{now_ms, Sandbox};
 use crate::proto::SandboxState;
 use crate::run::{Job, Started};
 
@@ -50,7 +50,7 @@ fn serial(id: &str) -> Option<u64> {
 
 /// Take in the execs of `sb` (just reattached by a starting daemon). Returns the highest
 /// exec serial seen, so that new ids do not repeat old ones.
-pub(crate) async fn execs(m: &Arc<Manager>, sb: &Arc<Sandbox>) -> u64 {
+pub(crate) async fn execs(sb: &Arc<Sandbox>) -> u64 {
     let s = sb.clone();
     let found = tokio::task::spawn_blocking(move || load(&s))
         .await
@@ -62,14 +62,14 @@ pub(crate) async fn execs(m: &Arc<Manager>, sb: &Arc<Sandbox>) -> u64 {
         sb.add_exec(e.clone());
         if running {
             sb.running_execs.fetch_add(1, Ordering::SeqCst);
-            tokio::spawn(follow(m.clone(), sb.clone(), e));
+            tokio::spawn(follow(sb.clone(), e));
         }
     }
     top
 }
 
 /// Attach to `e` again, then run it to its end as `crate::run` does.
-async fn follow(m: Arc<Manager>, sb: Arc<Sandbox>, e: Arc<Exec>) {
+async fn follow(sb: Arc<Sandbox>, e: Arc<Exec>) {
     let meta = e.meta();
     let mut tries = 0;
     let started = loop {
@@ -120,7 +120,6 @@ async fn follow(m: Arc<Manager>, sb: Arc<Sandbox>, e: Arc<Exec>) {
     let deadline = meta
         .deadline_ms
         .map(|d| tokio::time::Instant::now() + Duration::from_millis(d.saturating_sub(now_ms())));
-    drop(m);
     crate::run::run(Job {
         sb,
         exec: e,
