@@ -73,16 +73,10 @@ fn node(bin: &std::path::Path, tag: &str) -> LocalNode {
 
 /// MiB/s of command output through `sandbox exec` (its stdout to /dev/null).
 fn throughput(n: &LocalNode, bytes: u64) -> f64 {
+    let script = format!("yes | head -c {bytes}");
     let t = Instant::now();
-    let out = n
-        .cmd()
-        .args(["--json", "sandbox", "exec", "out", "--", "sh", "-c"])
-        .arg(format!("yes | head -c {bytes}"))
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("run strata");
+    let v = n.json(&["sandbox", "exec", "out", "--", "sh", "-c", &script]);
     let secs = t.elapsed().as_secs_f64();
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("the exec's result");
     assert_eq!(v["exit_code"], 0, "{v}");
     assert_eq!(v["stdout_bytes"], bytes, "every byte counted: {v}");
     bytes as f64 / (1 << 20) as f64 / secs

@@ -116,7 +116,8 @@ pub struct Exec {
     pub pty: bool,
     /// Its directory (module docs).
     pub dir: PathBuf,
-    meta: Mutex<ExecMeta>,
+    /// As written at its start (never changed after).
+    meta: ExecMeta,
     files: [File; 2],
     state: Mutex<ExecState>,
     /// Bumped on every change.
@@ -294,7 +295,7 @@ impl Exec {
             tag: meta.tag.clone(),
             pty: meta.pty,
             dir,
-            meta: Mutex::new(meta),
+            meta,
             files,
             state: Mutex::new(state),
             control: Mutex::new(Control::default()),
@@ -307,8 +308,8 @@ impl Exec {
         &self.files[stream_index(stream)]
     }
 
-    pub fn meta(&self) -> ExecMeta {
-        self.meta.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    pub fn meta(&self) -> &ExecMeta {
+        &self.meta
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, ExecState> {

@@ -70,7 +70,7 @@ pub(crate) async fn execs(sb: &Arc<Sandbox>) -> u64 {
 
 /// Attach to `e` again, then run it to its end as `crate::run` does.
 async fn follow(sb: Arc<Sandbox>, e: Arc<Exec>) {
-    let meta = e.meta();
+    let meta = e.meta().clone();
     let mut tries = 0;
     let started = loop {
         let record = sb.record();

@@ -104,7 +104,7 @@ impl Manager {
             (started, (exec, cgroups))
         };
         let (exec, cgroups) = exec;
-        let meta = exec.meta();
+        let oom_before = exec.meta().oom_before;
         tokio::spawn(crate::run::run(crate::run::Job {
             sb,
             exec: exec.clone(),
@@ -114,7 +114,7 @@ impl Manager {
             deadline: req
                 .timeout_ms
                 .map(|t| tokio::time::Instant::now() + Duration::from_millis(t)),
-            oom_before: meta.oom_before,
+            oom_before,
             cgroups,
         }));
         Ok(exec)
